@@ -1,0 +1,365 @@
+"""The privacy model card: a `huggingface_hub.ModelCard` that states the guarantee.
+
+The card is rendered from `hf_dp/templates/privacy_card.md` (package data; also linked
+from `model_cards/`) with Jinja, the way `huggingface_hub.repocard` renders its own
+templates. It has
+
+- YAML front matter the Hub understands: `library_name`, `base_model`, `pipeline_tag`,
+  `datasets`, `tags` (`differential-privacy`, `dp-sgd`, `user-level-dp` or
+  `example-level-dp`), a `model-index` with the DP model's result, and a machine-readable
+  `privacy:` block that is exactly the trainer's privacy report, plus a `dp_evaluation:`
+  block with the DP result beside the public-only baseline (and non-private, if run);
+- a plain statement of the guarantee at its unit, the parameters, the accountant and its
+  error bounds (for ELS, the loose group-privacy ε beside the mixture-of-Gaussians ε),
+  the evaluation beside the public-only baseline, and what the guarantee does not cover
+  (DESIGN §7; Tramèr, Kamath and Carlini 2024).
+
+Writing a card is post-processing: it never changes the guarantee, it only reports it.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+import numbers
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import jinja2
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+__all__ = ["render_privacy_card", "write_privacy_card", "TEMPLATE_NAME"]
+
+TEMPLATE_NAME = "privacy_card.md"
+
+# The report's keys, in the order the `privacy:` block lists them.
+REPORT_KEYS = (
+    "privacy_unit", "sampling", "epsilon", "delta", "epsilon_lower", "epsilon_estimate",
+    "target_epsilon", "epsilon_group_privacy", "noise_multiplier", "sample_rate",
+    "expected_batch_size", "steps", "max_grad_norm", "contribution_bound", "num_users",
+    "num_examples", "accountant", "mechanism", "noise_seed",
+)
+_REQUIRED_KEYS = (
+    "epsilon", "delta", "privacy_unit", "sampling", "noise_multiplier", "sample_rate",
+    "steps", "max_grad_norm",
+)
+_UNIT_SAMPLING = {"user": ("uls", "els"), "example": ("example",)}
+_SAMPLING_NAMES = {
+    "uls": "ULS (user-level sampling)",
+    "els": "ELS (example-level sampling, user-level accounting)",
+    "example": "example-level DP-SGD",
+}
+_SAMPLING_TEXT = {
+    "uls": (
+        "Each step Poisson-samples users, each independently with probability q; a sampled "
+        "user's gradient is the gradient of the mean loss over their (at most G) examples, "
+        "clipped to norm C; Gaussian noise N(0, σ²C²I) is added once to the sum, which is "
+        "divided by the expected number of users per step (Charles et al. 2024)."
+    ),
+    "els": (
+        "Each user keeps at most G examples. Each step Poisson-samples examples, each "
+        "independently with probability q; every sampled example's gradient is clipped to "
+        "norm C; Gaussian noise N(0, σ²C²I) is added once to the sum, which is divided by "
+        "the expected number of examples per step (Charles et al. 2024)."
+    ),
+    "example": (
+        "Each step Poisson-samples examples, each independently with probability q; every "
+        "sampled example's gradient is clipped to norm C; Gaussian noise N(0, σ²C²I) is added "
+        "once to the sum, which is divided by the expected number of examples per step."
+    ),
+}
+
+
+def _template_text() -> str:
+    return (importlib.resources.files("hf_dp") / "templates" / TEMPLATE_NAME).read_text(
+        encoding="utf-8"
+    )
+
+
+def _plain(value: Any, key: str) -> Any:
+    """Report values as plain YAML-safe Python (numpy scalars -> int/float)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "item"):  # 0-d arrays / tensors
+        return _plain(value.item(), key)
+    raise TypeError(f"privacy report field {key!r} has unsupported type {type(value).__name__}.")
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "not reported"
+    if isinstance(value, float) and math.isinf(value):
+        return "∞"
+    return format(value, spec)
+
+
+def _fmt_up(value: Any, decimals: int) -> str:
+    """Round an upper bound *up*, so the card never shows a smaller ε than was accounted."""
+    if isinstance(value, float) and not math.isinf(value):
+        scale = 10**decimals
+        value = math.ceil(round(value * scale, 9)) / scale
+    return _fmt(value, f".{decimals}f")
+
+
+def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
+    plain = {key: _plain(value, key) for key, value in report.items()}
+    ordered = {key: plain[key] for key in REPORT_KEYS if key in plain}
+    ordered.update({key: value for key, value in plain.items() if key not in ordered})
+    if ordered.get("non_private"):
+        return ordered
+    missing = [key for key in _REQUIRED_KEYS if ordered.get(key) is None]
+    if missing:
+        raise ValueError(
+            f"privacy report is missing {missing}; pass the dict returned by "
+            "DPTrainer.privacy_report(), or set non_private=True for a run without DP."
+        )
+    unit, sampling = ordered["privacy_unit"], ordered["sampling"]
+    if unit not in _UNIT_SAMPLING:
+        raise ValueError(f"privacy_unit must be 'user' or 'example', got {unit!r}.")
+    if sampling not in _UNIT_SAMPLING[unit]:
+        raise ValueError(
+            f"sampling {sampling!r} does not go with privacy_unit {unit!r}; "
+            f"expected one of {list(_UNIT_SAMPLING[unit])}."
+        )
+    if sampling == "els" and ordered.get("contribution_bound") is None:
+        raise ValueError("ELS needs contribution_bound (G) in the report: its accounting depends on it.")
+    return ordered
+
+
+def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
+    bound = report.get("contribution_bound")
+    items = [
+        "**The pretraining data.** Only the private fine-tuning data is protected. Whatever "
+        "the base model learned or memorised in pretraining is not, and the model may "
+        "reproduce it.",
+        "**Hyperparameter search on private data.** ε accounts for one training run. "
+        "Learning rates, σ, C, steps or G picked by comparing several runs on the private "
+        "data leak information that ε does not count.",
+        "**Preprocessing decisions.** "
+        + (
+            f"The contribution bound G = {bound}, "
+            if bound is not None
+            else "The contribution bound, "
+        )
+        + "filters, deduplication and tokenisation are not privatised: if they were chosen "
+        "by looking at the private data (for example G from the median number of examples "
+        "per user), that choice itself reveals something about it.",
+        "**Who a user is.** The unit is one value of the user-id column. A person who "
+        "appears under several ids is protected only as that many units; ids shared by "
+        "several people protect them together, not each.",
+        "**The public-only baseline comparison.** The baseline and the evaluation scores are "
+        "computed outside the guarantee, on held-out data. They are informative only if that "
+        "data is not part of the base model's pretraining data; well-known public text "
+        "(plays, Wikipedia) may be, which flatters both the baseline and the DP model.",
+    ]
+    if report.get("privacy_unit") == "example":
+        items.append(
+            "**Users with many rows.** The guarantee is per row: a user's whole contribution "
+            "is protected only by group privacy, which is weak when they have many rows."
+        )
+    seed = str(report.get("noise_seed") or "not reported")
+    if seed == "os-entropy":
+        items.append(
+            "**The noise seed.** Noise came from a generator seeded from OS entropy, which is "
+            "not stored anywhere. The analysis assumes ideal Gaussian sampling; floating-point "
+            "effects and side channels such as training time are not modelled."
+        )
+    else:
+        items.append(
+            f"**The noise seed ({seed}).** Noise drawn from a known seed can be regenerated "
+            "and subtracted: with a fixed seed this model has no effective privacy "
+            "guarantee. Fixed seeds are for tests only; do not release such a model."
+        )
+    items.extend(extra)
+    return items
+
+
+def render_privacy_card(
+    report: Mapping[str, Any],
+    *,
+    base_model: str | None,
+    dataset_name: str | None = None,
+    task: str = "text-classification",
+    metric_name: str = "accuracy",
+    eval_result: float | None = None,
+    baseline_result: float | None = None,
+    nonprivate_result: float | None = None,
+    model_name: str | None = None,
+    extra_not_covered: Iterable[str] = (),
+    library_name: str = "transformers",
+) -> ModelCard:
+    """Render the privacy model card of a training run.
+
+    Args:
+        report (`Mapping[str, Any]`):
+            The dict returned by [`DPTrainer.privacy_report`]: `epsilon`, `delta`,
+            `privacy_unit`, `sampling`, `noise_multiplier`, `sample_rate`, `steps`,
+            `max_grad_norm` are required; `epsilon_lower`, `epsilon_estimate`,
+            `epsilon_group_privacy` (ELS), `contribution_bound`, `num_users`,
+            `num_examples`, `accountant`, `mechanism`, `noise_seed` are shown when present.
+            A report with `non_private: True` gives a card that says there is no guarantee.
+            It is copied, field for field, into the front matter's `privacy:` block.
+        base_model (`str`, *optional*): Hub id or path of the pretrained model.
+        dataset_name (`str`, *optional*): the fine-tuning data set's name or Hub id.
+        task (`str`, *optional*, defaults to `"text-classification"`): Hub pipeline tag.
+        metric_name (`str`, *optional*, defaults to `"accuracy"`): the metric of the results.
+        eval_result (`float`, *optional*): the fine-tuned model's metric (goes into `model-index`).
+        baseline_result (`float`, *optional*): the public-only baseline's metric.
+        nonprivate_result (`float`, *optional*): a non-private fine-tune's metric.
+        model_name (`str`, *optional*): the card's title; defaults to `<base model>-hf-dp`.
+        extra_not_covered (`Iterable[str]`, *optional*): more items for "What this guarantee
+            does not cover".
+        library_name (`str`, *optional*, defaults to `"transformers"`): the Hub library
+            that loads the weights (`"peft"` for a LoRA adapter).
+
+    Returns:
+        [`~huggingface_hub.ModelCard`]; `card.save(path)` or [`write_privacy_card`] writes it.
+
+    Raises:
+        ValueError: a required report field is missing, or unit and sampling do not match.
+        TypeError: a report value that cannot go into YAML.
+
+    Example:
+
+    ```python
+    >>> card = render_privacy_card(trainer.privacy_report(), base_model="gpt2",
+    ...                            eval_result=0.71, baseline_result=0.52)
+    >>> card.save("out/README.md")
+    ```
+    """
+    privacy = _normalised_report(report)
+    non_private = bool(privacy.get("non_private"))
+    unit = privacy.get("privacy_unit")
+    sampling = privacy.get("sampling")
+    if model_name is None:
+        stem = base_model.rstrip("/").split("/")[-1] if base_model else "model"
+        model_name = f"{stem}-hf-dp" if not non_private else f"{stem}-non-private"
+
+    tags = ["hf_dp"]
+    if non_private:
+        tags.append("non-private")
+    else:
+        tags += ["differential-privacy", "dp-sgd"]
+        tags.append("user-level-dp" if unit == "user" else "example-level-dp")
+    extra_tags = {"uls": "dp-uls", "els": "dp-els"}
+    if sampling in extra_tags:
+        tags.append(extra_tags[sampling])
+
+    eval_results = None
+    if eval_result is not None:
+        eval_results = [
+            EvalResult(
+                task_type=task,
+                dataset_type=dataset_name or "private-user-data",
+                dataset_name=dataset_name or "private user data",
+                metric_type=metric_name,
+                metric_value=_plain(eval_result, "eval_result"),
+            )
+        ]
+    comparison = {
+        "metric": metric_name,
+        "model": eval_result,
+        "public_only_baseline": baseline_result,
+        "non_private": nonprivate_result,
+    }
+    comparison = {k: _plain(v, k) for k, v in comparison.items() if v is not None}
+    card_data = ModelCardData(
+        base_model=base_model,
+        datasets=[dataset_name] if dataset_name else None,
+        library_name=library_name,
+        pipeline_tag=task,
+        tags=tags,
+        eval_results=eval_results,
+        model_name=model_name,
+        privacy=privacy,
+        dp_evaluation=comparison if len(comparison) > 1 else None,
+    )
+
+    population, unit_plural = (
+        ("users", "users") if sampling == "uls" else ("examples", "examples")
+    )
+    population_size = privacy.get("num_users" if sampling == "uls" else "num_examples")
+    expected = (
+        _fmt(privacy["sample_rate"] * population_size, ".1f")
+        if population_size is not None and privacy.get("sample_rate") is not None
+        else "not reported"
+    )
+    bound = privacy.get("contribution_bound")
+    if bound is not None:
+        contribution_md = f"all of their rows, at most G = {bound} examples (rows beyond G were dropped before training)"
+    else:
+        contribution_md = "all of their rows, however many"
+
+    label = "Fine-tuned without DP (this model)" if non_private else "DP fine-tuned (this model)"
+    eval_rows = []
+    if eval_result is not None:
+        eval_rows.append((label, _fmt(eval_result, ".4g")))
+    if baseline_result is not None:
+        eval_rows.append(("Public-only baseline (pretrained, no private data)", _fmt(baseline_result, ".4g")))
+    if nonprivate_result is not None and not non_private:
+        eval_rows.append(("Non-private fine-tuning (no guarantee)", _fmt(nonprivate_result, ".4g")))
+
+    environment = jinja2.Environment(
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined, autoescape=False,
+    )
+    content = environment.from_string(_template_text()).render(
+        card_data=card_data.to_yaml(),
+        model_name=model_name,
+        non_private=non_private,
+        base_model_md=f"`{base_model}`" if base_model else "an unnamed base model",
+        dataset_name=dataset_name,
+        task=task,
+        privacy_unit=unit,
+        sampling=sampling,
+        sampling_name=_SAMPLING_NAMES.get(sampling, str(sampling)),
+        sampling_md=_SAMPLING_TEXT.get(sampling, ""),
+        eps=_fmt_up(privacy.get("epsilon"), 2),
+        delta=_fmt(privacy.get("delta"), ".3g"),
+        eps_lower=privacy.get("epsilon_lower"),
+        eps_estimate=privacy.get("epsilon_estimate"),
+        eps_lower_md=_fmt(privacy.get("epsilon_lower"), ".3f"),
+        eps_estimate_md=_fmt(privacy.get("epsilon_estimate"), ".3f"),
+        eps_upper_md=_fmt_up(privacy.get("epsilon"), 3),
+        target_epsilon=privacy.get("target_epsilon"),
+        target_epsilon_md=_fmt(privacy.get("target_epsilon"), "g"),
+        eps_group=_fmt_up(privacy.get("epsilon_group_privacy"), 2),
+        has_eps_group=privacy.get("epsilon_group_privacy") is not None,
+        noise_multiplier=_fmt(privacy.get("noise_multiplier"), ".4g"),
+        sample_rate=_fmt(privacy.get("sample_rate"), ".4g"),
+        expected_batch=expected,
+        unit_plural=unit_plural,
+        population=population,
+        steps=_fmt(privacy.get("steps"), "d"),
+        max_grad_norm=_fmt(privacy.get("max_grad_norm"), ".4g"),
+        contribution_bound=_fmt(bound, "d") if bound is not None else "none (all rows kept)",
+        contribution_md=contribution_md,
+        num_users=_fmt(privacy.get("num_users"), "d"),
+        num_examples=_fmt(privacy.get("num_examples"), "d"),
+        noise_seed=privacy.get("noise_seed") or "not reported",
+        accountant=privacy.get("accountant") or "not reported",
+        mechanism=privacy.get("mechanism") or "not reported",
+        metric_name=metric_name,
+        eval_rows=eval_rows,
+        eval_result=eval_result,
+        baseline_result=baseline_result,
+        not_covered=[] if non_private else _not_covered(privacy, extra_not_covered),
+    )
+    return ModelCard(content)
+
+
+def write_privacy_card(report: Mapping[str, Any], output_dir: str | os.PathLike, **kwargs: Any) -> Path:
+    """Render the privacy card (see [`render_privacy_card`]) and save it as `output_dir/README.md`.
+
+    Returns:
+        `Path`: the README written.
+    """
+    path = Path(output_dir) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    render_privacy_card(report, **kwargs).save(path)
+    return path
