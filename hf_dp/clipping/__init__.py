@@ -1,0 +1,28 @@
+"""Per-unit gradient clipping for DP-SGD: ghost norms, materialised norms, book-keeping.
+
+```python
+from hf_dp.clipping import GhostClipper
+
+clipper = GhostClipper(model)  # raises UnsupportedLayerError before any step
+losses = per_example_loss(model(**batch))  # (B,)
+norms = clipper.backward(losses, unit_ids=unit_ids, max_grad_norm=1.0)  # (U,)
+clipper.detach()
+```
+"""
+from .engine import GhostClipper
+from .registry import Rule, UnsupportedLayerError, find_rule, register_rule, registered_rules
+from .terms import EXAMPLE, OUTER, ExampleGrad, GradTerm, OuterGrad
+
+__all__ = [
+    "GhostClipper",
+    "UnsupportedLayerError",
+    "register_rule",
+    "find_rule",
+    "registered_rules",
+    "Rule",
+    "OuterGrad",
+    "ExampleGrad",
+    "GradTerm",
+    "OUTER",
+    "EXAMPLE",
+]
