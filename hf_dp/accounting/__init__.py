@@ -1,0 +1,37 @@
+"""Privacy accounting for DP-SGD: pure math on prv-accountant (no torch, no transformers).
+
+Notation: the project's names in code, Greek letters only inside the accounting math:
+
+| Greek | name in code                                  | meaning                                   |
+|-------|-----------------------------------------------|-------------------------------------------|
+| σ     | `noise_multiplier`                            | noise std divided by the clipping norm C  |
+| q     | `sample_rate`                                 | Poisson sampling probability of one item  |
+| T     | `steps`                                       | number of DP-SGD steps (compositions)     |
+| G     | `group_size` (the `contribution_bound`)       | most items one user can hold (ELS)        |
+| C     | `max_grad_norm`                               | clipping norm (ε does not depend on it)   |
+| ε, δ  | `epsilon`, `delta` (`target_epsilon`, ...)    | the (ε, δ)-DP guarantee                   |
+
+`group_size=1` accounts example-level DP-SGD and ULS user-level DP-SGD (the Poisson-subsampled
+Gaussian); `group_size=G>1` accounts ELS user-level DP-SGD (the mixture-of-Gaussians mechanism
+of Charles et al. 2024). Both adjacency directions (add and remove) are accounted and the larger
+ε is reported; the ε reported is prv-accountant's upper bound, so it is never understated.
+"""
+from .accountant import (
+    PrivacyAccountant,
+    describe_mechanism,
+    epsilon,
+    epsilon_bounds,
+    group_privacy_epsilon,
+    noise_multiplier,
+)
+from .mechanisms import MixtureOfGaussiansMechanism
+
+__all__ = [
+    "MixtureOfGaussiansMechanism",
+    "PrivacyAccountant",
+    "describe_mechanism",
+    "epsilon",
+    "epsilon_bounds",
+    "group_privacy_epsilon",
+    "noise_multiplier",
+]

@@ -1,0 +1,103 @@
+"""`hf-dp plan`: the table, data files, and one-line errors with exit status 2."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from hf_dp import cli, planner
+
+BASE = ["plan", "--units-per-step", "30", "--steps", "60", "--epsilon", "5"]
+
+
+def test_plan_prints_the_three_modes(capsys):
+    assert cli.main([*BASE, "--users", "300", "--examples-per-user", "4", "--noise-multiplier", "1.2"]) == 0
+    out = capsys.readouterr().out
+    rows = planner.plan(users=300, examples_per_user=4, units_per_step=30, steps=60, target_epsilon=5,
+                        noise_multiplier=1.2)
+    assert "300 users, 1200 examples" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("mode"))
+    assert "σ for ε=5" in header and "ε at σ=1.2" in header
+    for row in rows:
+        line = next(line for line in lines if line.startswith(row["label"]))
+        assert f"{row['noise_multiplier']:.4g}" in line
+        assert f"{row['epsilon_at_fixed_noise']:.4g}" in line
+        assert f"{row['sample_rate']:.4g}" in line
+    assert "not protected as a whole" in out
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
+def test_plan_reads_a_data_file(tmp_path, capsys, suffix):
+    frame = pd.DataFrame({"author": ["a"] * 5 + ["b"] * 2 + ["c"] * 3 + [None], "text": list("abcdefghijk")})
+    path = tmp_path / f"train.{suffix}"
+    {"csv": lambda p: frame.to_csv(p, index=False), "jsonl": lambda p: frame.to_json(p, orient="records", lines=True),
+     "parquet": lambda p: frame.to_parquet(p)}[suffix](path)
+    code = cli.main(["plan", "--data", str(path), "--user-column", "author", "--units-per-step", "2", "--steps", "5",
+                     "--delta", "0.01"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "3 users, 10 examples" in out  # the row without a user id is ignored
+    assert "median 3, max 5" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    ([*BASE, "--users", "300", "--examples-per-user", "4", "--epsilon", "0"], "--epsilon"),
+    ([*BASE, "--users", "300", "--examples-per-user", "4", "--delta", "0.01"], "delta"),
+    ([*BASE, "--users", "10", "--examples-per-user", "2"], "units_per_step"),
+    ([*BASE, "--users", "-4", "--examples-per-user", "2"], "--users"),
+    ([*BASE, "--users", "10"], "--examples-per-user"),
+    ([*BASE, "--data", "missing.csv", "--user-column", "u"], "no such file"),
+    (["plan", "--users", "many"], "invalid int"),
+    ([], "COMMAND"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_unknown_user_column(tmp_path, capsys):
+    path = tmp_path / "train.csv"
+    pd.DataFrame({"user": ["a", "b"], "text": ["x", "y"]}).to_csv(path, index=False)
+    assert cli.main(["plan", "--data", str(path), "--user-column", "author"]) == 2
+    err = capsys.readouterr().err
+    assert "'author' is not a column" in err and "user, text" in err
+
+
+def _exit_code(argv):
+    """main's status, whether returned or raised by argparse (which exits on its own errors)."""
+    try:
+        return cli.main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_parser_has_the_plan_subcommand():
+    parser = cli.build_parser()
+    args = parser.parse_args(["plan", "--users", "3", "--examples-per-user", "1"])
+    assert args.command == "plan" and args.func is cli._cmd_plan
+
+
+def _run(command):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_python_dash_m_runs_the_cli():
+    result = _run([sys.executable, "-m", "hf_dp", "plan", "--users", "10", "--examples-per-user", "2",
+                   "--units-per-step", "100"])
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("hf-dp plan: error:") and "Traceback" not in result.stderr
+
+
+def test_console_script_is_installed():
+    script = shutil.which("hf-dp", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the hf-dp console script is not installed next to this Python (pip install -e . installs it)")
+    result = _run([script, "plan", "--epsilon", "-1", "--users", "3", "--examples-per-user", "1"])
+    assert result.returncode == 2 and "--epsilon" in result.stderr
