@@ -1,5 +1,26 @@
-"""hf_dp: user-level differentially private fine-tuning for the Hugging Face stack."""
+"""hf_dp: user-level differentially private fine-tuning for the Hugging Face stack.
+
+Public objects are imported on first use, so `hf-dp plan` does not pay for torch and transformers.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_EXPORTS = {
+    "DPTrainer": "hf_dp.trainer",
+    "DPTrainingArguments": "hf_dp.arguments",
+    "GhostClipper": "hf_dp.clipping",
+    "UnsupportedLayerError": "hf_dp.clipping",
+    "PrivacyAccountant": "hf_dp.accounting",
+    "epsilon": "hf_dp.accounting",
+    "noise_multiplier": "hf_dp.accounting",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hf_dp' has no attribute {name!r}")

@@ -11,6 +11,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+# Tiny test models run fastest on one thread (and do not fight over the CI machine's 2 cores).
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -1,0 +1,171 @@
+"""DPTrainingArguments: the privacy fields of a DP fine-tuning run, validated, no logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+PRIVACY_UNITS = ("user", "example")
+SAMPLING_SCHEMES = ("uls", "els")
+
+
+@dataclass
+class DPTrainingArguments(TrainingArguments):
+    r"""
+    [`~transformers.TrainingArguments`] plus the privacy fields of [`DPTrainer`].
+
+    Every field below affects accounting unless marked otherwise. Invalid combinations raise
+    `ValueError` at construction, saying what to change; checks that need the data (δ < 1/units,
+    sample rate ≤ 1) happen in [`DPTrainer`].
+
+    Parameters:
+        > Privacy
+
+        target_epsilon (`float`, *optional*, defaults to `8.0`):
+            ε to spend over the whole run. Used to calibrate `noise_multiplier` when it is not given, and
+            training stops before a step that would exceed it. `None` with a fixed `noise_multiplier`
+            trains for the planned steps and reports the ε spent.
+        target_delta (`float`, *optional*):
+            δ of the guarantee. Defaults to `1 / (10 * units)`, units being users for `privacy_unit="user"`
+            and examples otherwise; it must be below `1 / units`.
+        privacy_unit (`str`, *optional*, defaults to `"user"`):
+            `"user"`: the guarantee covers each user's whole contribution. `"example"`: plain example-level
+            DP-SGD; a user with many rows is then *not* protected as a whole.
+        user_id_column (`str`, *optional*, defaults to `"user_id"`):
+            Column of the training dataset holding the user id (any hashable value). It never reaches the
+            model or the data collator.
+
+        > Sampling
+
+        sampling (`str`, *optional*, defaults to `"uls"`):
+            User-level scheme (Charles et al. 2024). `"uls"`: Poisson-sample users, clip each user's mean
+            gradient. `"els"`: Poisson-sample examples, clip per example, account users through the
+            mixture-of-Gaussians accountant. Ignored for `privacy_unit="example"`.
+        expected_batch_size (`int`, *optional*, defaults to `64`):
+            Expected logical batch size: users per step for ULS, examples per step for ELS and example-level.
+            The sample rate is `expected_batch_size / units`; the sampled size is random (Poisson).
+        contribution_bound (`int` or `"auto"`, *optional*, defaults to `"auto"`):
+            G, the most rows one user may contribute (a seeded random subset is kept). `"auto"`: the median
+            rows per user for ELS, the noise-prediction heuristic for ULS. Not used for example-level.
+
+        > Clipping
+
+        max_grad_norm (`float`, *optional*, defaults to `1.0`):
+            C, the clip norm of each unit's gradient over all trainable parameters jointly. Replaces
+            [`~transformers.TrainingArguments`]'s global clipping, which DP training does not use.
+
+        > Accounting
+
+        noise_multiplier (`float`, *optional*):
+            σ: the noise standard deviation is σ·C. Calibrated from `target_epsilon` when absent.
+        noise_seed (`int`, *optional*):
+            Seeds the Poisson sampling and the noise. For tests only: a known seed voids the guarantee for
+            anyone who knows it. Default: fresh OS entropy, never written to disk.
+
+    Defaults that differ from [`~transformers.TrainingArguments`]: `max_grad_norm` means the per-unit clip
+    norm; `gradient_accumulation_steps` must stay 1 (the logical batch is `expected_batch_size`, split into
+    micro-batches of `per_device_train_batch_size` examples); `num_train_epochs` counts expected passes over
+    the units (steps = epochs / sample rate).
+
+    Example:
+
+    ```python
+    >>> from hf_dp import DPTrainingArguments
+    >>> args = DPTrainingArguments(output_dir="out", target_epsilon=3.0, sampling="els", expected_batch_size=32)
+    >>> args.privacy_unit
+    'user'
+    ```
+    """
+
+    target_epsilon: float | None = field(
+        default=8.0,
+        metadata={"help": "Privacy budget ε for the whole run; σ is calibrated to it when --noise_multiplier is unset."},
+    )
+    target_delta: float | None = field(
+        default=None,
+        metadata={"help": "δ of the guarantee. Default: 1 / (10 × number of privacy units); must be < 1/units."},
+    )
+    privacy_unit: str = field(
+        default="user",
+        metadata={"help": "What the guarantee protects: 'user' (all of a user's rows) or 'example' (one row).",
+                  "choices": list(PRIVACY_UNITS)},
+    )
+    user_id_column: str = field(
+        default="user_id",
+        metadata={"help": "Training dataset column holding the user id; never passed to the model."},
+    )
+    sampling: str = field(
+        default="uls",
+        metadata={"help": "User-level scheme: 'uls' (sample users, clip per user) or 'els' (sample examples, "
+                          "clip per example, mixture-of-Gaussians accounting).", "choices": list(SAMPLING_SCHEMES)},
+    )
+    expected_batch_size: int = field(
+        default=64,
+        metadata={"help": "Expected logical batch: users per step (ULS) or examples per step (ELS, example-level)."},
+    )
+    contribution_bound: str | None = field(
+        default="auto",
+        metadata={"help": "G, the most rows kept per user: an integer, or 'auto' (ELS: median rows per user; "
+                          "ULS: noise-prediction heuristic)."},
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={"help": "C, the clip norm of each unit's gradient (replaces Trainer's global clipping)."},
+    )
+    noise_multiplier: float | None = field(
+        default=None,
+        metadata={"help": "σ (noise std = σ·C). Calibrated from --target_epsilon when unset."},
+    )
+    noise_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed for Poisson sampling and noise, for tests only. Default: OS entropy, never saved."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        problems = []
+        if self.privacy_unit not in PRIVACY_UNITS:
+            problems.append(f"privacy_unit={self.privacy_unit!r}: use one of {PRIVACY_UNITS}.")
+        if self.sampling not in SAMPLING_SCHEMES:
+            problems.append(f"sampling={self.sampling!r}: use one of {SAMPLING_SCHEMES}.")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            problems.append(f"target_epsilon={self.target_epsilon}: must be > 0.")
+        if self.target_epsilon is None and self.noise_multiplier is None:
+            problems.append("set target_epsilon (to calibrate the noise) or noise_multiplier (or both).")
+        if self.target_delta is not None and not 0 < self.target_delta < 1:
+            problems.append(f"target_delta={self.target_delta}: must be in (0, 1); leave it unset for 1/(10·units).")
+        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
+            problems.append(f"noise_multiplier={self.noise_multiplier}: must be > 0 (unset it to calibrate).")
+        if not self.max_grad_norm > 0:
+            problems.append(f"max_grad_norm={self.max_grad_norm}: the per-unit clip norm must be > 0.")
+        if not int(self.expected_batch_size) >= 1:
+            problems.append(f"expected_batch_size={self.expected_batch_size}: must be >= 1.")
+        if self.gradient_accumulation_steps != 1:
+            problems.append(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: DP training forms its logical "
+                "batch itself; set expected_batch_size for the logical batch and per_device_train_batch_size for "
+                "memory, and leave gradient_accumulation_steps at 1."
+            )
+        self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
+        if problems:
+            raise ValueError("Invalid DPTrainingArguments:\n  - " + "\n  - ".join(problems))
+        self.expected_batch_size = int(self.expected_batch_size)
+
+    @property
+    def accounting_mode(self) -> str:
+        """`"uls"`, `"els"` or `"example"`: the mechanism the accountant composes."""
+        return "example" if self.privacy_unit == "example" else self.sampling
+
+
+def _parse_contribution_bound(value, problems: list[str]):
+    if value is None or value == "auto":
+        return value
+    try:
+        bound = int(value)
+    except (TypeError, ValueError):
+        problems.append(f"contribution_bound={value!r}: use a positive integer or 'auto'.")
+        return value
+    if bound < 1 or str(bound) != str(value).strip():
+        problems.append(f"contribution_bound={value!r}: use a positive integer or 'auto'.")
+    return bound

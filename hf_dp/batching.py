@@ -1,0 +1,100 @@
+"""Logical batches: the sampled units of one step, packed into physical micro-batches.
+
+A unit never straddles two micro-batches: its gradient is clipped as a whole inside one
+backward pass. The logical batch may exceed memory; micro-batches bound it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SampledUnits
+
+
+@dataclass
+class MicroBatch:
+    """Collated features of whole units.
+
+    Attributes:
+        features: the data collator's output (labels included).
+        unit_ids: `(B,)` unit of each row within this micro-batch, or `None` when every row is its own unit.
+        loss_weights: `(B,)` multiplier of each row's loss: `1 / n_u` for ULS, so a unit's gradient is the
+            gradient of its rows' *mean* loss; `None` for weight 1.
+    """
+
+    features: dict
+    unit_ids: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
+
+
+@dataclass
+class LogicalBatch:
+    """One optimizer step's data on this rank; `total_units` counts the sample over all ranks."""
+
+    step: int
+    total_units: int
+    micro_batches: list = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(mb.loss_weights) if mb.loss_weights is not None else _rows(mb.features) for mb in self.micro_batches)
+
+
+class LogicalBatches(torch.utils.data.Dataset):
+    """Maps a step's [`~hf_dp.sampling.SampledUnits`] to a [`LogicalBatch`] (used as a DataLoader's dataset).
+
+    Args:
+        dataset: training rows (a `datasets.Dataset` without the user column).
+        unit_rows (`list`, *optional*): rows of each unit, when units are users (ULS); `None` when a unit is a row.
+        data_collator: turns a list of row dicts into model features.
+        micro_batch_size (`int`): rows per physical micro-batch (a user with more rows goes alone).
+    """
+
+    def __init__(self, dataset, unit_rows, data_collator, micro_batch_size: int):
+        self.dataset = dataset
+        self.unit_rows = unit_rows
+        self.data_collator = data_collator
+        self.micro_batch_size = micro_batch_size
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, sampled: SampledUnits) -> LogicalBatch:
+        batch = LogicalBatch(step=sampled.step, total_units=sampled.total)
+        if self.unit_rows is None:
+            rows = [int(r) for r in sampled.units]
+            for start in range(0, len(rows), self.micro_batch_size):
+                batch.micro_batches.append(MicroBatch(self._collate(rows[start : start + self.micro_batch_size])))
+            return batch
+        group: list = []
+        for unit in sampled.units:
+            group.append(self.unit_rows[unit])
+            if sum(len(rows) for rows in group) >= self.micro_batch_size:
+                batch.micro_batches.append(self._user_micro_batch(group))
+                group = []
+        if group:
+            batch.micro_batches.append(self._user_micro_batch(group))
+        return batch
+
+    def _user_micro_batch(self, users) -> MicroBatch:
+        rows = [int(r) for user_rows in users for r in user_rows]
+        unit_ids = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(users)])
+        loss_weights = torch.cat([torch.full((len(r),), 1.0 / len(r)) for r in users])
+        return MicroBatch(self._collate(rows), unit_ids=unit_ids, loss_weights=loss_weights)
+
+    def _collate(self, rows: list) -> dict:
+        columns = self.dataset[rows]
+        examples = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        return self.data_collator(examples)
+
+
+def _rows(features: dict) -> int:
+    first = next(iter(features.values()))
+    return len(first)
+
+
+def identity(batch):
+    """DataLoader collate_fn: batches are built by [`LogicalBatches`] already (picklable for workers)."""
+    return batch

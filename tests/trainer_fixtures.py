@@ -1,0 +1,60 @@
+"""Tiny models and user datasets for DPTrainer tests (built in code, offline, seeded)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from datasets import Dataset
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+VOCAB = 40
+
+
+def tiny_bert(num_labels: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=num_labels,
+    )
+    return BertForSequenceClassification(config)
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def user_dataset(num_users: int = 24, max_rows: int = 6, seed: int = 0, causal_lm: bool = False,
+                 user_ids=None) -> Dataset:
+    """Users with 1..max_rows rows of random tokens; label = parity of the first token (learnable)."""
+    rng = random.Random(seed)
+    rows = {"user_id": [], "input_ids": [], "labels": []}
+    ids = user_ids if user_ids is not None else [f"user-{i}" for i in range(num_users)]
+    for user in ids:
+        for _ in range(rng.randint(1, max_rows)):
+            tokens = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 9))]
+            rows["user_id"].append(user)
+            rows["input_ids"].append(tokens)
+            rows["labels"].append(list(tokens) if causal_lm else tokens[0] % 2)
+    return Dataset.from_dict(rows)
+
+
+def pad_collator(examples: list[dict]) -> dict:
+    """Right-pads input_ids with 0 (masked); token labels are padded with -100."""
+    width = max(len(e["input_ids"]) for e in examples)
+    input_ids = torch.zeros(len(examples), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(examples), width, dtype=torch.long)
+    token_labels = isinstance(examples[0]["labels"], list)
+    labels = torch.full((len(examples), width), -100) if token_labels else torch.tensor([e["labels"] for e in examples])
+    for i, example in enumerate(examples):
+        n = len(example["input_ids"])
+        input_ids[i, :n] = torch.tensor(example["input_ids"])
+        attention_mask[i, :n] = 1
+        if token_labels:
+            labels[i, :n] = torch.tensor(example["labels"])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
