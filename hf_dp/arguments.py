@@ -47,7 +47,9 @@ class DPTrainingArguments(TrainingArguments):
             The sample rate is `expected_batch_size / units`; the sampled size is random (Poisson).
         contribution_bound (`int` or `"auto"`, *optional*, defaults to `"auto"`):
             G, the most rows one user may contribute (a seeded random subset is kept). `"auto"`: the median
-            rows per user for ELS, the noise-prediction heuristic for ULS. Not used for example-level.
+            rows per user for ELS; for ULS the noise-prediction heuristic
+            ([`~hf_dp.planner.recommend_contribution_bound_uls`]) under a compute budget of
+            `expected_batch_size` users × the median rows per user. Not used for example-level.
 
         > Clipping
 
