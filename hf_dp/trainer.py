@@ -460,9 +460,10 @@ def _contribution_bound(dataset, args: DPTrainingArguments) -> int | None:
 
 
 def _base_model_name(model) -> str | None:
+    """The Hub id the model was loaded from; `None` for a local folder (pass `base_model` to the card)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name = getattr(getattr(base, "config", None), "_name_or_path", None)
-    return name or None
+    return name if name and not os.path.exists(name) else None
 
 
 def _same(a, b) -> bool:
