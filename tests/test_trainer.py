@@ -278,3 +278,13 @@ def test_arguments_are_cli_flags():
     help_text = parser.format_help()
     for flag in ["--target_delta", "--privacy_unit", "--expected_batch_size", "--noise_seed", "--noise_multiplier"]:
         assert flag in help_text
+
+
+def test_evaluation_during_training_keeps_working(tmp_path):
+    data = user_dataset()
+    trainer = DPTrainer(model=tiny_bert(), args=make_args(tmp_path, eval_strategy="steps", eval_steps=2),
+                        train_dataset=data, eval_dataset=user_dataset(seed=9), data_collator=pad_collator)
+    trainer.train()
+    evaluations = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert len(evaluations) == 2 and all(math.isfinite(e["eval_loss"]) for e in evaluations)
+    assert trainer.accountant.steps == 4  # evaluation spends no budget
