@@ -101,3 +101,13 @@ def test_console_script_is_installed():
         pytest.skip("the hf-dp console script is not installed next to this Python (pip install -e . installs it)")
     result = _run([script, "plan", "--epsilon", "-1", "--users", "3", "--examples-per-user", "1"])
     assert result.returncode == 2 and "--epsilon" in result.stderr
+
+
+def test_demo_app_and_publish_are_subcommands():
+    from hf_dp import app, publish, study
+    from hf_dp.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--grid", "--quick"]).func is study.run
+    assert parser.parse_args(["app", "--port", "7999"]).func is app.run
+    assert parser.parse_args(["publish", "results/models/uls-eps8", "--repo-id", "me/model"]).func is publish.run

@@ -1,0 +1,240 @@
+"""The `hf-dp` command (also `python -m hf_dp`).
+
+Subcommands:
+
+- `hf-dp demo`: the privacy/utility study on the embedded default (see `hf_dp.study`).
+- `hf-dp app`: the Gradio app (see `hf_dp.app`); `hf-dp publish`: push a run with its privacy card.
+- `hf-dp plan`: the privacy budget planner. For ULS, ELS (mixture-of-Gaussians accountant) and
+  example-level DP-SGD at the same compute budget: the noise multiplier σ each needs for a target
+  (ε, δ), the ε each spends at a fixed σ, the recommended contribution bound G, the sample rate
+  and the steps.
+
+    hf-dp plan --users 1000 --examples-per-user 20 --units-per-step 64 --steps 300 --epsilon 4
+    hf-dp plan --data train.jsonl --user-column author --units-per-step 256 --noise-multiplier 1.0
+
+Bad input prints one line saying what to change on stderr and exits with status 2.
+
+New subcommands: add a `_add_<name>(subparsers)` that registers the parser with
+`set_defaults(func=_cmd_<name>)` and call it from `build_parser()`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections import Counter
+
+__all__ = ["build_parser", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump): `hf-dp plan: error: ...`, exit status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-dp` parser: one subparser per command, each with `func` set to its handler."""
+    parser = _Parser(prog="hf-dp", description="User-level differentially private fine-tuning on the Hugging Face "
+                                                "stack.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_plan(subparsers)
+    _add_demo(subparsers)
+    _add_app(subparsers)
+    _add_publish(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `hf-dp` with `argv` (default: the process arguments); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, OSError) as error:
+        message = " ".join(str(error).split())  # one line
+        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+# ---- hf-dp demo / app / publish (flags and behaviour live in hf_dp.study / hf_dp.app / hf_dp.publish) --
+
+def _add_demo(subparsers) -> None:
+    from . import study
+
+    parser = subparsers.add_parser(
+        "demo", help="the privacy/utility study on the embedded default (MiniLM, Shakespeare genres)",
+        description="Public-only baseline, user-level DP (ULS) at ε=8 and non-private fine-tuning of the embedded "
+                    "MiniLM on Shakespeare speeches by role; --grid runs the full study.")
+    study.build_parser(parser).set_defaults(func=study.run)
+
+
+def _add_app(subparsers) -> None:
+    from . import app
+
+    parser = subparsers.add_parser(
+        "app", help="Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
+        description="Serve the Gradio app on --host:--port over the runs in --results-dir.")
+    app.build_parser(parser).set_defaults(func=app.run)
+
+
+def _add_publish(subparsers) -> None:
+    from . import publish
+
+    parser = subparsers.add_parser(
+        "publish", help="upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
+        description="Upload a saved model, its tokenizer and its privacy card to the Hub; checks the card and "
+                    "that the Hub is reachable before uploading anything.")
+    publish.build_parser(parser).set_defaults(func=publish.run)
+
+
+# ---- hf-dp plan -------------------------------------------------------------------------------
+
+def _add_plan(subparsers) -> None:
+    plan = subparsers.add_parser(
+        "plan",
+        help="σ, ε and contribution bound G for ULS, ELS and example-level DP-SGD",
+        description="Plan a DP fine-tuning run: for ULS, ELS (mixture-of-Gaussians accountant) and example-level "
+                    "DP-SGD at the same compute budget, the noise multiplier σ each needs to meet (ε, δ), the ε "
+                    "each spends at a fixed σ, the recommended contribution bound G, the sample rate and the steps.",
+    )
+    population = plan.add_argument_group("data (either --users with --examples-per-user, or --data)")
+    population.add_argument("--users", type=int, help="number of users")
+    population.add_argument("--examples-per-user", type=int, help="examples (rows) of every user")
+    population.add_argument("--data", help="a .csv, .jsonl/.json or .parquet file with one example per row")
+    population.add_argument("--user-column", help="the column of --data holding the user id")
+    run = plan.add_argument_group("run")
+    run.add_argument("--units-per-step", type=float, default=64.0,
+                     help="compute budget: expected examples processed per step, the same for every mode (ELS "
+                          "and example-level sample this many examples; ULS samples this many examples' worth of "
+                          "users). Default: 64")
+    run.add_argument("--steps", type=int, help="optimizer steps. Default: one expected pass over the examples")
+    run.add_argument("--epsilon", type=float, default=8.0, help="target ε. Default: 8")
+    run.add_argument("--delta", type=float,
+                     help="δ, below 1/users. Default: 1/(10·users) for the user-level rows and 1/(10·examples) "
+                          "for the example-level row (the defaults of DPTrainingArguments)")
+    run.add_argument("--noise-multiplier", type=float,
+                     help="also report the ε each mode spends at this fixed σ")
+    run.add_argument("--contribution-bound-els", type=int, help="G for ELS. Default: the median examples per user")
+    run.add_argument("--contribution-bound-uls", type=int,
+                     help="G for ULS. Default: the noise-prediction heuristic (Charles et al. 2024)")
+    plan.set_defaults(func=_cmd_plan)
+
+
+def _read_examples_per_user(path: str, column: str) -> list[int]:
+    """Rows per user in a data file (rows without a user id are ignored)."""
+    import pandas as pd
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path!r}: no such file.")
+    name = path.lower()
+    readers = {".csv": pd.read_csv, ".tsv": lambda p: pd.read_csv(p, sep="\t"), ".parquet": pd.read_parquet,
+               ".jsonl": lambda p: pd.read_json(p, lines=True), ".json": _read_json}
+    suffix = next((s for s in readers if name.endswith(s)), None)
+    if suffix is None:
+        raise ValueError(f"--data {path!r}: use a .csv, .tsv, .jsonl, .json or .parquet file.")
+    try:
+        frame = readers[suffix](path)
+    except Exception as error:  # pandas raises many types for malformed files
+        raise ValueError(f"--data {path!r} could not be read as {suffix[1:]}: {error}") from error
+    if column not in frame.columns:
+        shown = ", ".join(map(str, list(frame.columns)[:10]))
+        raise ValueError(f"--user-column {column!r} is not a column of {path} (columns: {shown}).")
+    ids = frame[column].dropna()
+    if ids.empty:
+        raise ValueError(f"--data {path}: no row has a value in --user-column {column!r}.")
+    return sorted(Counter(ids.tolist()).values())
+
+
+def _read_json(path: str):
+    import pandas as pd
+
+    try:
+        return pd.read_json(path)
+    except ValueError:
+        return pd.read_json(path, lines=True)
+
+
+def _cmd_plan(args) -> int:
+    from . import planner
+
+    if args.data is not None:
+        if args.users is not None or args.examples_per_user is not None:
+            raise ValueError("give either --data (with --user-column) or --users with --examples-per-user, not both.")
+        if not args.user_column:
+            raise ValueError("--data needs --user-column (the column with the user id).")
+        counts = _read_examples_per_user(args.data, args.user_column)
+        population = dict(examples_per_user=counts)
+        source = f"{args.data} (user column {args.user_column!r})"
+    else:
+        if args.users is None or args.examples_per_user is None:
+            raise ValueError("give --users and --examples-per-user, or --data with --user-column.")
+        if args.users < 1:
+            raise ValueError(f"--users {args.users}: must be at least 1.")
+        if args.examples_per_user < 1:
+            raise ValueError(f"--examples-per-user {args.examples_per_user}: must be at least 1.")
+        population = dict(users=args.users, examples_per_user=args.examples_per_user)
+        counts = [args.examples_per_user] * args.users
+        source = f"{args.users} users x {args.examples_per_user} examples"
+    for flag, value in (("--units-per-step", args.units_per_step), ("--epsilon", args.epsilon),
+                        ("--noise-multiplier", args.noise_multiplier), ("--delta", args.delta)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} {value:g}: must be a positive number.")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be at least 1.")
+    rows = planner.plan(
+        **population, units_per_step=args.units_per_step, steps=args.steps, target_epsilon=args.epsilon,
+        delta=args.delta, noise_multiplier=args.noise_multiplier,
+        contribution_bound_els=args.contribution_bound_els, contribution_bound_uls=args.contribution_bound_uls,
+    )
+    print(format_plan(rows, counts, source))
+    return 0
+
+
+def _fmt(value, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_plan(rows: list[dict], counts, source: str) -> str:
+    """The plan as an aligned text table with a header and notes."""
+    users, examples = len(counts), sum(counts)
+    ordered = sorted(counts)
+    first = rows[0]
+    lines = [
+        f"Privacy budget plan: {source}",
+        f"  {users} users, {examples} examples; examples per user: median {ordered[(len(ordered) - 1) // 2]}, "
+        f"max {ordered[-1]}",
+        f"  compute: {first['examples_per_step']:g} examples per step, {first['steps']} steps; "
+        f"target ε = {first['target_epsilon']:g}",
+        "",
+    ]
+    sigma_fixed = first["fixed_noise_multiplier"]
+    header = ["mode", "privacy unit", "G", "sample rate q", "units/step", "δ",
+              f"σ for ε={first['target_epsilon']:g}", "noise std"]
+    if sigma_fixed is not None:
+        header.append(f"ε at σ={sigma_fixed:g}")
+    table = [header]
+    for row in rows:
+        unit_word = "users" if row["mode"] == "uls" else "examples"
+        cells = [row["label"], row["privacy_unit"], _fmt(row["contribution_bound"], "d"),
+                 _fmt(row["sample_rate"], ".4g"), f"{row['units_per_step']:.4g} {unit_word}", _fmt(row["delta"], ".2g"),
+                 _fmt(row["noise_multiplier"], ".4g"), _fmt(row["noise_std"], ".3g")]
+        if sigma_fixed is not None:
+            cells.append(_fmt(row["epsilon_at_fixed_noise"], ".4g"))
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for i, cells in enumerate(table):
+        aligned = (c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, widths)))
+        lines.append("  ".join(aligned).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("noise std: σ / (units per step), the std of the noise in the averaged update in units of the "
+                 "clipping norm C (lower is better at equal compute).")
+    lines.append("ε is prv-accountant's upper bound over both adjacency directions (add and remove).")
+    for row in rows:
+        if row["note"]:
+            lines.append(f"{row['label']}: {row['note']}")
+    return "\n".join(lines)
