@@ -1,0 +1,140 @@
+"""A fabricated results folder for the app and publishing tests (tiny config-built models, built offline).
+
+`make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (schema of `hf_dp.classification`), saved
+models with tokenizers and privacy cards under `models/<run>/`, and `summary.json`; plus a causal-LM run. The
+numbers are invented; nothing here trains.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+)
+
+from hf_dp.classification import EmbeddingClassifier
+from hf_dp.model_card import write_privacy_card
+
+LABELS = ["comedy", "history", "tragedy"]
+WORDS = (
+    "the a of and to my i you is in king crown england france war love lady jest music food play on death blood "
+    "spot out say once more unto breach dear friends close wall up with our english dead if be give me excess it "
+    "sweet will walk masque tonight have tell liege french are landed nobles north rise arms against here's smell "
+    "still , . ! ? ; ' damned"
+).split()
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level fast tokenizer over WORDS (plus special tokens), built in code."""
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[EOS]"]
+    vocab = {token: i for i, token in enumerate(specials + sorted(set(WORDS)))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", eos_token="[EOS]",
+                                   model_max_length=32)
+
+
+def tiny_classifier(seed: int, vocab_size: int) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=40, num_labels=len(LABELS), id2label=dict(enumerate(LABELS)),
+        label2id={name: i for i, name in enumerate(LABELS)}, pad_token_id=0,
+    )
+    return BertForSequenceClassification(config)
+
+
+def tiny_embedding_classifier(seed: int, vocab_size: int) -> EmbeddingClassifier:
+    """The similarity-head classifier `hf_dp.classification` fine-tunes by default (encoder + prototypes)."""
+    from transformers import BertModel
+
+    encoder = BertModel(tiny_classifier(seed, vocab_size).config, add_pooling_layer=False)
+    return EmbeddingClassifier(encoder, len(LABELS), label_names=LABELS)
+
+
+def tiny_lm(seed: int, vocab_size: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=1, n_head=2, n_positions=64, bos_token_id=4,
+                        eos_token_id=4, pad_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def privacy_report(method: str, epsilon: float, target: float) -> dict:
+    unit = "example" if method == "example" else "user"
+    return {
+        "epsilon": epsilon, "epsilon_lower": epsilon * 0.98, "epsilon_estimate": epsilon * 0.99, "delta": 1e-5,
+        "target_epsilon": target, "privacy_unit": unit, "sampling": method, "noise_multiplier": 1.1,
+        "sample_rate": 0.08, "expected_batch_size": 96, "steps": 40, "max_grad_norm": 1.0,
+        "contribution_bound": 2 if method != "example" else None, "num_users": 1101, "num_examples": 2000,
+        "accountant": "prv-accountant (test)", "mechanism": f"{method} (test)",
+        "epsilon_group_privacy": 40.0 if method == "els" else None, "noise_seed": "os-entropy",
+    }
+
+
+def _result(run: str, method: str, *, metric: float, epsilon, target, model_dir, base_path: str,
+            task: str = "classification", metric_name: str = "accuracy", privacy=None, delta=None,
+            baseline_metric: float = 0.40) -> dict:
+    return {
+        "run": run, "method": method, "target_epsilon": target, "epsilon": epsilon, "delta": delta,
+        "privacy": privacy, "metric_name": metric_name, "metric": metric, "baseline_metric": baseline_metric,
+        "model_dir": model_dir, "base_model": base_path, "task": task, "train_seconds": 1.0, "eval_seconds": 0.1,
+        "label_names": LABELS if task == "classification" else None, "num_eval_examples": 10,
+        "config": {"model_name_or_path": base_path, "max_length": 32,
+                   "label_descriptions": {n: [f"a {n} play"] for n in LABELS}},
+    }
+
+
+def make_results_dir(root: str | Path) -> Path:
+    """Write a fabricated study into `root/results` (base models in `root/base-*`); return the results folder."""
+    root = Path(root)
+    results = root / "results"
+    tokenizer = make_tokenizer()
+    vocab_size = len(tokenizer)
+    base = root / "base-encoder"
+    tiny_classifier(0, vocab_size).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+
+    runs = [_result("baseline", "public-only", metric=0.40, epsilon=0.0, target=None, model_dir=None,
+                    base_path=str(base), delta=0.0)]
+    specs = [("non-private", "non-private", 0.80, None, None), ("uls-eps1", "uls", 0.50, 0.98, 1.0),
+             ("uls-eps8", "uls", 0.70, 7.9, 8.0), ("els-eps8", "els", 0.66, 7.95, 8.0)]
+    for seed, (run, method, metric, epsilon, target) in enumerate(specs, start=1):
+        model_dir = results / "models" / run
+        # uls-eps8 has the default similarity head; the others a linear head (AutoModelForSequenceClassification)
+        build = tiny_embedding_classifier if run == "uls-eps8" else tiny_classifier
+        build(seed, vocab_size).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        report = privacy_report(method, epsilon, target) if method != "non-private" else {"non_private": True}
+        write_privacy_card(report, model_dir, base_model="test/tiny-encoder", eval_result=metric,
+                           baseline_result=0.40, dataset_name="test-plays")
+        runs.append(_result(run, method, metric=metric, epsilon=epsilon, target=target,
+                            model_dir=f"models/{run}", base_path=str(base),
+                            privacy=report if method != "non-private" else None,
+                            delta=1e-5 if method != "non-private" else None))
+
+    lm_base = root / "base-lm"
+    tiny_lm(10, vocab_size).save_pretrained(lm_base)
+    tokenizer.save_pretrained(lm_base)
+    lm_dir = results / "models" / "lm-uls-eps8"
+    tiny_lm(11, vocab_size).save_pretrained(lm_dir)
+    tokenizer.save_pretrained(lm_dir)
+    lm_report = privacy_report("uls", 7.9, 8.0)
+    write_privacy_card(lm_report, lm_dir, base_model="test/tiny-lm", task="text-generation",
+                       metric_name="perplexity", eval_result=30.0, baseline_result=35.0)
+    runs.append(_result("lm-uls-eps8", "uls", metric=30.0, epsilon=7.9, target=8.0, model_dir="models/lm-uls-eps8",
+                        base_path=str(lm_base), task="causal-lm", metric_name="perplexity", privacy=lm_report,
+                        delta=1e-5, baseline_metric=35.0))
+
+    results.mkdir(parents=True, exist_ok=True)
+    for result in runs:
+        (results / f"{result['run']}.json").write_text(json.dumps(result, indent=2))
+    (results / "summary.json").write_text(json.dumps({"quick": False, "runs": runs}))
+    return results
