@@ -146,6 +146,8 @@ def _config(entry: StudyRun, settings: dict, output_dir: str, examples_per_step:
         s["max_steps"] = s["nonprivate_max_steps"]
     elif method in ("els", "example"):
         s["expected_batch_size"] = examples_per_step
+    if method == "example":
+        s["contribution_bound"] = "auto"  # example-level DP-SGD keeps every row (no per-user bound)
     s.pop("nonprivate_max_steps")
     return ClassificationConfig(
         run=entry.run, method=method, results_dir=output_dir, target_epsilon=entry.target_epsilon,
@@ -275,12 +277,14 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    fig, ax = plt.subplots(figsize=(7.5, 5.4), dpi=120)
     styles = {
         "uls": dict(marker="o", color="tab:blue", label="user-level DP, ULS"),
         "els": dict(marker="s", color="tab:orange", label="user-level DP, ELS"),
-        "example": dict(marker="^", color="tab:green", label="example-level DP-SGD (per speech)"),
+        "example": dict(marker="^", color="tab:green", label="example-level DP-SGD (protects single speeches)"),
     }
+    # Value labels: ULS below its points, ELS above, example-level to the right (points share ε = 8).
+    label_offsets = {"uls": ((0, -16), "center"), "els": ((0, 8), "center"), "example": ((9, -3), "left")}
     epsilons = []
     for method, style in styles.items():
         points = sorted((r["epsilon"], r["metric"], _standard_error(r)) for r in results
@@ -290,8 +294,9 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
             epsilons += xs
             ax.errorbar(xs, ys, yerr=None if None in errors else errors, linestyle="-", linewidth=1.5, markersize=7,
                         capsize=3, **style)
+            offset, align = label_offsets[method]
             for x, y, _ in points:
-                ax.annotate(f"{y:.4f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8,
+                ax.annotate(f"{y:.4f}", (x, y), textcoords="offset points", xytext=offset, ha=align, fontsize=8,
                             color=style["color"])
     low, high = (min(epsilons), max(epsilons)) if epsilons else (1.0, 8.0)
     ax.set_xscale("log")
@@ -314,7 +319,7 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
                                                        else ""))
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,7 @@ def test_python_dash_m_runs_the_cli():
 def test_console_script_is_installed():
     script = shutil.which("hf-dp", path=os.path.dirname(sys.executable))
     if script is None:
-        pytest.skip("the hf-dp console script is not installed next to this Python (pip install -e . installs it)")
+        pytest.fail("the hf-dp console script is not installed next to this Python (pip install -e . installs it)")
     result = _run([script, "plan", "--epsilon", "-1", "--users", "3", "--examples-per-user", "1"])
     assert result.returncode == 2 and "--epsilon" in result.stderr
 
