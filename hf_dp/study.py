@@ -33,8 +33,10 @@ Li et al. favour large batches, a larger learning rate and few epochs, but withi
 of optimizer steps was the binding constraint: 16 steps of 192 roles stayed at the baseline even with almost no
 noise (ε = 100), 120-240 steps of 64 roles did best; a learning rate of 5e-3 lost 1.7 points, full fine-tuning
 and fewer trainable weights (LoRA on values of the top 3 layers) did no better. On the full test set ULS at ε = 8
-with 200 or 400 steps stays within one standard error (≈ 0.65 points) of the zero-shot baseline, while
-non-private fine-tuning gains about 2.7 points. The task is hard: TF-IDF logistic regression on all 24 k training
+with 200 or 400 steps, or with G = 8 speeches per role (2.9x the compute), stays within one standard error
+(≈ 0.65 points) of the zero-shot baseline, while non-private fine-tuning gains about 2.7 points and
+example-level DP-SGD at ε = 8 on all 24 k speeches about 3: protecting whole roles instead of single speeches
+costs the whole gain on this data. The task is hard: TF-IDF logistic regression on all 24 k training
 speeches reaches only 0.48 on the held-out plays, so the room above the baseline (0.44) is a few points, and
 1,101 users are few for user-level DP. `--quick` runs the same pipeline on a tiny subset in well under a minute
 (for tests; its numbers mean nothing).

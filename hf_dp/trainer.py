@@ -441,9 +441,9 @@ def _contribution_bound(dataset, args: DPTrainingArguments) -> int | None:
     `expected_batch_size` users at the median rows per user (examples per step), for the run's
     steps and target ε (see [`~hf_dp.planner.recommend_contribution_bound_uls`]).
     """
-    if args.accounting_mode == "example" and args.contribution_bound == "auto":
-        return None
-    if args.contribution_bound not in ("auto", None):
+    if args.contribution_bound is None or (args.accounting_mode == "example" and args.contribution_bound == "auto"):
+        return None  # no bound: every row is kept
+    if args.contribution_bound != "auto":
         return int(args.contribution_bound)
     counts = examples_per_user(dataset, args.user_id_column)
     if len(counts) == 0:
