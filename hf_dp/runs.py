@@ -385,6 +385,20 @@ def save_run(trainer, tokenizer, model_dir, *, eval_result: float, card: dict) -
     return privacy
 
 
+def finish_processes() -> None:
+    """End a multi-process run cleanly: wait for every rank, then destroy the process group.
+
+    Without this, a rank that finishes first can exit while gloo still holds a connection to the
+    others, and abort ("terminate called without an active exception"), failing `accelerate launch`.
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.use_distributed:
+        state.wait_for_everyone()
+        state.destroy_process_group()
+
+
 def is_main_process() -> bool:
     """Whether this is the process that writes files (always true without `accelerate launch`)."""
     from accelerate import PartialState

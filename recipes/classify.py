@@ -61,7 +61,7 @@ from transformers import HfArgumentParser
 
 from hf_dp import DPTrainingArguments
 from hf_dp.classification import ClassificationConfig, run_classification
-from hf_dp.runs import method_of, plain_training_arguments
+from hf_dp.runs import finish_processes, method_of, plain_training_arguments
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -159,3 +159,4 @@ if __name__ == "__main__":
     parser = make_parser()
     script_args, training_args = parser.parse_args_into_dataclasses()
     main(script_args, training_args)
+    finish_processes()

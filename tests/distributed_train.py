@@ -9,6 +9,7 @@ import sys
 import torch
 
 from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp.runs import finish_processes
 from trainer_fixtures import pad_collator, tiny_bert, user_dataset
 
 
@@ -24,6 +25,7 @@ def main(out_path: str, sampling: str = "uls") -> None:
         state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
         torch.save({"state": state, "world_size": trainer.accelerator.num_processes,
                     "epsilon": trainer.privacy_report()["epsilon"]}, out_path)
+    finish_processes()
 
 
 if __name__ == "__main__":
