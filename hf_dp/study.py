@@ -60,14 +60,12 @@ import sys
 import time
 from pathlib import Path
 
-from .classification import (
-    ClassificationConfig,
-    ClassificationData,
-    load_classification_data,
-    run_classification,
-    run_zero_shot_baseline,
-)
+from typing import TYPE_CHECKING
+
 from .runs import load_result
+
+if TYPE_CHECKING:  # torch and transformers load only when a run starts: `hf-dp --help` stays fast
+    from .classification import ClassificationConfig, ClassificationData
 
 __all__ = ["DEMO_SETTINGS", "QUICK_SETTINGS", "build_parser", "main", "matching_examples_per_step", "plan_runs",
            "plot_privacy_utility", "run_study"]
@@ -142,6 +140,8 @@ def matching_examples_per_step(user_ids, users_per_step: int, contribution_bound
 
 def _config(entry: StudyRun, settings: dict, output_dir: str, examples_per_step: int, progress: bool,
             baseline_metric: float | None) -> ClassificationConfig:
+    from .classification import ClassificationConfig
+
     s = dict(settings)
     method = "uls" if entry.method == "public-only" else entry.method
     if method == "non-private":
@@ -164,6 +164,8 @@ def run_study(output_dir: str = "results", *, grid: bool = False, quick: bool = 
     Returns:
         `dict`: the summary (also in `summary.json`): `runs` (the result dicts), `settings`, `seconds`.
     """
+    from .classification import load_classification_data, run_classification, run_zero_shot_baseline
+
     settings = QUICK_SETTINGS if quick else DEMO_SETTINGS
     entries = plan_runs(grid)
     start = time.perf_counter()

@@ -7,6 +7,7 @@ advances every step, is saved with every checkpoint and restored on resume.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -100,6 +101,8 @@ class DPTrainer(Trainer):
             raise TypeError("DPTrainer needs DPTrainingArguments (they carry the privacy settings).")
         if train_dataset is None:
             raise ValueError("DPTrainer needs a train_dataset with a user column to account privacy.")
+        # A copy: the plan sets max_steps and this flag, and the caller may reuse its arguments for another run.
+        args = copy.copy(args)
         # Sampling resumes from the ledger's step, so Trainer's batch skipping is not needed.
         args.ignore_data_skip = True
         self.partition = partition_by_user(

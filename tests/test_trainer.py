@@ -288,3 +288,11 @@ def test_evaluation_during_training_keeps_working(tmp_path):
     evaluations = [e for e in trainer.state.log_history if "eval_loss" in e]
     assert len(evaluations) == 2 and all(math.isfinite(e["eval_loss"]) for e in evaluations)
     assert trainer.accountant.steps == 4  # evaluation spends no budget
+
+
+def test_the_callers_arguments_are_left_untouched(tmp_path):
+    """Planning sets max_steps on the trainer's own copy: the same arguments can start a second run."""
+    args = make_args(tmp_path, max_steps=-1, num_train_epochs=1.0)
+    trainer = DPTrainer(model=tiny_bert(), args=args, train_dataset=user_dataset(), data_collator=pad_collator)
+    assert trainer.args.max_steps == trainer.privacy_plan.steps > 0
+    assert (args.max_steps, args.ignore_data_skip) == (-1, False)
