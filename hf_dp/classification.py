@@ -75,13 +75,12 @@ import torch
 from .runs import (
     METHODS,
     RunConfig,
-    check_disjoint_users,
+    load_splits,
     fit,
     method_of,
     result_record,
     save_result,
     save_run,
-    split_by_user,
     subsample_rows,
     subsample_users,
 )
@@ -223,22 +222,9 @@ def load_classification_data(config: ClassificationConfig) -> ClassificationData
     """
     import datasets
 
-    from . import corpora
-
-    if config.dataset == "shakespeare":
-        corpus = corpora.load_shakespeare()
-        train, test = corpus["train"], corpus["test"]
-        name = "shakespeare-first-folio-genres"
-    else:
-        load = dict(user_column=config.user_column, text_column=config.text_column, label_column=config.label_column)
-        train = corpora.load_user_dataset(config.dataset, **load)
-        if config.eval_dataset is not None:
-            test = corpora.load_user_dataset(config.eval_dataset, **load)
-        else:
-            train, test = split_by_user(train, config.user_column, config.eval_fraction, config.seed)
-        name = str(config.dataset)
+    train, test = load_splits(config, label_column=config.label_column)
+    name = "shakespeare-first-folio-genres" if config.dataset == "shakespeare" else str(config.dataset)
     label_names, train, test = _encode_labels(train, test, config.label_column)
-    check_disjoint_users(train, test, config.user_column)
     train = subsample_users(train, config.user_column, config.max_train_users, config.seed)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if not isinstance(train, datasets.Dataset) or len(train) == 0:

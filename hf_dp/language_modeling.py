@@ -41,13 +41,12 @@ import torch.nn.functional as F
 
 from .runs import (
     RunConfig,
-    check_disjoint_users,
+    load_splits,
     fit,
     method_of,
     result_record,
     save_result,
     save_run,
-    split_by_user,
     subsample_rows,
     subsample_users,
 )
@@ -101,21 +100,8 @@ def load_text_data(config: LanguageModelingConfig) -> TextData:
     Raises:
         ValueError: a missing column, or a test split sharing users with train.
     """
-    from . import corpora
-
-    if config.dataset == "shakespeare":
-        corpus = corpora.load_shakespeare()
-        train, test = corpus["train"], corpus["test"]
-        name = "shakespeare-speeches"
-    else:
-        load = dict(user_column=config.user_column, text_column=config.text_column)
-        train = corpora.load_user_dataset(config.dataset, **load)
-        if config.eval_dataset is not None:
-            test = corpora.load_user_dataset(config.eval_dataset, **load)
-        else:
-            train, test = split_by_user(train, config.user_column, config.eval_fraction, config.seed)
-        name = str(config.dataset)
-    check_disjoint_users(train, test, config.user_column)
+    train, test = load_splits(config)
+    name = "shakespeare-speeches" if config.dataset == "shakespeare" else str(config.dataset)
     train = subsample_users(train, config.user_column, config.max_train_users, config.seed)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if len(train) == 0 or len(test) == 0:

@@ -246,6 +246,31 @@ def subsample_rows(dataset, max_rows: int | None, seed: int = 0):
     return dataset.select(np.sort(rows).tolist())
 
 
+def load_splits(config, **columns):
+    """Train and test rows of `config.dataset`, users disjoint: Shakespeare split by play, or the caller's data
+    with `config.eval_dataset` (or a seeded split by user) as the test set.
+
+    `columns`: extra required columns of [`~hf_dp.corpora.load_user_dataset`] (e.g. `label_column`).
+
+    Raises:
+        ValueError: a missing column, or a test split sharing users with train.
+    """
+    from . import corpora
+
+    if config.dataset == "shakespeare":
+        corpus = corpora.load_shakespeare()
+        train, test = corpus["train"], corpus["test"]
+    else:
+        load = dict(user_column=config.user_column, text_column=config.text_column, **columns)
+        train = corpora.load_user_dataset(config.dataset, **load)
+        if config.eval_dataset is not None:
+            test = corpora.load_user_dataset(config.eval_dataset, **load)
+        else:
+            train, test = split_by_user(train, config.user_column, config.eval_fraction, config.seed)
+    check_disjoint_users(train, test, config.user_column)
+    return train, test
+
+
 def check_disjoint_users(train, test, user_column: str) -> None:
     """Raise `ValueError` when a user has rows in both splits (the test set must hold other users)."""
     if user_column not in test.column_names:
@@ -446,3 +471,72 @@ def plain_training_arguments(training_args):
         value = getattr(training_args, spec.name)
         values[spec.name] = value.value if isinstance(value, enum.Enum) else value
     return TrainingArguments(**values)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recipes (`recipes/*.py`): the flags they share and the run config their flags describe
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RecipeArguments:
+    """Data, model and reporting flags every recipe shares (training flags: [`~hf_dp.DPTrainingArguments`])."""
+
+    dataset: str = dataclasses.field(
+        default="shakespeare",
+        metadata={"help": "'shakespeare' (speeches by speaking role, the embedded user-partitioned corpus) or a "
+                          "JSONL/CSV/Parquet path or Hub dataset id."},
+    )
+    eval_dataset: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Test data (other users than --dataset). Default: a seeded 20%% of the users of "
+                          "--dataset, held out."},
+    )
+    user_column: str = dataclasses.field(default="user_id",
+                                         metadata={"help": "Column with the user id (the privacy unit)."})
+    text_column: str = dataclasses.field(default="text", metadata={"help": "Column with the text."})
+    use_lora: bool = dataclasses.field(default=False,
+                                       metadata={"help": "Train LoRA adapters instead of all weights."})
+    lora_r: int = dataclasses.field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = dataclasses.field(default=16, metadata={"help": "LoRA alpha."})
+    lora_target_modules: list[str] | None = dataclasses.field(
+        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
+    )
+    non_private: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Train without DP (plain transformers.Trainer; privacy flags ignored), for comparison."},
+    )
+    results_dir: str = dataclasses.field(default="results", metadata={"help": "Where <run>.json is written."})
+    max_train_users: int | None = dataclasses.field(default=None,
+                                                    metadata={"help": "Train on a seeded sample of users."})
+    max_eval_examples: int | None = dataclasses.field(default=None,
+                                                      metadata={"help": "Evaluate on a seeded sample of rows."})
+
+
+def recipe_run(config_class, script_args, training_args, **overrides):
+    """The run config and training arguments a recipe's parsed flags describe.
+
+    Flags that name a field of `config_class` are copied by name; run name, method, evaluation batch size,
+    progress bars and seed come from the training arguments, which become plain `TrainingArguments` with
+    `--non_private`. `overrides` replace fields whose flag needs converting (e.g. a JSON file's contents).
+    """
+    if script_args.non_private:
+        training_args = plain_training_arguments(training_args)
+    names = {f.name for f in dataclasses.fields(config_class)}
+    kwargs = {f.name: getattr(script_args, f.name) for f in dataclasses.fields(script_args) if f.name in names}
+    kwargs.update(
+        run=Path(training_args.run_name or training_args.output_dir).name,
+        method=method_of(training_args),
+        eval_batch_size=training_args.per_device_eval_batch_size,
+        progress=not training_args.disable_tqdm,
+        seed=training_args.seed,
+    )
+    kwargs.update(overrides)
+    return config_class(**kwargs), training_args
+
+
+def summary_line(result: dict, metric_label: str, output_dir: str) -> str:
+    """One line a recipe prints at the end: run, method, ε, metric beside the public-only baseline."""
+    epsilon = "no DP" if result["epsilon"] is None else f"ε = {result['epsilon']:.3g}, δ = {result['delta']:.3g}"
+    return (f"{result['run']} ({result['method']}, {epsilon}): {metric_label} {result['metric']:.4g}; "
+            f"public-only baseline {result['baseline_metric']:.4g}. Model and card: {output_dir}")

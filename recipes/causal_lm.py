@@ -41,83 +41,35 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from transformers import HfArgumentParser
 
 from hf_dp import DPTrainingArguments
 from hf_dp.language_modeling import LanguageModelingConfig, run_language_modeling
-from hf_dp.runs import finish_processes, method_of, plain_training_arguments
+from hf_dp.runs import RecipeArguments, finish_processes, recipe_run, summary_line
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @dataclass
-class ScriptArguments:
-    """Data, model and reporting flags of the causal-LM recipe (training flags: DPTrainingArguments)."""
+class ScriptArguments(RecipeArguments):
+    """Flags of the causal-LM recipe: the shared data/LoRA/reporting flags plus model and text length."""
 
-    model_name_or_path: str = field(
+    model_name_or_path: str | None = field(
         default=None, metadata={"help": "Causal LM to fine-tune: a local path or a Hub id (required)."}
     )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer (default: the model's)."}
     )
-    dataset: str = field(
-        default="shakespeare",
-        metadata={"help": "'shakespeare' (speeches by speaking role) or a JSONL/CSV/Parquet path or Hub dataset id."},
-    )
-    eval_dataset: str | None = field(
-        default=None,
-        metadata={"help": "Test data (other users than --dataset). Default: a seeded 20%% of the users, held out."},
-    )
-    user_column: str = field(default="user_id", metadata={"help": "Column with the user id (the privacy unit)."})
-    text_column: str = field(default="text", metadata={"help": "Column with the text."})
     max_length: int = field(default=64, metadata={"help": "Tokens per text, EOS included (longer: truncated)."})
-    use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
-    )
-    non_private: bool = field(
-        default=False,
-        metadata={"help": "Train without DP (plain transformers.Trainer; privacy flags ignored), for comparison."},
-    )
-    results_dir: str = field(default="results", metadata={"help": "Where <run>.json is written."})
-    max_train_users: int | None = field(default=None, metadata={"help": "Train on a seeded sample of users."})
-    max_eval_examples: int | None = field(default=None, metadata={"help": "Evaluate on a seeded sample of rows."})
 
 
 def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> dict:
     if script_args.model_name_or_path is None:
         raise SystemExit("--model_name_or_path is required (a local path or a Hub id of a causal LM).")
-    if script_args.non_private:
-        training_args = plain_training_arguments(training_args)
-    config = LanguageModelingConfig(
-        run=Path(training_args.run_name or training_args.output_dir).name,
-        method=method_of(training_args),
-        results_dir=script_args.results_dir,
-        dataset=script_args.dataset,
-        eval_dataset=script_args.eval_dataset,
-        user_column=script_args.user_column,
-        text_column=script_args.text_column,
-        model_name_or_path=script_args.model_name_or_path,
-        tokenizer_name_or_path=script_args.tokenizer_name_or_path,
-        max_length=script_args.max_length,
-        use_lora=script_args.use_lora,
-        lora_r=script_args.lora_r,
-        lora_alpha=script_args.lora_alpha,
-        lora_target_modules=script_args.lora_target_modules,
-        max_train_users=script_args.max_train_users,
-        max_eval_examples=script_args.max_eval_examples,
-        eval_batch_size=training_args.per_device_eval_batch_size,
-        progress=not training_args.disable_tqdm,
-        seed=training_args.seed,
-    )
+    config, training_args = recipe_run(LanguageModelingConfig, script_args, training_args)
     result = run_language_modeling(config, training_args)
-    epsilon = "no DP" if result["epsilon"] is None else f"ε = {result['epsilon']:.3g}, δ = {result['delta']:.3g}"
-    print(f"{result['run']} ({result['method']}, {epsilon}): perplexity {result['metric']:.2f}; "
-          f"public-only baseline {result['baseline_metric']:.2f}. Model and card: {training_args.output_dir}")
+    print(summary_line(result, "perplexity", training_args.output_dir))
     return result
 
 

@@ -61,27 +61,15 @@ from transformers import HfArgumentParser
 
 from hf_dp import DPTrainingArguments
 from hf_dp.classification import ClassificationConfig, run_classification
-from hf_dp.runs import finish_processes, method_of, plain_training_arguments
+from hf_dp.runs import RecipeArguments, finish_processes, recipe_run, summary_line
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @dataclass
-class ScriptArguments:
-    """Data, model and reporting flags of the classification recipe (training flags: DPTrainingArguments)."""
+class ScriptArguments(RecipeArguments):
+    """Flags of the classification recipe: the shared data/LoRA/reporting flags plus label, model and head."""
 
-    dataset: str = field(
-        default="shakespeare",
-        metadata={"help": "'shakespeare' (the embedded user-partitioned corpus) or a JSONL/CSV/Parquet path or "
-                          "Hub dataset id."},
-    )
-    eval_dataset: str | None = field(
-        default=None,
-        metadata={"help": "Test data (other users than --dataset). Default: a seeded 20%% of the users of "
-                          "--dataset, held out."},
-    )
-    user_column: str = field(default="user_id", metadata={"help": "Column with the user id (the privacy unit)."})
-    text_column: str = field(default="text", metadata={"help": "Column with the text."})
     label_column: str = field(default="label", metadata={"help": "Column with the class label."})
     model_name_or_path: str | None = field(
         default=None,
@@ -95,19 +83,6 @@ class ScriptArguments:
                           "(AutoModelForSequenceClassification, any architecture).",
                   "choices": ["similarity", "linear"]},
     )
-    use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (+ head) instead of all weights."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
-    )
-    non_private: bool = field(
-        default=False,
-        metadata={"help": "Train without DP (plain transformers.Trainer; privacy flags ignored), for comparison."},
-    )
-    results_dir: str = field(default="results", metadata={"help": "Where <run>.json is written."})
-    max_train_users: int | None = field(default=None, metadata={"help": "Train on a seeded sample of users."})
-    max_eval_examples: int | None = field(default=None, metadata={"help": "Evaluate on a seeded sample of rows."})
     label_descriptions: str | None = field(
         default=None,
         metadata={"help": "JSON file {label: [descriptions]} for the zero-shot baseline. Default: built-in "
@@ -116,38 +91,13 @@ class ScriptArguments:
 
 
 def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> dict:
-    if script_args.non_private:
-        training_args = plain_training_arguments(training_args)
     descriptions = None
     if script_args.label_descriptions is not None:
         descriptions = json.loads(Path(script_args.label_descriptions).read_text())
-    config = ClassificationConfig(
-        run=Path(training_args.run_name or training_args.output_dir).name,
-        method=method_of(training_args),
-        results_dir=script_args.results_dir,
-        dataset=script_args.dataset,
-        eval_dataset=script_args.eval_dataset,
-        user_column=script_args.user_column,
-        text_column=script_args.text_column,
-        label_column=script_args.label_column,
-        label_descriptions=descriptions,
-        model_name_or_path=script_args.model_name_or_path,
-        max_length=script_args.max_length,
-        head=script_args.head,
-        use_lora=script_args.use_lora,
-        lora_r=script_args.lora_r,
-        lora_alpha=script_args.lora_alpha,
-        lora_target_modules=script_args.lora_target_modules,
-        max_train_users=script_args.max_train_users,
-        max_eval_examples=script_args.max_eval_examples,
-        eval_batch_size=training_args.per_device_eval_batch_size,
-        progress=not training_args.disable_tqdm,
-        seed=training_args.seed,
-    )
+    config, training_args = recipe_run(ClassificationConfig, script_args, training_args,
+                                       label_descriptions=descriptions)
     result = run_classification(config, training_args)
-    epsilon = "no DP" if result["epsilon"] is None else f"ε = {result['epsilon']:.3g}, δ = {result['delta']:.3g}"
-    print(f"{result['run']} ({result['method']}, {epsilon}): accuracy {result['metric']:.4f}; "
-          f"public-only baseline {result['baseline_metric']:.4f}. Model and card: {training_args.output_dir}")
+    print(summary_line(result, "accuracy", training_args.output_dir))
     return result
 
 
