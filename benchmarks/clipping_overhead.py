@@ -27,6 +27,10 @@ Run (defaults are scaled down to take a few minutes on a CPU):
     python benchmarks/clipping_overhead.py --vs-opacus
     python benchmarks/clipping_overhead.py --vs-opacus --untie-gpt2 --archs gpt2 --finetune full
     python benchmarks/clipping_overhead.py --full-size --seq-len 256 --batch-size 8 --vs-opacus
+    python benchmarks/clipping_overhead.py --device cuda --dtype bfloat16 --full-size --seq-len 256
+
+On CUDA, times are taken between `torch.cuda.synchronize()` calls and the peak is
+`torch.cuda.max_memory_allocated()` over one extra step (all live tensors, the model included).
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ def build_model(arch: str, args) -> torch.nn.Module:
         )
         model = LlamaForCausalLM(config)
     model.config._attn_implementation = "sdpa"
-    return model
+    return model.to(device=args.device, dtype=getattr(torch, args.dtype))
 
 
 def with_lora(model: torch.nn.Module, arch: str) -> torch.nn.Module:
@@ -95,7 +99,8 @@ def make_batch(args) -> Dict[str, torch.Tensor]:
     input_ids = input_ids.masked_fill(attention_mask == 0, 0)
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     position_ids = torch.arange(seq).repeat(batch, 1)  # materialised (B, T)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels}
+    return {key: value.to(args.device) for key, value in batch.items()}
 
 
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -195,8 +200,20 @@ class Opacus(Mode):
 # Measurement
 
 
-def peak_tensor_bytes(step: Callable[[], None]) -> int:
-    """Largest total size of live tensors during `step`, from torch.profiler's memory timeline."""
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_tensor_bytes(step: Callable[[], None], device: str = "cpu") -> int:
+    """Largest total size of live tensors during `step`: the CUDA allocator's peak, or on the CPU
+    torch.profiler's memory timeline."""
+    if device.startswith("cuda"):
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated()
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
@@ -241,13 +258,15 @@ def run_case(arch: str, lora: bool, args, batch) -> Dict[str, Dict[str, float]]:
     times: Dict[str, List[float]] = {name: [] for name in modes}
     for _ in range(args.reps):
         for name, mode in modes.items():
+            synchronize(args.device)
             start = time.perf_counter()
             mode.step(batch)
+            synchronize(args.device)
             times[name].append(time.perf_counter() - start)
     results = {name: {"time": statistics.median(values)} for name, values in times.items()}
     if not args.no_memory:
         for name, mode in modes.items():
-            results[name]["peak"] = peak_tensor_bytes(lambda mode=mode: mode.step(batch))
+            results[name]["peak"] = peak_tensor_bytes(lambda mode=mode: mode.step(batch), args.device)
     for name, reason in failures.items():
         results[name] = {"error": reason}
     return results
@@ -307,6 +326,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per mode (interleaved)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="parameter and activation dtype (ghost norms are always computed in float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--vs-opacus", action="store_true", help="also time Opacus ghost clipping (pip install opacus)")
     parser.add_argument("--strategies", action="store_true", help="also time hf_dp with forced ghost / materialize")
@@ -326,7 +348,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     batch = make_batch(args)
     print(
-        f"# torch {torch.__version__}, {torch.get_num_threads()} threads; hidden {args.hidden}, {args.layers} blocks, "
+        f"# torch {torch.__version__}, {args.device} {args.dtype}, {torch.get_num_threads()} threads; hidden {args.hidden}, {args.layers} blocks, "
         f"{args.heads} heads, vocab {args.vocab}, batch {args.batch_size} x {args.seq_len} tokens (ragged, padded); "
         f"median of {args.reps} interleaved reps after {args.warmup} warm-up steps; "
         "peak = largest live tensor bytes in a profiled step (torch.profiler memory timeline)",
