@@ -38,7 +38,10 @@ with 200 or 400 steps, or with G = 8 speeches per role (2.9x the compute), stays
 example-level DP-SGD at ε = 8 on all 24 k speeches about 3: protecting whole roles instead of single speeches
 costs the whole gain on this data. The task is hard: TF-IDF logistic regression on all 24 k training
 speeches reaches only 0.48 on the held-out plays, so the room above the baseline (0.44) is a few points, and
-1,101 users are few for user-level DP. `--quick` runs the same pipeline on a tiny subset in well under a minute
+1,101 users are few for user-level DP. Worse, bounding each role's influence changes what is learnt: roles
+are spread over the genres differently from speeches, and even noise-free training of the head on at most
+G ≤ 8 speeches per role, or with roles weighted equally (the ULS objective), lands below the baseline
+(`benchmarks/user_weighting.py`). `--quick` runs the same pipeline on a tiny subset in well under a minute
 (for tests; its numbers mean nothing).
 
 Example:
