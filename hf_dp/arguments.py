@@ -68,7 +68,7 @@ class DPTrainingArguments(TrainingArguments):
     Defaults that differ from [`~transformers.TrainingArguments`]: `max_grad_norm` means the per-unit clip
     norm; `gradient_accumulation_steps` must stay 1 (the logical batch is `expected_batch_size`, split into
     micro-batches of `per_device_train_batch_size` examples); `num_train_epochs` counts expected passes over
-    the units (steps = epochs / sample rate).
+    the units (steps = epochs / sample rate); `fp16` is refused (its loss scaling bypasses clipping): use `bf16`.
 
     Example:
 
@@ -125,6 +125,12 @@ class DPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if self.fp16:  # before Trainer's own checks, which would complain about the device instead
+            raise ValueError(
+                "Invalid DPTrainingArguments:\n  - fp16=True: fp16 training scales the loss (GradScaler), which the "
+                "per-unit clipping and noise do not go through, so updates would be silently wrong. Use --bf16 "
+                "(bfloat16 needs no loss scaling) or full precision."
+            )
         super().__post_init__()
         problems = []
         if self.privacy_unit not in PRIVACY_UNITS:
@@ -148,6 +154,16 @@ class DPTrainingArguments(TrainingArguments):
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: DP training forms its logical "
                 "batch itself; set expected_batch_size for the logical batch and per_device_train_batch_size for "
                 "memory, and leave gradient_accumulation_steps at 1."
+            )
+        if self.label_smoothing_factor:
+            problems.append(
+                f"label_smoothing_factor={self.label_smoothing_factor}: DP training computes plain per-example "
+                "cross-entropy for clipping; set it to 0."
+            )
+        if self.fsdp or self.deepspeed:
+            problems.append(
+                "FSDP / DeepSpeed: sharded parameters and gradients are not supported by the clipping engine yet; "
+                "use data parallelism (accelerate launch with a multi-GPU DDP config, recipes/configs/multi_gpu.yaml)."
             )
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
         if problems:

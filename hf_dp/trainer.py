@@ -109,6 +109,9 @@ class DPTrainer(Trainer):
             train_dataset, args.user_id_column, _contribution_bound(train_dataset, args), seed=args.seed
         )
         super().__init__(model=model, args=args, train_dataset=self.partition.dataset, **kwargs)
+        if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+            raise ValueError("FSDP / DeepSpeed (from the accelerate config): sharded parameters are not supported by "
+                             "the clipping engine yet; launch with a DDP config (recipes/configs/multi_gpu.yaml).")
         self.clipper = GhostClipper(self.model)
         self.privacy_plan = self._plan_privacy()
         self.accountant = accounting.PrivacyAccountant()

@@ -261,6 +261,9 @@ def test_unsupported_trainable_layer_is_refused_before_training(tmp_path):
         ({"contribution_bound": "many"}, "contribution_bound"),
         ({"gradient_accumulation_steps": 4}, "expected_batch_size"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"fp16": True}, "bf16"),
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+        ({"fsdp": "full_shard"}, "FSDP"),
     ],
 )
 def test_argument_validation(tmp_path, overrides, message):
