@@ -11,18 +11,26 @@ the embedded MiniLM (only the similarity head is trained, full batch, no noise, 
   the objective of ELS and example-level DP-SGD), and per role (every role weighted equally, the ULS
   objective), with at most G speeches per role as in the study.
 
-    python benchmarks/user_weighting.py [--steps 300] [--contribution-bound 2 8 1000]
+- with `--finetune`, the study's own non-private fine-tuning (LoRA + similarity head, `hf_dp.study`'s
+  settings: 400 steps of 32 speeches) on the speeches a contribution bound G keeps, for each G: what a
+  user-level DP run with that G could reach with no noise at all.
 
-About 2 minutes on 2 CPU cores (most of it embedding 30 k speeches once).
+    python benchmarks/user_weighting.py [--steps 300] [--contribution-bound 2 8 1000] [--finetune]
+
+About 2 minutes on 2 CPU cores (most of it embedding 30 k speeches once); `--finetune` adds about
+3 minutes per G.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import tempfile
 
 import numpy as np
 import torch
 
-from hf_dp.classification import ClassificationConfig, build_model, load_classification_data
+from hf_dp import study
+from hf_dp.classification import ClassificationConfig, build_model, load_classification_data, run_classification
 from hf_dp.data import partition_by_user
 
 
@@ -44,10 +52,28 @@ def train_head(model, features, labels, weights, steps: int) -> torch.nn.Module:
     return head
 
 
+def bounded(data, user_column: str, bound: int):
+    """The training rows a contribution bound G keeps (the same seeded choice as DPTrainer's)."""
+    indexed = data.train.add_column("row", list(range(len(data.train))))
+    part = partition_by_user(indexed, user_column, bound, seed=0)
+    return part, part.dataset["row"]
+
+
+def finetune_on_bounded(data, bound: int, baseline: float) -> float:
+    """Test accuracy of the study's non-private fine-tuning on the rows G keeps."""
+    entry = study.StudyRun(run=f"non-private-G{bound}", method="non-private")
+    with tempfile.TemporaryDirectory() as results_dir:
+        config = study._config(entry, study.DEMO_SETTINGS, results_dir, 0, True, baseline)
+        _, rows = bounded(data, config.user_column, bound)
+        result = run_classification(config, data=dataclasses.replace(data, train=data.train.select(rows)))
+    return result["metric"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--contribution-bound", type=int, nargs="+", default=[2, 8, 1000])
+    parser.add_argument("--finetune", action="store_true", help="also the study's non-private LoRA fine-tuning")
     args = parser.parse_args()
 
     config = ClassificationConfig(run="user-weighting", use_lora=False)
@@ -72,20 +98,24 @@ def main() -> None:
         with torch.no_grad():
             return (head(test_x).argmax(1) == test_y).float().mean().item()
 
-    print(f"\nzero-shot baseline: test accuracy {accuracy(model.head):.4f}")
+    baseline = accuracy(model.head)
+    print(f"\nzero-shot baseline: test accuracy {baseline:.4f}")
     print(f"head trained without noise for {args.steps} full-batch steps (test accuracy):")
     print("      G   per speech   per role (ULS objective)")
-    indexed = data.train.add_column("row", list(range(len(data.train))))
     for bound in args.contribution_bound:
-        part = partition_by_user(indexed, config.user_column, bound, seed=0)
-        rows = torch.as_tensor(part.dataset["row"])
+        part, rows = bounded(data, config.user_column, bound)
+        rows = torch.as_tensor(rows)
         units = torch.as_tensor(part.row_user)
         per_speech = torch.full((len(rows),), 1.0 / len(rows))
         per_role = 1.0 / torch.bincount(units)[units].float() / part.num_users
         x, y = train_x[rows], train_y[rows]
         speech = accuracy(train_head(model, x, y, per_speech, args.steps))
         role = accuracy(train_head(model, x, y, per_role, args.steps))
-        print(f"  {bound:5d}   {speech:.4f}       {role:.4f}")
+        print(f"  {bound:5d}   {speech:.4f}       {role:.4f}", flush=True)
+    if args.finetune:
+        print("\nthe study's non-private LoRA fine-tuning on the speeches G keeps (test accuracy):")
+        for bound in args.contribution_bound:
+            print(f"  G = {bound:5d}: {finetune_on_bounded(data, bound, baseline):.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -598,7 +598,7 @@ def run_classification(config: ClassificationConfig, training_args=None, *,
     Raises:
         ValueError: a bad configuration (see [`~hf_dp.DPTrainingArguments`] and [`~hf_dp.DPTrainer`]).
     """
-    from transformers import AutoTokenizer, DataCollatorWithPadding
+    from transformers import AutoTokenizer, DataCollatorWithPadding, set_seed
 
     if training_args is None:
         training_args = config.training_arguments()
@@ -620,6 +620,7 @@ def run_classification(config: ClassificationConfig, training_args=None, *,
     base_model = _base_model_name(config.model_name_or_path)
     card = dict(dataset_name=data.dataset_name, metric_name="accuracy", baseline_result=baseline_metric,
                 base_model=base_model, task="text-classification", **(card_extra or {}))
+    set_seed(training_args.seed)  # LoRA and new heads start from the run's seed, whatever ran before
     trainer, train_seconds = fit(build_model(config, data.label_names), training_args, train,
                                  data_collator=DataCollatorWithPadding(tokenizer), tokenizer=tokenizer, card=card,
                                  callbacks=callbacks)

@@ -249,6 +249,8 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
     Raises:
         ValueError: no model name and no model, no tokenizer, or a bad configuration.
     """
+    from transformers import set_seed
+
     if training_args is None:
         training_args = config.training_arguments()
     method = method_of(training_args)
@@ -260,6 +262,7 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
         if tokenizer.eos_token_id is None:
             raise ValueError("The tokenizer has neither a pad nor an EOS token: set tokenizer.pad_token.")
         tokenizer.pad_token = tokenizer.eos_token
+    set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     model = wrap_lora(model, config) if model is not None else build_model(config)
     collator = CausalLMCollator(tokenizer.pad_token_id)
     keep = (config.user_column,) if method != "non-private" else ()

@@ -19,6 +19,7 @@ from hf_dp.classification import (
     accuracy,
     compute_metrics,
     load_classification_data,
+    load_classifier,
     run_classification,
     tokenize_classification,
 )
@@ -301,3 +302,17 @@ def test_accelerate_launch_classify_recipe_on_cpu(tmp_path):
     assert saved["privacy"]["num_users"] == 40 and saved["epsilon"] <= 8.0
     assert (tmp_path / "models" / "uls" / "README.md").is_file()
     assert "public-only baseline" in result.stdout
+
+
+def test_a_run_does_not_depend_on_what_ran_before(tmp_path, toy_jsonl, tiny_bert_dir):
+    """LoRA and a new head are initialised from the run's seed: the global RNG state before the run is irrelevant."""
+    metrics = []
+    for draws in (0, 7):
+        torch.manual_seed(123)
+        torch.rand(draws)  # another run or an evaluation used the global generator
+        config = toy_config(tmp_path / str(draws), tiny_bert_dir, toy_jsonl, run="seeded", method="non-private",
+                            use_lora=True, head="linear", baseline_metric=0.0, max_steps=5)
+        run_classification(config)
+        model, _ = load_classifier(tmp_path / str(draws) / "models" / "seeded")
+        metrics.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(metrics[0], metrics[1], rtol=0, atol=0)
