@@ -75,8 +75,8 @@ import torch
 from .runs import (
     METHODS,
     RunConfig,
-    load_splits,
     fit,
+    load_splits,
     method_of,
     result_record,
     save_result,

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from .runs import (
     RunConfig,
-    load_splits,
     fit,
+    load_splits,
     method_of,
     result_record,
     save_result,

@@ -41,8 +41,8 @@ speeches reaches only 0.48 on the held-out plays, so the room above the baseline
 1,101 users are few for user-level DP. Worse, bounding each role's influence changes what is learnt: roles
 are spread over the genres differently from speeches, and non-private fine-tuning on the 2,005 speeches that
 G = 2 keeps reaches only the baseline (0.434-0.440), against 0.455-0.461 for G = 8 and 0.466-0.473 for every
-speech (`benchmarks/user_weighting.py --finetune`). `--quick` runs the same pipeline on a tiny subset in well under a minute
-(for tests; its numbers mean nothing).
+speech (`benchmarks/user_weighting.py --finetune`). `--quick` runs the same pipeline on a tiny subset in
+well under a minute (for tests; its numbers mean nothing).
 
 Example:
 
@@ -62,7 +62,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from .runs import load_result
