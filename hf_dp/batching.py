@@ -37,10 +37,6 @@ class LogicalBatch:
     total_units: int
     micro_batches: list = field(default_factory=list)
 
-    @property
-    def num_rows(self) -> int:
-        return sum(len(mb.loss_weights) if mb.loss_weights is not None else _rows(mb.features) for mb in self.micro_batches)
-
 
 class LogicalBatches(torch.utils.data.Dataset):
     """Maps a step's [`~hf_dp.sampling.SampledUnits`] to a [`LogicalBatch`] (used as a DataLoader's dataset).
@@ -88,11 +84,6 @@ class LogicalBatches(torch.utils.data.Dataset):
         columns = self.dataset[rows]
         examples = [dict(zip(columns, values)) for values in zip(*columns.values())]
         return self.data_collator(examples)
-
-
-def _rows(features: dict) -> int:
-    first = next(iter(features.values()))
-    return len(first)
 
 
 def identity(batch):

@@ -41,9 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "stack.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(subparsers)
-    _add_demo(subparsers)
-    _add_app(subparsers)
-    _add_publish(subparsers)
+    for name in _MODULE_COMMANDS:
+        _add_module_command(subparsers, name)
     return parser
 
 
@@ -61,33 +60,26 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- hf-dp demo / app / publish (flags and behaviour live in hf_dp.study / hf_dp.app / hf_dp.publish) --
 
-def _add_demo(subparsers) -> None:
-    from . import study
-
-    parser = subparsers.add_parser(
-        "demo", help="the privacy/utility study on the embedded default (MiniLM, Shakespeare genres)",
-        description="Public-only baseline, user-level DP (ULS) at ε=8 and non-private fine-tuning of the embedded "
-                    "MiniLM on Shakespeare speeches by role; --grid runs the full study.")
-    study.build_parser(parser).set_defaults(func=study.run)
-
-
-def _add_app(subparsers) -> None:
-    from . import app
-
-    parser = subparsers.add_parser(
-        "app", help="Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
-        description="Serve the Gradio app on --host:--port over the runs in --results-dir.")
-    app.build_parser(parser).set_defaults(func=app.run)
+# name -> (module with build_parser/run, help, description)
+_MODULE_COMMANDS = {
+    "demo": ("study", "the privacy/utility study on the embedded default (MiniLM, Shakespeare genres)",
+             "Public-only baseline, user-level DP (ULS) at ε=8 and non-private fine-tuning of the embedded MiniLM "
+             "on Shakespeare speeches by role; --grid runs the full study."),
+    "app": ("app", "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
+            "Serve the Gradio app on --host:--port over the runs in --results-dir."),
+    "publish": ("publish", "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
+                "Upload a saved model, its tokenizer and its privacy card to the Hub; checks the card and that the "
+                "Hub is reachable before uploading anything."),
+}
 
 
-def _add_publish(subparsers) -> None:
-    from . import publish
+def _add_module_command(subparsers, name: str) -> None:
+    import importlib
 
-    parser = subparsers.add_parser(
-        "publish", help="upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
-        description="Upload a saved model, its tokenizer and its privacy card to the Hub; checks the card and "
-                    "that the Hub is reachable before uploading anything.")
-    publish.build_parser(parser).set_defaults(func=publish.run)
+    module_name, help_text, description = _MODULE_COMMANDS[name]
+    module = importlib.import_module(f".{module_name}", __package__)
+    parser = subparsers.add_parser(name, help=help_text, description=description)
+    module.build_parser(parser).set_defaults(func=module.run)
 
 
 # ---- hf-dp plan -------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from . import accounting
 __all__ = ["plan", "recommend_contribution_bound_els", "recommend_contribution_bound_uls"]
 
 DEFAULT_TARGET_EPSILON = 8.0
-MODES = ("uls", "els", "example")
 MODE_LABELS = {"uls": "ULS", "els": "ELS (MoG)", "example": "example-level"}
 
 

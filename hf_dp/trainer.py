@@ -227,8 +227,11 @@ class DPTrainer(Trainer):
                 else:
                     weighted, unit_ids = losses, None
                 norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=args.max_grad_norm)
-                totals += torch.tensor([losses.detach().sum().item(), len(losses), len(norms),
-                                        (norms > args.max_grad_norm).sum().item()], dtype=torch.float64, device=args.device)
+                # Accumulated on the device: no host sync per micro-batch.
+                totals[0] += losses.detach().sum().to(totals)
+                totals[1] += len(losses)
+                totals[2] += len(norms)
+                totals[3] += (norms > args.max_grad_norm).sum().to(totals)
         if inputs.micro_batches and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "A non-empty batch produced no gradient for any parameter the optimizer updates: the trainable "

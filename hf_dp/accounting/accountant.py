@@ -190,7 +190,6 @@ class _Discretisation:
         self.delta_error = delta_error
         self.max_self_compositions = list(horizons)
         domain = Domain.create_aligned(-half_width, half_width, mesh)
-        self.domain_size = len(domain)
         self.composer = composers.Heterogeneous([self._discretise(prv, domain) for prv in prvs])
         self._powers: dict[int, tuple[int, np.ndarray]] = {}
 

@@ -49,7 +49,7 @@ RDP_ORDERS = tuple([1.0 + x / 10.0 for x in range(1, 100)] + [float(a) for a in 
 
 # Mixture components whose weight w_k is below this carry no mass that any float64 CDF value
 # can resolve (CDF values near 1 have 1e-16 resolution); they are left out of the mass sums
-# (never out of the privacy loss). Their total weight is also returned as ``dropped_weight``.
+# (never out of the privacy loss).
 _NEGLIGIBLE_WEIGHT = 1e-30
 # Points are processed in chunks so that the (points x components) work arrays stay small.
 _CHUNK = 1 << 15
@@ -142,7 +142,6 @@ class MixtureOfGaussiansMechanism(PrivacyRandomVariable):
         heavy = self._log_w >= math.log(_NEGLIGIBLE_WEIGHT)
         self._mass_k = k[heavy]
         self._mass_w = np.exp(self._log_w[heavy])
-        self.dropped_weight = float(np.exp(self._log_w[~heavy]).sum()) if (~heavy).any() else 0.0
         self._newton_terms = list(zip(self._newton_k.tolist(), self._newton_log_a.tolist()))
         self._mass_terms = list(zip(self._mass_k.tolist(), self._mass_w.tolist()))
         self._split_x = self._median_of_q() if direction == "remove" else 0.0

@@ -27,25 +27,25 @@ def _tokens(tensor: Tensor, batch_size: int) -> Tensor:
     return tensor.reshape(batch_size, -1, tensor.shape[-1])
 
 
-@register_rule(nn.Linear, name="linear", params={"weight": OUTER, "bias": EXAMPLE})
-def linear_rule(layer: nn.Linear, activations: Tensor, output_grads: Tensor) -> Dict[str, GradTerm]:
-    """`nn.Linear`: ∇W = Σ_t g_t a_tᵀ (rows: outputs), ∇b = Σ_t g_t."""
+def _dense_terms(layer, activations: Tensor, output_grads: Tensor, *, outputs_first: bool) -> Dict[str, GradTerm]:
+    """Weight as a sum of outer products over tokens, bias as the summed output gradient."""
     batch_size = output_grads.shape[0]
     activations = _tokens(activations, batch_size)  # (B, N, d_in)
     output_grads = _tokens(output_grads, batch_size)  # (B, N, d_out)
-    terms: Dict[str, GradTerm] = {"weight": OuterGrad(left=output_grads, right=activations)}
+    left, right = (output_grads, activations) if outputs_first else (activations, output_grads)
+    terms: Dict[str, GradTerm] = {"weight": OuterGrad(left=left, right=right)}
     if layer.bias is not None:
         terms["bias"] = ExampleGrad(output_grads.sum(dim=1, dtype=compute_dtype(output_grads.dtype)))  # (B, d_out)
     return terms
+
+
+@register_rule(nn.Linear, name="linear", params={"weight": OUTER, "bias": EXAMPLE})
+def linear_rule(layer: nn.Linear, activations: Tensor, output_grads: Tensor) -> Dict[str, GradTerm]:
+    """`nn.Linear`: ∇W = Σ_t g_t a_tᵀ (rows: outputs), ∇b = Σ_t g_t."""
+    return _dense_terms(layer, activations, output_grads, outputs_first=True)
 
 
 @register_rule(Conv1D, name="conv1d", params={"weight": OUTER, "bias": EXAMPLE})
 def conv1d_rule(layer: Conv1D, activations: Tensor, output_grads: Tensor) -> Dict[str, GradTerm]:
     """transformers `Conv1D` (weight `(d_in, d_out)`): ∇W = Σ_t a_t g_tᵀ, ∇b = Σ_t g_t."""
-    batch_size = output_grads.shape[0]
-    activations = _tokens(activations, batch_size)  # (B, N, d_in)
-    output_grads = _tokens(output_grads, batch_size)  # (B, N, d_out)
-    terms: Dict[str, GradTerm] = {"weight": OuterGrad(left=activations, right=output_grads)}
-    if layer.bias is not None:
-        terms["bias"] = ExampleGrad(output_grads.sum(dim=1, dtype=compute_dtype(output_grads.dtype)))  # (B, d_out)
-    return terms
+    return _dense_terms(layer, activations, output_grads, outputs_first=False)
