@@ -740,6 +740,28 @@ class PrivacyAccountant:
 
     def __init__(self) -> None:
         self._segments: list[list] = []  # [Kind, steps]
+        self._pure_dp: list[dict] = []  # [{"label": str, "epsilon": float}]: data-dependent choices
+
+    def record_pure_dp(self, label: str, epsilon: float) -> None:
+        """Record one ε-DP release made from the private data (e.g. a DP quantile that chose G).
+
+        It composes with the DP-SGD steps by basic composition: `epsilon(delta)` adds its ε
+        (affects accounting). Raises `ValueError` for a non-positive or non-finite ε.
+        """
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.number)) \
+                or not (epsilon > 0 and math.isfinite(epsilon)):
+            raise ValueError(f"epsilon={epsilon!r} of the {label!r} release must be a positive finite number.")
+        self._pure_dp.append({"label": str(label), "epsilon": float(epsilon)})
+
+    @property
+    def pure_dp(self) -> list[dict]:
+        """The ε-DP releases recorded with `record_pure_dp`, oldest first."""
+        return [dict(r) for r in self._pure_dp]
+
+    @property
+    def pure_dp_epsilon(self) -> float:
+        """Total ε of the recorded ε-DP releases (added to the DP-SGD ε)."""
+        return float(sum(r["epsilon"] for r in self._pure_dp))
 
     def step(self, *, sample_rate: float, noise_multiplier: float, group_size: int = 1, steps: int = 1) -> None:
         """Record `steps` DP-SGD steps with these parameters (affects accounting)."""
@@ -772,8 +794,9 @@ class PrivacyAccountant:
         return f"{self.steps} steps of {parts}"
 
     def epsilon_bounds(self, delta: float) -> tuple[float, float, float]:
-        """(lower, estimate, upper) ε of all recorded steps at `delta` ((0, 0, 0) when empty)."""
-        return _composition_bounds([tuple(s) for s in self._segments], _check_delta(delta))
+        """(lower, estimate, upper) ε of all recorded steps and ε-DP releases at `delta` ((0, 0, 0) when empty)."""
+        extra = self.pure_dp_epsilon
+        return tuple(e + extra for e in _composition_bounds([tuple(s) for s in self._segments], _check_delta(delta)))
 
     def epsilon(self, delta: float) -> float:
         """ε spent so far at `delta`: the upper bound, never understated (0 when empty)."""
@@ -809,11 +832,12 @@ class PrivacyAccountant:
             last.noise_multiplier if noise_multiplier is None else noise_multiplier,
             (last.group_size if last is not None else 1) if group_size is None else group_size,
         )
-        return _composition_bounds([tuple(s) for s in self._segments] + [(kind, steps)], _check_delta(delta))[2]
+        return self.pure_dp_epsilon + _composition_bounds(
+            [tuple(s) for s in self._segments] + [(kind, steps)], _check_delta(delta))[2]
 
     def state_dict(self) -> dict:
         """JSON-safe state: {"format": 1, "segments": [{sample_rate, noise_multiplier, group_size, steps}]}."""
-        return {"format": self.STATE_FORMAT, "segments": self.history}
+        return {"format": self.STATE_FORMAT, "segments": self.history, "pure_dp": self.pure_dp}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from `state_dict()` output (validated; the ledger is replaced, never merged).
@@ -822,7 +846,7 @@ class PrivacyAccountant:
             ValueError: the state is not a ledger written by this class.
         """
         if not isinstance(state, dict) or state.get("format") != self.STATE_FORMAT \
-                or not isinstance(state.get("segments"), list):
+                or not isinstance(state.get("segments"), list) or not isinstance(state.get("pure_dp", []), list):
             raise ValueError(f"Not a PrivacyAccountant state (expected {{'format': {self.STATE_FORMAT}, "
                              f"'segments': [...]}}), got {state!r:.200}.")
         segments = []
@@ -839,7 +863,18 @@ class PrivacyAccountant:
                 segments[-1][1] += steps
             else:
                 segments.append([kind, steps])
+        pure_dp = []
+        for i, release in enumerate(state.get("pure_dp", [])):
+            if not isinstance(release, dict) or set(release) != {"label", "epsilon"}:
+                raise ValueError(f"Ledger pure_dp entry {i} must have exactly the keys ['epsilon', 'label'], "
+                                 f"got {release!r:.200}.")
+            epsilon = release["epsilon"]
+            if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) \
+                    or not (epsilon > 0 and math.isfinite(epsilon)):
+                raise ValueError(f"Ledger pure_dp entry {i} has an invalid epsilon {epsilon!r}.")
+            pure_dp.append({"label": str(release["label"]), "epsilon": float(epsilon)})
         self._segments = segments
+        self._pure_dp = pure_dp
 
     def __repr__(self) -> str:
         return f"PrivacyAccountant(steps={self.steps}, segments={len(self._segments)})"
