@@ -18,7 +18,7 @@ from scipy import stats
 
 from hf_dp import accounting
 from hf_dp.accounting import MixtureOfGaussiansMechanism, PrivacyAccountant
-from hf_dp.accounting import accountant as accountant_module
+from hf_dp.accounting import AccountingError, calibration, composition, discretisation
 
 DELTA = 1e-5
 
@@ -142,17 +142,48 @@ def test_rdp_quadrature_agrees_with_exact_orders():
 
 
 def test_discretisation_internals_match_prv_accountant():
-    """The two routines reimplemented for speed and precision give prv-accountant's results."""
+    """The routine reimplemented for speed gives prv-accountant's result."""
     prv = MixtureOfGaussiansMechanism(0.01, 1.0, 4, "remove")
-    disc = accountant_module._Discretisation([prv], [300], eps_error=0.05, delta_error=DELTA / 1000)
+    disc = discretisation.Discretisation([prv], [300], eps_error=0.05, delta_error=DELTA / 1000)
     pmf = disc.compute_composition([300])
-    ours = accountant_module._epsilon_from_pmf(pmf, DELTA, disc.delta_error, disc.eps_error)
+    ours = composition.epsilon_from_pmf(pmf, DELTA, disc.delta_error, disc.eps_error)
     np.testing.assert_allclose(ours, pmf.compute_epsilon(DELTA, disc.delta_error, disc.eps_error), rtol=1e-12)
-    # truncated mean: Simpson on the mesh tails vs adaptive quadrature of the tails
-    edges = np.linspace(-12.0, 12.0, 240001)
-    upper, value = prv.tails(edges)
-    assert accountant_module._truncated_mean(edges, upper, value) == pytest.approx(
-        prv.truncated_mean(-12.0, 12.0), abs=1e-11)
+
+
+@pytest.mark.parametrize("sample_rate, noise_multiplier, group_size", [
+    (1e-4, 0.4, 1), (1e-6, 0.3, 1), (0.5, 0.7, 1), (1.0, 2.0, 1), (3e-5, 0.5, 4), (0.01, 1.0, 32), (0.3, 5.0, 256)])
+@pytest.mark.parametrize("direction", ["remove", "add"])
+def test_truncated_mean_agrees_with_adaptive_quadrature(sample_rate, noise_multiplier, group_size, direction):
+    """The mean that the certificate rests on: Gauss–Legendre in input space against QUADPACK,
+    including where all the mass sits in one mesh cell (q ≤ 1e-4)."""
+    prv = MixtureOfGaussiansMechanism(sample_rate, noise_multiplier, group_size, direction)
+    lo, hi = -15.0, 15.0
+    adaptive, error = prv.loss_moment_adaptive(lo, hi)
+    assert error < 1e-13
+    assert prv.loss_moment(lo, hi) == pytest.approx(adaptive, abs=1e-13, rel=1e-10)
+    assert prv.loss_moment(lo, hi, panel=0.5) == pytest.approx(adaptive, abs=1e-13, rel=1e-10)
+
+
+def test_mean_of_the_many_users_corner_is_not_a_mesh_rule():
+    """At q=1e-4, σ=0.4 the mean privacy loss is +1.70e-6 (remove) and +1.40e-6 (add): both are
+    KL divergences, so positive (a rule on the loss mesh gave −3.35e-6 and −1.5e-4)."""
+    for direction, expected in (("remove", 1.6973e-6), ("add", 1.4015e-6)):
+        prv = MixtureOfGaussiansMechanism(1e-4, 0.4, 1, direction)
+        assert prv.loss_moment(-40.0, 40.0) == pytest.approx(expected, rel=1e-3)
+
+
+def test_unresolved_mean_falls_back_then_raises(monkeypatch):
+    """The run-time guard: when the two Gauss–Legendre rules disagree, adaptive quadrature decides;
+    when that is not resolved either, no ε."""
+    prv = MixtureOfGaussiansMechanism(1e-3, 0.5, 1, "remove")
+    honest = discretisation.Discretisation([prv], [1000], eps_error=0.05, delta_error=DELTA / 1000)
+    monkeypatch.setattr(prv, "loss_moment", lambda lo, hi, panel=0.25: 1e-3 * panel)
+    fallback = discretisation.Discretisation([prv], [1000], eps_error=0.05, delta_error=DELTA / 1000)
+    shifts = [d.composer.self_composers[0].domain.shifts() for d in (honest, fallback)]
+    assert shifts[1] == pytest.approx(shifts[0], abs=1e-12)
+    monkeypatch.setattr(prv, "loss_moment_adaptive", lambda lo, hi: (2e-3, 1e-6))
+    with pytest.raises(AccountingError, match="not resolved"):
+        discretisation.Discretisation([prv], [1000], eps_error=0.05, delta_error=DELTA / 1000)
 
 
 def test_mog_is_far_tighter_than_group_privacy():
@@ -175,7 +206,7 @@ def test_noise_multiplier_inverts_epsilon():
         spent = accounting.epsilon(sample_rate=sample_rate, noise_multiplier=sigma, steps=steps, delta=DELTA,
                                    group_size=group_size)
         assert spent <= target
-        smaller = sigma / (1 + accountant_module.NOISE_MULTIPLIER_RTOL)
+        smaller = sigma / (1 + calibration.NOISE_MULTIPLIER_RTOL)
         assert accounting.epsilon(sample_rate=sample_rate, noise_multiplier=smaller, steps=steps, delta=DELTA,
                                   group_size=group_size) > target
         # the ledger of that run stays within the target too

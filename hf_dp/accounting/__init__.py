@@ -14,19 +14,29 @@ Notation: the project's names in code, Greek letters only inside the accounting 
 `group_size=1` accounts example-level DP-SGD and ULS user-level DP-SGD (the Poisson-subsampled
 Gaussian); `group_size=G>1` accounts ELS user-level DP-SGD (the mixture-of-Gaussians mechanism
 of Charles et al. 2024). Both adjacency directions (add and remove) are accounted and the larger
-ε is reported; the ε reported is prv-accountant's upper bound, so it is never understated.
+ε is reported; the ε reported is prv-accountant's certified upper bound, so it is never understated.
+
+Modules, in the order the numbers flow: `checks` (arguments and the tested domain),
+`mechanisms` (each step's privacy random variable), `discretisation` (prv-accountant's mesh, with
+a checked mean), `composition` (ε and its bounds), `calibration` (σ for a target),
+`group_privacy` (the loose comparison for ELS), `ledger` (`PrivacyAccountant`), `cache` (one
+memo for all of it, `CACHE.clear()`).
 """
-from .accountant import (
-    PrivacyAccountant,
-    describe_mechanism,
-    epsilon,
-    epsilon_bounds,
-    group_privacy_epsilon,
-    noise_multiplier,
-)
+from .cache import CACHE, AccountingCache
+from .calibration import noise_multiplier
+from .checks import MAX_GROUP_SIZE, MAX_STEPS
+from .discretisation import AccountingError
+from .composition import describe_mechanism, epsilon, epsilon_bounds
+from .group_privacy import group_privacy_epsilon
+from .ledger import PrivacyAccountant
 from .mechanisms import MixtureOfGaussiansMechanism
 
 __all__ = [
+    "CACHE",
+    "MAX_GROUP_SIZE",
+    "MAX_STEPS",
+    "AccountingCache",
+    "AccountingError",
     "MixtureOfGaussiansMechanism",
     "PrivacyAccountant",
     "describe_mechanism",

@@ -1,0 +1,142 @@
+"""Make `accounting_references.json`: independent ε references for `tests/test_accounting_references.py`.
+
+Run from the repo root (about 30-60 min on 2 cores; the tests only read the committed JSON):
+
+    python tests/reference/make_accounting_references.py            # all cases
+    python tests/reference/make_accounting_references.py --only NAME  # recompute one case
+
+References, none of them hf_dp code:
+- G = 1: prv-accountant's stock `PRVAccountant` on its own `PoissonSubsampledGaussianMechanism`,
+  whose certified interval [lower, upper] contains the true ε ("remove" direction, the larger
+  one for the Poisson-subsampled Gaussian); dp-accounting's PLD (both directions, optimistic and
+  pessimistic rounding) where the stock accountant fails or as a second opinion.
+- G > 1: dp-accounting's PLD of the mixture of Gaussians (Binomial(G, q) sensitivities; its
+  `MixtureOfGaussiansDpEvent`), both adjacency directions, pessimistic rounding (an upper bound)
+  at discretisation interval h and 2h: |ε(2h) − ε(h)| estimates its discretisation error.
+  (Its optimistic rounding returns 0 at these small q: no usable lower bound.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import binom
+
+OUT = Path(__file__).with_name("accounting_references.json")
+
+# (name, q, σ, T, G, δ). Dense where user-level DP lives: q ≤ 1e-3, σ ≤ 0.6, T ≥ 1e4.
+CASES = [
+    # the review's table
+    ("q3e-4-s0.35-T1e5", 3e-4, 0.35, 100_000, 1, 1e-5),
+    ("q1e-4-s0.35-T1e5", 1e-4, 0.35, 100_000, 1, 1e-5),
+    ("q1e-4-s0.35-T3e4", 1e-4, 0.35, 30_000, 1, 1e-5),
+    ("q1e-3-s0.35-T3e4", 1e-3, 0.35, 30_000, 1, 1e-5),
+    ("q1e-4-s0.4-T1e4", 1e-4, 0.4, 10_000, 1, 1e-5),
+    ("q1e-4-s0.4-T1e5", 1e-4, 0.4, 100_000, 1, 1e-5),
+    ("q1e-4-s0.383-T3e4", 1e-4, 0.383, 30_000, 1, 1.5625e-7),  # 640k users, batch 64, 3 epochs
+    # the many-users corner
+    ("q1e-5-s0.3-T1e5", 1e-5, 0.3, 100_000, 1, 1e-6),
+    ("q1e-5-s0.5-T1e5", 1e-5, 0.5, 100_000, 1, 1e-6),
+    ("q3e-5-s0.4-T1e5", 3e-5, 0.4, 100_000, 1, 1e-6),
+    ("q3e-5-s0.6-T3e4", 3e-5, 0.6, 30_000, 1, 1e-6),
+    ("q1e-4-s0.3-T1e4", 1e-4, 0.3, 10_000, 1, 1e-5),
+    ("q1e-4-s0.5-T3e4", 1e-4, 0.5, 30_000, 1, 1e-5),
+    ("q1e-4-s0.6-T1e5", 1e-4, 0.6, 100_000, 1, 1e-5),
+    ("q3e-4-s0.45-T3e4", 3e-4, 0.45, 30_000, 1, 1e-5),
+    ("q3e-4-s0.6-T1e4", 3e-4, 0.6, 10_000, 1, 1e-5),
+    ("q1e-3-s0.5-T1e4", 1e-3, 0.5, 10_000, 1, 1e-5),
+    ("q1e-3-s0.6-T1e5", 1e-3, 0.6, 100_000, 1, 1e-5),
+    ("q1e-3-s0.4-T1e4-d1e-12", 1e-3, 0.4, 10_000, 1, 1e-12),
+    ("q1e-4-s0.5-T1e4-d1e-3", 1e-4, 0.5, 10_000, 1, 1e-3),
+    ("q1e-6-s0.3-T1e6", 1e-6, 0.3, 1_000_000, 1, 1e-7),
+    ("q1e-5-s0.6-T1e6", 1e-5, 0.6, 1_000_000, 1, 1e-7),
+    # the rest of the domain
+    ("q1e-2-s1-T1e3", 0.01, 1.0, 1000, 1, 1e-5),
+    ("q0.5-s5-T100", 0.5, 5.0, 100, 1, 1e-5),
+    ("q0.2-s0.5-T20", 0.2, 0.5, 20, 1, 1e-5),
+    ("q1-s100-T1e6", 1.0, 100.0, 1_000_000, 1, 1e-5),
+    ("q1-s2-T1", 1.0, 2.0, 1, 1, 1e-5),
+    ("q1-s0.8-T10", 1.0, 0.8, 10, 1, 1e-5),
+    ("q0.05-s0.7-T500", 0.05, 0.7, 500, 1, 1e-5),
+    ("q1e-2-s10-T1e5-d1e-12", 0.01, 10.0, 100_000, 1, 1e-12),
+    ("q0.01-s0.3-T1", 0.01, 0.3, 1, 1, 1e-5),
+    # ELS, G > 1 (mixture of Gaussians)
+    ("G4-q3e-5-s0.5-T1e5", 3e-5, 0.5, 100_000, 4, 1e-5),
+    ("G2-q1e-4-s0.4-T3e4", 1e-4, 0.4, 30_000, 2, 1e-5),
+    ("G8-q1e-4-s0.6-T1e4", 1e-4, 0.6, 10_000, 8, 1e-5),
+    ("G16-q1e-5-s0.5-T1e5", 1e-5, 0.5, 100_000, 16, 1e-6),
+    ("G32-q1e-3-s2-T1e4", 1e-3, 2.0, 10_000, 32, 1e-5),
+    ("G4-q1e-3-s0.6-T1e4", 1e-3, 0.6, 10_000, 4, 1e-5),
+    ("G64-q1e-4-s1-T1e4", 1e-4, 1.0, 10_000, 64, 1e-6),
+    ("G256-q1e-5-s1-T1e4", 1e-5, 1.0, 10_000, 256, 1e-6),
+    ("G256-q0.01-s30-T1e3", 0.01, 30.0, 1000, 256, 1e-5),
+    ("G32-q0.01-s4-T1e3", 0.01, 4.0, 1000, 32, 1e-5),
+    ("G4-q0.01-s1-T1e3", 0.01, 1.0, 1000, 4, 1e-5),
+    ("G16-q0.5-s10-T10", 0.5, 10.0, 10, 16, 1e-5),
+    ("G8-q0.05-s3-T200-d1e-12", 0.05, 3.0, 200, 8, 1e-12),
+]
+
+
+def stock_prv(q, sigma, steps, delta, eps_error=0.01):
+    from prv_accountant import PRVAccountant
+    from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
+
+    accountant = PRVAccountant([PoissonSubsampledGaussianMechanism(q, sigma)], eps_error=eps_error,
+                               delta_error=delta / 1000, max_self_compositions=[steps])
+    lower, estimate, upper = accountant.compute_epsilon(delta, [steps])
+    return {"lower": lower, "estimate": estimate, "upper": upper, "eps_error": eps_error}
+
+
+def pld(q, sigma, steps, group, delta, interval):
+    from dp_accounting.pld import privacy_loss_distribution as pld_module
+
+    k = np.arange(group + 1)
+    weights = binom.pmf(k, group, q)
+    keep = weights > 0
+    out = {"interval": interval}
+    for name, h in (("pessimistic", interval), ("pessimistic_2h", 2 * interval)):
+        if group == 1:
+            dist = pld_module.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=h)
+        else:
+            dist = pld_module.from_mixture_gaussian_mechanism(
+                sigma, k[keep].astype(float).tolist(), weights[keep].tolist(), value_discretization_interval=h)
+        out[name] = dist.self_compose(steps).get_epsilon_for_delta(delta)
+    out["discretisation_error"] = abs(out["pessimistic_2h"] - out["pessimistic"])
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="case names to (re)compute")
+    args = parser.parse_args(argv)
+    results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    for name, q, sigma, steps, group, delta in CASES:
+        if args.only and name not in args.only or not args.only and name in results:
+            continue
+        record = {"sample_rate": q, "noise_multiplier": sigma, "steps": steps, "group_size": group, "delta": delta}
+        start = time.time()
+        if group == 1:
+            try:
+                record["prv_accountant"] = stock_prv(q, sigma, steps, delta)
+            except Exception as error:  # noqa: BLE001 - recorded: the PLD reference is used instead
+                record["prv_accountant_error"] = f"{type(error).__name__}: {error}"
+        if group > 1 or "prv_accountant" not in record:
+            interval = 1e-3 if steps <= 1000 else 1e-4 if steps <= 100_000 else 2e-4
+            try:
+                record["dp_accounting"] = pld(q, sigma, steps, group, delta, interval)
+            except Exception as error:  # noqa: BLE001
+                record["dp_accounting_error"] = f"{type(error).__name__}: {error}"
+        record["seconds"] = round(time.time() - start, 1)
+        results[name] = record
+        OUT.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(name, json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
