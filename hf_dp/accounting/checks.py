@@ -9,7 +9,7 @@ import numpy as np
 # The accountant's tested domain. Beyond it the numerics are not checked against references:
 # refuse with one line rather than answer slowly or wrongly.
 MAX_STEPS = 10_000_000
-MAX_GROUP_SIZE = 1024
+MAX_GROUP_SIZE = 256
 MIN_DELTA = 1e-15
 
 

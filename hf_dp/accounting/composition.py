@@ -33,7 +33,7 @@ import numpy as np
 
 from .cache import CACHE
 from .checks import Kind, check_delta, check_group_size, check_steps, make_kind
-from .discretisation import Discretisation
+from .discretisation import Discretisation, truncated_chernoff_half_width
 from .mechanisms import DIRECTIONS, RDP_ORDERS, MixtureOfGaussiansMechanism
 
 __all__ = ["describe_mechanism", "epsilon", "epsilon_bounds"]
@@ -90,17 +90,26 @@ def rdp_epsilon(kinds, counts, delta: float) -> float:
     return worst
 
 
+def epsilon_scale(kinds, counts, delta: float) -> float:
+    """A cheap upper bound on ε (the smaller of the RDP ε and a Chernoff bound on the capped
+    loss, `truncated_chernoff_half_width`): it sizes the coarse discretisation's error."""
+    rdp = rdp_epsilon(kinds, counts, delta)
+    tail = max(truncated_chernoff_half_width([mechanism(kind, d) for kind in kinds], counts, 0.0, delta) - 3
+               for d in DIRECTIONS)
+    return max(0.0, min(rdp, tail))
+
+
 def _build(direction: str, kinds, horizons, delta: float, eps_error: float) -> Discretisation:
     return Discretisation([mechanism(kind, direction) for kind in kinds], horizons, eps_error,
                           DELTA_ERROR_RELATIVE * delta)
 
 
 def coarse_discretisations(kinds, horizons, delta: float) -> tuple[Discretisation, ...]:
-    """A coarse discretisation per direction, its stated error 3 % of the RDP ε: ~8x cheaper than
+    """A coarse discretisation per direction, its stated error 3 % of `epsilon_scale`: ~8x cheaper than
     the final one. Its *estimate* is much more accurate than its stated error (~0.3 %): it sets
     the final `eps_error` and guides the noise calibration."""
     def build():
-        coarse_error = max(EPS_ERROR_MIN, 0.03 * rdp_epsilon(kinds, horizons, delta))
+        coarse_error = max(EPS_ERROR_MIN, 0.03 * epsilon_scale(kinds, horizons, delta))
         return tuple(_build(d, kinds, horizons, delta, coarse_error) for d in DIRECTIONS)
 
     return CACHE.coarse.get_or_build((kinds, horizons, delta), build)

@@ -43,6 +43,8 @@ class Discretisation:
     `composers.Heterogeneous` (FFT self-composition per kind, convolution across kinds). The
     differences:
 
+    - the domain is the smaller of prv-accountant's (RDP tail bounds) and a Chernoff bound on
+      the truncated loss (`truncated_chernoff_half_width`: RDP explodes for large G at small σ);
     - the masses come from the mechanism's small tails (`MixtureOfGaussiansMechanism.tails`:
       full precision far in either tail, where a CDF near 1 rounds masses away);
     - the truncated mean is an integral in input space, checked (see the module docstring);
@@ -52,7 +54,8 @@ class Discretisation:
     """
 
     def __init__(self, prvs, horizons, eps_error: float, delta_error: float) -> None:
-        half_width = compute_safe_domain_size(prvs, list(horizons), eps_error=eps_error, delta_error=delta_error)
+        half_width = min(compute_safe_domain_size(prvs, list(horizons), eps_error=eps_error, delta_error=delta_error),
+                         truncated_chernoff_half_width(prvs, horizons, eps_error, delta_error))
         per_mesh = math.sqrt(sum(horizons) / 2 * math.log(12 / delta_error))  # eps_error / mesh
         size = min(2 * math.ceil(half_width * per_mesh / eps_error) + 2, MAX_MESH_POINTS)
         fast = next_fast_len(size, real=True)
@@ -96,6 +99,33 @@ class Discretisation:
     def compute_delta_upper(self, eps: float, counts) -> float:
         """prv-accountant's upper bound on δ(ε) (`PRVAccountant.compute_delta`'s last entry)."""
         return float(self.compute_composition(counts).compute_delta_estimate(eps - self.eps_error) + self.delta_error)
+
+
+def truncated_chernoff_half_width(prvs, horizons, eps_error: float, delta_error: float) -> float:
+    """A domain half-width L with the same guarantees as prv-accountant's `compute_safe_domain_size`.
+
+    That function needs P[Y_i > L] ≤ delta_error/(8T) for every step and P[Σ Y_i > L] ≤
+    delta_error/4 for the composition (then adds 3), and gets them from RDP. For the mixture of
+    Gaussians at large G and small σ the Rényi divergences are astronomically large (driven by
+    mass below 1e-1000), and so is its L. Here instead: a cap c_i with T·P[Y_i > c_i] ≤
+    delta_error/8 from the exact tails, and Chernoff on the capped losses,
+    P[Σ min(Y_i, c_i) > L] ≤ exp(−λL + Σ T_i log E[e^{λ min(Y_i, c_i)}]) ≤ delta_error/8.
+    """
+    total = sum(horizons)
+    caps = [loss_cap(prv, delta_error / (8 * total * len(prvs))) for prv in prvs]
+    lambdas = np.array([x / 10.0 for x in range(1, 100)] + [float(a) for a in range(11, 63)])
+    log_mgf = sum(n * prv.capped_log_mgf(lambdas, cap) for prv, n, cap in zip(prvs, horizons, caps))
+    composed = float(np.min((log_mgf + math.log(8 / delta_error)) / lambdas))
+    return max(composed, *caps, eps_error) + 3
+
+
+def loss_cap(prv: MixtureOfGaussiansMechanism, tail: float) -> float:
+    """Smallest point c of a geometric grid with P[Y > c] ≤ `tail` (from the exact tails)."""
+    grid = np.geomspace(1e-3, 1e5, 2000)
+    upper, value = prv.tails(grid)
+    survival = np.where(upper, value, 1.0 - value)
+    below = np.flatnonzero(survival <= tail)
+    return float(grid[below[0]]) if below.size else math.inf
 
 
 def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float) -> DiscretePrivacyRandomVariable:

@@ -424,6 +424,29 @@ class MixtureOfGaussiansMechanism(PrivacyRandomVariable):
             error += w * part_error / math.sqrt(2 * math.pi)
         return value, error
 
+    def capped_log_mgf(self, lambdas, cap: float) -> np.ndarray:
+        """log E[exp(λ · min(Y, cap))] for each λ > 0 (Gauss–Legendre in input space, split at the
+        cap's x): finite for every λ, unlike the Rényi divergences of the uncapped loss."""
+        lambdas = np.asarray(lambdas, dtype=float)
+        if not math.isfinite(cap):
+            return np.full(lambdas.shape, math.inf)
+        nodes, weights = _GAUSS_LEGENDRE
+        sigma = self.noise_multiplier
+        if self.direction == "remove":
+            x_cap, sign, components = float(self.inverse_privacy_loss(cap)[0]), 1.0, self._mass_terms
+        else:  # −L(x) ≥ cap  ⟺  x ≤ x(−cap)
+            x_cap, sign, components = float(self.inverse_privacy_loss(-cap)[0]), -1.0, [(0.0, 1.0)]
+        log_terms = []
+        for k, w in components:
+            split = min(max((x_cap - k) / sigma, -_Z_RANGE), _Z_RANGE)
+            edges = np.unique(np.r_[np.arange(-_Z_RANGE, _Z_RANGE + 1.0), split])
+            half = 0.5 * np.diff(edges)
+            z = (0.5 * (edges[:-1] + edges[1:])[:, None] + half[:, None] * nodes).ravel()
+            log_node = np.log((half[:, None] * weights).ravel()) - 0.5 * z * z + math.log(w) - 0.5 * math.log(2 * math.pi)
+            loss = np.minimum(sign * self.privacy_loss(k + sigma * z), cap)
+            log_terms.append(lambdas[:, None] * loss + log_node)
+        return _logsumexp(np.concatenate(log_terms, axis=1), axis=1)
+
     def _moment_pieces(self, t_lo: float, t_hi: float):
         """(k, w_k, z_lo, z_hi, sign) per mixture component: the event t_lo < Y ≤ t_hi in z."""
         sigma = self.noise_multiplier
