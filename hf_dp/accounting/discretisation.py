@@ -28,6 +28,10 @@ from .mechanisms import MixtureOfGaussiansMechanism
 MAX_MESH_POINTS = 1 << 22
 # The mean's tolerated error, as a share of eps_error spread over all steps.
 MEAN_ERROR_SHARE = 1e-3
+# Round-off of a float64 FFT composition, per √(mesh points), in the tail masses that δ is read
+# from (measured ~3e-15; bounded generously). Where δ's error budget is below it, the masses and
+# their FFTs are kept in long double (as prv-accountant's own mechanisms do), ~4x slower.
+FLOAT64_FFT_NOISE = 1e-12
 
 
 class AccountingError(Exception):
@@ -48,6 +52,7 @@ class Discretisation:
     - the masses come from the mechanism's small tails (`MixtureOfGaussiansMechanism.tails`:
       full precision far in either tail, where a CDF near 1 rounds masses away);
     - the truncated mean is an integral in input space, checked (see the module docstring);
+    - the masses stay in float64 unless δ's error budget is below the FFT's round-off;
     - the mesh has a fast FFT length (eps_error lowered slightly), at most `MAX_MESH_POINTS`
       (eps_error raised, still certified, when the steps would need more);
     - each kind's Fourier power F^n is kept, so the next step count costs one multiplication.
@@ -67,7 +72,8 @@ class Discretisation:
         self.max_self_compositions = list(horizons)
         domain = Domain.create_aligned(-half_width, half_width, mesh)
         mean_tolerance = MEAN_ERROR_SHARE * self.eps_error / sum(horizons)
-        self.composer = composers.Heterogeneous([discretise(prv, domain, mean_tolerance) for prv in prvs])
+        dtype = np.longdouble if delta_error < FLOAT64_FFT_NOISE * math.sqrt(fast) else np.float64
+        self.composer = composers.Heterogeneous([discretise(prv, domain, mean_tolerance, dtype) for prv in prvs])
         self._powers: dict[int, tuple[int, np.ndarray]] = {}
 
     def compute_composition(self, counts) -> DiscretePrivacyRandomVariable:
@@ -128,7 +134,8 @@ def loss_cap(prv: MixtureOfGaussiansMechanism, tail: float) -> float:
     return float(grid[below[0]]) if below.size else math.inf
 
 
-def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float) -> DiscretePrivacyRandomVariable:
+def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float,
+               dtype=np.float64) -> DiscretePrivacyRandomVariable:
     """Cell-centred masses of `prv` on `domain`, shifted to the truncated mean (prv-accountant's
     `CellCentred` discretiser, with the masses and the mean computed for precision)."""
     t_min, t_max, mesh = domain.t_min(), domain.t_max(), domain.dt()
@@ -143,7 +150,7 @@ def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance:
     if not abs(shift) < mesh / 2:
         raise AccountingError(f"{prv!r}: the discrete mean differs from the continuous mean by {shift:.3g}, more "
                               f"than half a mesh cell ({mesh / 2:.3g}); no ε is returned.")
-    return DiscretePrivacyRandomVariable(pmf, domain.shift_right(shift))
+    return DiscretePrivacyRandomVariable(pmf.astype(dtype), domain.shift_right(shift))
 
 
 def truncated_mean(prv: MixtureOfGaussiansMechanism, t_lo: float, t_hi: float, mass: float,
