@@ -141,8 +141,6 @@ def epsilon_from_pmf(pmf_n, delta: float, delta_error: float, eps_error: float):
     """
     if pmf_n.log_pmc_inf != 0.0:
         return None
-    if np.finfo(pmf_n.pmf.dtype).eps * len(pmf_n.domain) > delta - delta_error:
-        raise ValueError("Floating point errors will dominate for such small values of delta.")
     domain = pmf_n.domain
     first = max(0, int(math.floor((-1.0 - domain.t_min()) / domain.dt())))
     t = np.arange(first, len(domain)) * domain.dt() + domain.t_min()

@@ -28,10 +28,11 @@ from .mechanisms import MixtureOfGaussiansMechanism
 MAX_MESH_POINTS = 1 << 22
 # The mean's tolerated error, as a share of eps_error spread over all steps.
 MEAN_ERROR_SHARE = 1e-3
-# Round-off of a float64 FFT composition, per √(mesh points), in the tail masses that δ is read
-# from (measured ~3e-15; bounded generously). Where δ's error budget is below it, the masses and
-# their FFTs are kept in long double (as prv-accountant's own mechanisms do), ~4x slower.
-FLOAT64_FFT_NOISE = 1e-12
+# Round-off of a composition, bounded by twice the negative mass the FFT leaves at losses ≥ 0
+# (where δ is read; an exact composition has none there), as a share of delta_error: above
+# the first the composition is redone in long double (as prv-accountant's own mechanisms are,
+# ~4x slower; δ ≲ 1e-7 with long runs), above the second no ε is returned.
+ROUND_OFF_SHARE = (0.1, 0.5)
 
 
 class AccountingError(Exception):
@@ -52,7 +53,7 @@ class Discretisation:
     - the masses come from the mechanism's small tails (`MixtureOfGaussiansMechanism.tails`:
       full precision far in either tail, where a CDF near 1 rounds masses away);
     - the truncated mean is an integral in input space, checked (see the module docstring);
-    - the masses stay in float64 unless δ's error budget is below the FFT's round-off;
+    - compositions are in float64 unless their round-off reaches δ's error budget;
     - the mesh has a fast FFT length (eps_error lowered slightly), at most `MAX_MESH_POINTS`
       (eps_error raised, still certified, when the steps would need more);
     - each kind's Fourier power F^n is kept, so the next step count costs one multiplication.
@@ -72,19 +73,32 @@ class Discretisation:
         self.max_self_compositions = list(horizons)
         domain = Domain.create_aligned(-half_width, half_width, mesh)
         mean_tolerance = MEAN_ERROR_SHARE * self.eps_error / sum(horizons)
-        dtype = np.longdouble if delta_error < FLOAT64_FFT_NOISE * math.sqrt(fast) else np.float64
-        self.composer = composers.Heterogeneous([discretise(prv, domain, mean_tolerance, dtype) for prv in prvs])
+        self.composer = composers.Heterogeneous([discretise(prv, domain, mean_tolerance) for prv in prvs])
+        self.long_double = False
         self._powers: dict[int, tuple[int, np.ndarray]] = {}
 
     def compute_composition(self, counts) -> DiscretePrivacyRandomVariable:
         """`composers.Heterogeneous.compute_composition`, with each kind's Fourier power F^n kept
-        so that the next step count costs one multiplication (the ledger asks for n, n+1, ...)."""
+        so that the next step count costs one multiplication (the ledger asks for n, n+1, ...),
+        redone in long double when float64 round-off reaches δ's error budget."""
         if any(n > h for n, h in zip(counts, self.max_self_compositions)):
             raise ValueError("Requested number of compositions exceeds the maximum number of compositions")
         parts = [self._self_compose(i, n) for i, n in enumerate(counts)]
-        if len(parts) == 1:
-            return parts[0]
-        return composers.ConvolutionTree(parts).compute_composition([1] * len(parts))
+        composed = parts[0] if len(parts) == 1 else \
+            composers.ConvolutionTree(parts).compute_composition([1] * len(parts))
+        negative = (composed.pmf < 0) & (composed.domain.ts() >= 0)
+        round_off = -2 * float(composed.pmf[negative].sum())
+        if round_off > ROUND_OFF_SHARE[self.long_double] * self.delta_error:
+            if self.long_double:
+                raise AccountingError(f"the composition's round-off ({round_off:.2g}) exceeds δ's error budget "
+                                      f"({self.delta_error:.2g}) even in long double: use a larger delta.")
+            self.long_double = True
+            self.composer = composers.Heterogeneous([
+                DiscretePrivacyRandomVariable(f.prvs[0].pmf.astype(np.longdouble), f.prvs[0].domain)
+                for f in self.composer.self_composers])
+            self._powers.clear()
+            return self.compute_composition(counts)
+        return composed
 
     def _self_compose(self, index: int, count: int) -> DiscretePrivacyRandomVariable:
         # composers.Fourier.compute_composition, with a cached power
@@ -134,8 +148,7 @@ def loss_cap(prv: MixtureOfGaussiansMechanism, tail: float) -> float:
     return float(grid[below[0]]) if below.size else math.inf
 
 
-def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float,
-               dtype=np.float64) -> DiscretePrivacyRandomVariable:
+def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float) -> DiscretePrivacyRandomVariable:
     """Cell-centred masses of `prv` on `domain`, shifted to the truncated mean (prv-accountant's
     `CellCentred` discretiser, with the masses and the mean computed for precision)."""
     t_min, t_max, mesh = domain.t_min(), domain.t_max(), domain.dt()
@@ -150,7 +163,7 @@ def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance:
     if not abs(shift) < mesh / 2:
         raise AccountingError(f"{prv!r}: the discrete mean differs from the continuous mean by {shift:.3g}, more "
                               f"than half a mesh cell ({mesh / 2:.3g}); no ε is returned.")
-    return DiscretePrivacyRandomVariable(pmf.astype(dtype), domain.shift_right(shift))
+    return DiscretePrivacyRandomVariable(pmf, domain.shift_right(shift))
 
 
 def truncated_mean(prv: MixtureOfGaussiansMechanism, t_lo: float, t_hi: float, mass: float,
