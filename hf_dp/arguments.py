@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -46,10 +48,14 @@ class DPTrainingArguments(TrainingArguments):
             Expected logical batch size: users per step for ULS, examples per step for ELS and example-level.
             The sample rate is `expected_batch_size / units`; the sampled size is random (Poisson).
         contribution_bound (`int` or `"auto"`, *optional*, defaults to `"auto"`):
-            G, the most rows one user may contribute (a seeded random subset is kept). `"auto"`: the median
-            rows per user for ELS; for ULS the noise-prediction heuristic
-            ([`~hf_dp.planner.recommend_contribution_bound_uls`]) under a compute budget of
-            `expected_batch_size` users × the median rows per user. Not used for example-level.
+            G, the most rows one user may contribute (a random subset is kept, drawn per user from a secret and
+            the user id only). `"auto"`: chosen with ε-DP from a public grid (1, 2, 3, 4, 6, 8, 12, ..., 256):
+            for ELS a DP median of the rows per user; for ULS the noise-prediction heuristic
+            ([`~hf_dp.planner.private_contribution_bound`]) run on that DP median. Not used for example-level.
+            `None` (every row kept) is refused for ELS, whose user-level accounting needs G.
+        contribution_bound_epsilon (`float`, *optional*, defaults to `0.1`):
+            ε spent choosing G when `contribution_bound="auto"` (the exponential mechanism); it is part of
+            `target_epsilon` (DP-SGD gets the rest) and is recorded in the ledger. Unused for a given G.
 
         > Clipping
 
@@ -64,6 +70,22 @@ class DPTrainingArguments(TrainingArguments):
         noise_seed (`int`, *optional*):
             Seeds the Poisson sampling and the noise. For tests only: a known seed voids the guarantee for
             anyone who knows it. Default: fresh OS entropy, never written to disk.
+
+        > Logging
+
+        private_logging (`bool`, *optional*, defaults to `True`):
+            Log `loss` and `dp/clipped_fraction` as noised sums over the sampled units, covered by ε: each unit's
+            loss clipped to [0, `max_loss`] plus N(0, (σ_log·max_loss)²), and the number of clipped units plus
+            N(0, σ_log²), both divided by the expected batch size. The ledger composes the gradient, loss and
+            count releases as one Gaussian mechanism of noise multiplier (σ⁻² + 2·σ_log⁻²)^(-1/2). `False`: log
+            only ε, δ, σ and q, nothing computed from the data. Affects accounting.
+        logging_noise_ratio (`float`, *optional*, defaults to `10.0`):
+            r = σ_log / σ. At a target ε the gradient noise grows by a factor √(1 + 2/r²): about 1 % for r = 10.
+            Affects accounting.
+        max_loss (`float`, *optional*, defaults to `5.0`):
+            Each unit's loss (ULS: the user's mean loss; ELS and example-level: one example's loss) is clipped to
+            [0, `max_loss`] before it is summed and logged; the logged loss's noise std is
+            σ_log·max_loss / expected batch size. Post-processing of the clip: no effect on ε.
 
     Defaults that differ from [`~transformers.TrainingArguments`]: `max_grad_norm` means the per-unit clip
     norm; `gradient_accumulation_steps` must stay 1 (the logical batch is `expected_batch_size`, split into
@@ -111,6 +133,11 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "G, the most rows kept per user: an integer, or 'auto' (ELS: median rows per user; "
                           "ULS: noise-prediction heuristic)."},
     )
+    contribution_bound_epsilon: float = field(
+        default=0.1,
+        metadata={"help": "ε spent choosing G privately when --contribution_bound is 'auto' (a DP median of the rows "
+                          "per user); part of --target_epsilon. Unused when G is given."},
+    )
     max_grad_norm: float = field(
         default=1.0,
         metadata={"help": "C, the clip norm of each unit's gradient (replaces Trainer's global clipping)."},
@@ -122,6 +149,20 @@ class DPTrainingArguments(TrainingArguments):
     noise_seed: int | None = field(
         default=None,
         metadata={"help": "Seed for Poisson sampling and noise, for tests only. Default: OS entropy, never saved."},
+    )
+    private_logging: bool = field(
+        default=True,
+        metadata={"help": "Log the training loss and clipped fraction as noised sums covered by ε (default). "
+                          "False: log only ε, δ, σ and q, nothing computed from the data."},
+    )
+    logging_noise_ratio: float = field(
+        default=10.0,
+        metadata={"help": "r: the logged loss and clipped count get noise r·σ (in units of --max_loss and of one "
+                          "unit); r = 10 costs about 1 percent more gradient noise at the same ε."},
+    )
+    max_loss: float = field(
+        default=5.0,
+        metadata={"help": "Each unit's loss is clipped to [0, max_loss] before its noised sum is logged."},
     )
 
     def __post_init__(self):
@@ -137,18 +178,27 @@ class DPTrainingArguments(TrainingArguments):
             problems.append(f"privacy_unit={self.privacy_unit!r}: use one of {PRIVACY_UNITS}.")
         if self.sampling not in SAMPLING_SCHEMES:
             problems.append(f"sampling={self.sampling!r}: use one of {SAMPLING_SCHEMES}.")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            problems.append(f"target_epsilon={self.target_epsilon}: must be > 0.")
+        if self.target_epsilon is not None and not _positive_finite(self.target_epsilon):
+            problems.append(f"target_epsilon={self.target_epsilon}: must be a finite number > 0.")
         if self.target_epsilon is None and self.noise_multiplier is None:
             problems.append("set target_epsilon (to calibrate the noise) or noise_multiplier (or both).")
-        if self.target_delta is not None and not 0 < self.target_delta < 1:
+        if self.target_delta is not None and not (_positive_finite(self.target_delta) and self.target_delta < 1):
             problems.append(f"target_delta={self.target_delta}: must be in (0, 1); leave it unset for 1/(10·units).")
-        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
-            problems.append(f"noise_multiplier={self.noise_multiplier}: must be > 0 (unset it to calibrate).")
-        if not self.max_grad_norm > 0:
-            problems.append(f"max_grad_norm={self.max_grad_norm}: the per-unit clip norm must be > 0.")
-        if not int(self.expected_batch_size) >= 1:
-            problems.append(f"expected_batch_size={self.expected_batch_size}: must be >= 1.")
+        if self.noise_multiplier is not None and not _positive_finite(self.noise_multiplier):
+            problems.append(f"noise_multiplier={self.noise_multiplier}: must be a finite number > 0 (unset it to "
+                            "calibrate).")
+        if not _positive_finite(self.max_grad_norm):
+            problems.append(f"max_grad_norm={self.max_grad_norm}: the per-unit clip norm must be a finite number > 0.")
+        seed = self.noise_seed
+        if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed >= 0):
+            problems.append(f"noise_seed={self.noise_seed!r}: use a non-negative integer, or leave it unset "
+                            "(fresh OS entropy).")
+        if not (self.logging_noise_ratio > 0 and math.isfinite(self.logging_noise_ratio)):
+            problems.append(f"logging_noise_ratio={self.logging_noise_ratio}: must be a positive number.")
+        if not (self.max_loss > 0 and math.isfinite(self.max_loss)):
+            problems.append(f"max_loss={self.max_loss}: the clip of each unit's logged loss must be > 0.")
+        if not (_is_integer(self.expected_batch_size) and self.expected_batch_size >= 1):
+            problems.append(f"expected_batch_size={self.expected_batch_size!r}: must be an integer >= 1.")
         if self.gradient_accumulation_steps != 1:
             problems.append(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: DP training forms its logical "
@@ -165,7 +215,17 @@ class DPTrainingArguments(TrainingArguments):
                 "FSDP / DeepSpeed: sharded parameters and gradients are not supported by the clipping engine yet; "
                 "use data parallelism (accelerate launch with a multi-GPU DDP config, recipes/configs/multi_gpu.yaml)."
             )
+        if self.privacy_unit == "user" and self.sampling == "els" and self.contribution_bound is None:
+            problems.append("contribution_bound=None with sampling='els': ELS accounts users through the bound G; "
+                            "set contribution_bound to an integer or 'auto'.")
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
+        if not _positive_finite(self.contribution_bound_epsilon):
+            problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon}: must be a finite "
+                            "number > 0.")
+        elif self.contribution_bound == "auto" and self.privacy_unit == "user" \
+                and _positive_finite(self.target_epsilon) and self.contribution_bound_epsilon >= self.target_epsilon:
+            problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon} leaves nothing of "
+                            f"target_epsilon={self.target_epsilon} for training: lower it or set contribution_bound.")
         if problems:
             raise ValueError("Invalid DPTrainingArguments:\n  - " + "\n  - ".join(problems))
         self.expected_batch_size = int(self.expected_batch_size)
@@ -174,6 +234,17 @@ class DPTrainingArguments(TrainingArguments):
     def accounting_mode(self) -> str:
         """`"uls"`, `"els"` or `"example"`: the mechanism the accountant composes."""
         return "example" if self.privacy_unit == "example" else self.sampling
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _is_integer(value) -> bool:
+    """An int (not a bool), or a float with an integer value (e.g. 64.0 from a config file)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
 
 
 def _parse_contribution_bound(value, problems: list[str]):

@@ -12,6 +12,9 @@ Subcommands:
     hf-dp plan --users 1000 --examples-per-user 20 --units-per-step 64 --steps 300 --epsilon 4
     hf-dp plan --data train.jsonl --user-column author --units-per-step 256 --noise-multiplier 1.0
 
+  With `--data`, the plan reads two numbers from the private file: the number of users and an ε-DP
+  median of the examples per user (`--data-epsilon`, default 0.1); it prints no exact count statistic.
+
 Bad input prints one line saying what to change on stderr and exits with status 2.
 
 New subcommands: add a `_add_<name>(subparsers)` that registers the parser with
@@ -97,6 +100,10 @@ def _add_plan(subparsers) -> None:
     population.add_argument("--examples-per-user", type=int, help="examples (rows) of every user")
     population.add_argument("--data", help="a .csv, .jsonl/.json or .parquet file with one example per row")
     population.add_argument("--user-column", help="the column of --data holding the user id")
+    population.add_argument("--data-epsilon", type=float, default=0.1,
+                            help="ε of the DP median of --data's examples per user, the only statistic the plan "
+                                 "reads from it besides the number of users (exponential mechanism on a public "
+                                 "grid; spent by this plan, in no run's ledger). Default: 0.1")
     run = plan.add_argument_group("run")
     run.add_argument("--units-per-step", type=float, default=64.0,
                      help="compute budget: expected examples processed per step, the same for every mode (ELS "
@@ -157,9 +164,15 @@ def _cmd_plan(args) -> int:
             raise ValueError("give either --data (with --user-column) or --users with --examples-per-user, not both.")
         if not args.user_column:
             raise ValueError("--data needs --user-column (the column with the user id).")
-        counts = _read_examples_per_user(args.data, args.user_column)
-        population = dict(examples_per_user=counts)
-        source = f"{args.data} (user column {args.user_column!r})"
+        if not (args.data_epsilon > 0 and math.isfinite(args.data_epsilon)):
+            raise ValueError(f"--data-epsilon {args.data_epsilon:g}: must be a positive number.")
+        exact = _read_examples_per_user(args.data, args.user_column)
+        # Plan on public numbers: the number of users and a DP median, never an exact statistic of the data.
+        median = planner.private_quantile(exact, epsilon=args.data_epsilon)
+        population = dict(users=len(exact), examples_per_user=median)
+        source = (f"{args.data} (user column {args.user_column!r}), planned as {len(exact)} users x {median} "
+                  f"examples: {median} is an ε-DP median of its examples per user (ε = {args.data_epsilon:g}, "
+                  "exponential mechanism on a public grid); no exact count is shown")
     else:
         if args.users is None or args.examples_per_user is None:
             raise ValueError("give --users and --examples-per-user, or --data with --user-column.")
@@ -168,7 +181,6 @@ def _cmd_plan(args) -> int:
         if args.examples_per_user < 1:
             raise ValueError(f"--examples-per-user {args.examples_per_user}: must be at least 1.")
         population = dict(users=args.users, examples_per_user=args.examples_per_user)
-        counts = [args.examples_per_user] * args.users
         source = f"{args.users} users x {args.examples_per_user} examples"
     for flag, value in (("--units-per-step", args.units_per_step), ("--epsilon", args.epsilon),
                         ("--noise-multiplier", args.noise_multiplier), ("--delta", args.delta)):
@@ -181,7 +193,7 @@ def _cmd_plan(args) -> int:
         delta=args.delta, noise_multiplier=args.noise_multiplier,
         contribution_bound_els=args.contribution_bound_els, contribution_bound_uls=args.contribution_bound_uls,
     )
-    print(format_plan(rows, counts, source))
+    print(format_plan(rows, source=source, **population))
     return 0
 
 
@@ -189,15 +201,12 @@ def _fmt(value, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_plan(rows: list[dict], counts, source: str) -> str:
+def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source: str) -> str:
     """The plan as an aligned text table with a header and notes."""
-    users, examples = len(counts), sum(counts)
-    ordered = sorted(counts)
     first = rows[0]
     lines = [
         f"Privacy budget plan: {source}",
-        f"  {users} users, {examples} examples; examples per user: median {ordered[(len(ordered) - 1) // 2]}, "
-        f"max {ordered[-1]}",
+        f"  {users} users, {users * examples_per_user} examples; examples per user: {examples_per_user}",
         f"  compute: {first['examples_per_step']:g} examples per step, {first['steps']} steps; "
         f"target ε = {first['target_epsilon']:g}",
         "",

@@ -6,6 +6,8 @@ collator, and survive Trainer's `remove_unused_columns`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -50,15 +52,18 @@ def examples_per_user(dataset, user_id_column: str) -> np.ndarray:
     return np.array(sorted(counts.values()), dtype=np.int64)
 
 
-def partition_by_user(dataset, user_id_column: str, contribution_bound: int | None, seed: int) -> UserPartition:
-    """Group rows by user and keep at most `contribution_bound` seeded-random rows per user.
+def partition_by_user(dataset, user_id_column: str, contribution_bound: int | None, secret) -> UserPartition:
+    """Group rows by user and keep at most `contribution_bound` random rows per user.
+
+    A user's rows are drawn from (`secret`, user id) alone ([`keyed_seed`]): adding or removing a user
+    changes no other user's rows. Keep `secret` out of anything released (it picks the rows).
 
     Raises:
         ValueError: the column is missing, or no row with a user id remains.
     """
     _check_user_column(dataset, user_id_column)
     ids = dataset[user_id_column]
-    missing = sum(u is None for u in ids)
+    missing = sum(_is_missing(u) for u in ids)
     if missing:
         logger.warning("Dropping %d training rows without a %r value.", missing, user_id_column)
     rows_by_user: dict = {}
@@ -70,10 +75,10 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
             f"No training row has a {user_id_column!r} value: DP training needs at least one user. "
             "Fill the user column or point --user_id_column at the right one."
         )
-    rng = np.random.default_rng(seed)
     kept = []
-    for rows in rows_by_user.values():
+    for user, rows in rows_by_user.items():
         if contribution_bound is not None and len(rows) > contribution_bound:
+            rng = np.random.default_rng(keyed_seed(secret, user, "rows"))
             rows = sorted(rng.choice(rows, size=contribution_bound, replace=False).tolist())
         kept.append(rows)
     keep = np.sort(np.concatenate([np.asarray(r, dtype=np.int64) for r in kept]))
@@ -91,6 +96,36 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
     return UserPartition(dataset=dataset, row_user=row_user, user_rows=user_rows, contribution_bound=contribution_bound)
 
 
+def keyed_seed(secret, user_id, purpose: str) -> int:
+    """A 64-bit number from (`secret`, `user_id`) alone: keyed BLAKE2b of the id's canonical JSON encoding.
+
+    Per-user choices drawn from it (the rows a contribution bound keeps, a user's side of a split) do not
+    depend on the other users, so neighbouring datasets treat every other user identically.
+
+    Args:
+        secret (`str`, `int` or `bytes`): the key (a run's secret, or a seed).
+        user_id: the user id (str, int, tuple, ...); `3` and `"3"` are different users.
+        purpose (`str`): separates the streams drawn from one key (at most 16 bytes used).
+
+    Example:
+        >>> keyed_seed("key", "alice", "rows") == keyed_seed("key", "alice", "rows") != keyed_seed("key", "bob", "rows")
+        True
+    """
+    key = secret if isinstance(secret, bytes) else str(secret).encode()
+    if len(key) > 64:  # BLAKE2b's key limit
+        key = hashlib.blake2b(key).digest()
+    if isinstance(user_id, np.generic):
+        user_id = user_id.item()
+    message = json.dumps(user_id, ensure_ascii=False, separators=(",", ":"), sort_keys=True, default=str).encode()
+    digest = hashlib.blake2b(message, key=key, person=purpose.encode()[:16], digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def keyed_uniform(secret, user_id, purpose: str) -> float:
+    """A number uniform in [0, 1) from (`secret`, `user_id`) alone (see [`keyed_seed`])."""
+    return keyed_seed(secret, user_id, purpose) / 2.0**64
+
+
 def _check_user_column(dataset, user_id_column: str) -> None:
     columns = getattr(dataset, "column_names", None)
     if columns is None:
@@ -103,5 +138,14 @@ def _check_user_column(dataset, user_id_column: str) -> None:
 
 
 def _as_keys(ids):
-    """Hashable keys for any user id (lists from JSON become tuples)."""
-    return [tuple(u) if isinstance(u, list) else u for u in ids]
+    """Hashable keys for any user id (lists from JSON become tuples); a missing id (NaN, NA) becomes `None`."""
+    return [None if _is_missing(u) else tuple(u) if isinstance(u, list) else u for u in ids]
+
+
+def _is_missing(user) -> bool:
+    """`None`, a float or numpy NaN, or pandas' NA / NaT: no user (each NaN would otherwise be a user of its own)."""
+    if user is None:
+        return True
+    if isinstance(user, (float, np.floating)):
+        return bool(np.isnan(user))
+    return type(user).__name__ in ("NAType", "NaTType")

@@ -11,8 +11,13 @@ templates. It has
   block with the DP result beside the public-only baseline (and non-private, if run);
 - a plain statement of the guarantee at its unit, the parameters, the accountant and its
   error bounds (for ELS, the loose group-privacy ε beside the mixture-of-Gaussians ε),
-  the evaluation beside the public-only baseline, and what the guarantee does not cover
-  (DESIGN §7; Tramèr, Kamath and Carlini 2024).
+  the evaluation beside the public-only baseline, and, in one section, what the guarantee
+  covers and what it does not (DESIGN §7; Tramèr, Kamath and Carlini 2024).
+
+Stated numbers never flatter the guarantee: ε and δ (and q) are rounded up, σ and the lower
+bound of ε down; the user and example counts are shown rounded to 2 significant figures and
+said not to be covered. [`write_privacy_card`] saves the ledger beside the card
+(`dp_ledger.json`), from which `hf-dp publish` recomputes ε before any upload.
 
 Writing a card is post-processing: it never changes the guarantee, it only reports it.
 """
@@ -20,23 +25,27 @@ Writing a card is post-processing: it never changes the guarantee, it only repor
 from __future__ import annotations
 
 import importlib.resources
+import json
 import math
 import numbers
 import os
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-__all__ = ["render_privacy_card", "write_privacy_card", "TEMPLATE_NAME"]
+__all__ = ["render_privacy_card", "write_privacy_card", "round_count", "LEDGER_FILE", "TEMPLATE_NAME"]
 
 TEMPLATE_NAME = "privacy_card.md"
+LEDGER_FILE = "dp_ledger.json"  # the accountant's state beside the card: `hf-dp publish` recomputes ε from it
 
 # The report's keys, in the order the `privacy:` block lists them.
 REPORT_KEYS = (
     "privacy_unit", "sampling", "epsilon", "delta", "epsilon_lower", "epsilon_estimate",
-    "target_epsilon", "epsilon_group_privacy", "noise_multiplier", "sample_rate",
+    "target_epsilon", "epsilon_group_privacy", "noise_multiplier", "logging_noise_multiplier",
+    "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "contribution_bound", "num_users",
     "num_examples", "accountant", "mechanism", "noise_seed",
 )
@@ -98,12 +107,37 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def _rounded(value: Any, exponent: int | None, up: bool, digits: int | None = None) -> Any:
+    """`value` rounded up (or down) to a multiple of 10**exponent, or to `digits` significant figures."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value == 0:
+        return value
+    exact = Decimal(repr(float(value)))  # the shortest decimal that is this float
+    if digits is not None:
+        exponent = exact.adjusted() - digits + 1
+    return float(exact.quantize(Decimal(1).scaleb(exponent), rounding=ROUND_CEILING if up else ROUND_FLOOR))
+
+
 def _fmt_up(value: Any, decimals: int) -> str:
     """Round an upper bound *up*, so the card never shows a smaller ε than was accounted."""
-    if isinstance(value, float) and not math.isinf(value):
-        scale = 10**decimals
-        value = math.ceil(round(value * scale, 9)) / scale
-    return _fmt(value, f".{decimals}f")
+    return _fmt(_rounded(value, -decimals, up=True), f".{decimals}f")
+
+
+def _fmt_down(value: Any, decimals: int) -> str:
+    """Round a lower bound *down*, so the stated interval always contains the accountant's."""
+    return _fmt(_rounded(value, -decimals, up=False), f".{decimals}f")
+
+
+def _fmt_sig(value: Any, digits: int, up: bool) -> str:
+    """`digits` significant figures, rounded up (δ, q) or down (σ): in the direction that never flatters ε."""
+    return _fmt(_rounded(value, None, up=up, digits=digits), f".{digits}g")
+
+
+def round_count(count: int | None) -> int | None:
+    """A count rounded to 2 significant figures (1101 -> 1100). Coarser, but not DP: still not covered by ε."""
+    if count is None:
+        return None
+    count = int(count)
+    return int(round(count, min(0, 2 - len(str(abs(count))))))
 
 
 def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -131,15 +165,54 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
     return ordered
 
 
+def _covered(report: Mapping[str, Any]) -> list[str]:
+    """What the stated (ε, δ) covers: the releases the ledger composes."""
+    items = [
+        "**The weights** of this model and of every training checkpoint: they are computed from the noised "
+        "gradient sums only.",
+    ]
+    if "logging_noise_multiplier" not in report:
+        items.append(
+            "**The training logs: not reported.** This report does not say whether the logged loss was "
+            "noised; treat any logged training loss or clipped fraction as not covered."
+        )
+    elif report["logging_noise_multiplier"] is None:
+        items.append(
+            "**The training logs**, which hold only ε, δ, σ and q (`dp/epsilon`, `dp/delta`, "
+            "`dp/noise_multiplier`, `dp/sample_rate`): no loss, clipped fraction or batch size was logged "
+            "(`private_logging=False`)."
+        )
+    else:
+        items.append(
+            "**The training logs** (`trainer_state.json`, every `report_to` integration): `loss` and "
+            "`dp/clipped_fraction` are noised sums over each step's Poisson sample — every unit's loss "
+            f"clipped to [0, {_fmt(report.get('max_loss'), 'g')}] plus Gaussian noise of std "
+            "σ_log·max_loss, and the number of clipped units plus noise of std σ_log, with σ_log = "
+            f"{_fmt_sig(report['logging_noise_multiplier'], 4, up=False)} — divided by the expected batch "
+            "size. The accountant composes them with the gradient as one Gaussian mechanism of noise "
+            f"multiplier σ_eff = (σ⁻² + 2·σ_log⁻²)^(-1/2) = "
+            f"{_fmt_sig(report.get('effective_noise_multiplier'), 4, up=False)}. `dp/epsilon`, `dp/delta`, "
+            "`dp/noise_multiplier` and `dp/sample_rate` are the plan's values. The sampled batch size is "
+            "never logged."
+        )
+    items.append(
+        "**This card's ε and δ**, computed from the ledger alone (no data), which is saved beside the card "
+        f"(`{LEDGER_FILE}`); `hf-dp publish` recomputes ε from it before any upload."
+    )
+    return items
+
+
 def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
     bound = report.get("contribution_bound")
+    units = "users" if report.get("sampling") == "uls" else "examples"
     items = [
         "**The pretraining data.** Only the private fine-tuning data is protected. Whatever "
         "the base model learned or memorised in pretraining is not, and the model may "
         "reproduce it.",
         "**Hyperparameter search on private data.** ε accounts for one training run. "
         "Learning rates, σ, C, steps or G picked by comparing several runs on the private "
-        "data leak information that ε does not count.",
+        "data leak information that ε does not count, unless that choice is itself a DP "
+        "release recorded in the ledger.",
         "**Preprocessing decisions.** "
         + (
             f"The contribution bound G = {bound}, "
@@ -152,10 +225,17 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
         "**Who a user is.** The unit is one value of the user-id column. A person who "
         "appears under several ids is protected only as that many units; ids shared by "
         "several people protect them together, not each.",
-        "**The public-only baseline comparison.** The baseline and the evaluation scores are "
-        "computed outside the guarantee, on held-out data. They are informative only if that "
-        "data is not part of the base model's pretraining data; well-known public text "
-        "(plays, Wikipedia) may be, which flatters both the baseline and the DP model.",
+        "**The size of the data.** The numbers of users and examples are shown rounded to 2 "
+        "significant figures, but rounding is not a DP mechanism. They are not covered by ε, nor "
+        f"is what follows from them: q = expected batch size / number of {units} gives that "
+        "number exactly, and the steps of a run planned in epochs and a calibrated σ depend on it.",
+        "**Evaluation results and the public-only baseline comparison.** The baseline and the "
+        "evaluation scores (and the `eval_*` entries of the training logs) are computed outside the "
+        "guarantee, on held-out data of other users: they are not releases of the training data, and "
+        "the evaluation data get no protection. "
+        "They are informative only if that data is not part of the base model's pretraining "
+        "data; well-known public text (plays, Wikipedia) may be, which flatters both the "
+        "baseline and the DP model.",
     ]
     if report.get("privacy_unit") == "example":
         items.append(
@@ -212,8 +292,8 @@ def render_privacy_card(
         baseline_result (`float`, *optional*): the public-only baseline's metric.
         nonprivate_result (`float`, *optional*): a non-private fine-tune's metric.
         model_name (`str`, *optional*): the card's title; defaults to `<base model>-hf-dp`.
-        extra_not_covered (`Iterable[str]`, *optional*): more items for "What this guarantee
-            does not cover".
+        extra_not_covered (`Iterable[str]`, *optional*): more items for the "not covered" list
+            of "What the guarantee covers".
         library_name (`str`, *optional*, defaults to `"transformers"`): the Hub library
             that loads the weights (`"peft"` for a LoRA adapter).
 
@@ -284,11 +364,9 @@ def render_privacy_card(
         ("users", "users") if sampling == "uls" else ("examples", "examples")
     )
     population_size = privacy.get("num_users" if sampling == "uls" else "num_examples")
-    expected = (
-        _fmt(privacy["sample_rate"] * population_size, ".1f")
-        if population_size is not None and privacy.get("sample_rate") is not None
-        else "not reported"
-    )
+    expected = privacy.get("expected_batch_size")  # public: the argument, not q × a count of the data
+    if expected is None and population_size is not None and privacy.get("sample_rate") is not None:
+        expected = privacy["sample_rate"] * population_size
     bound = privacy.get("contribution_bound")
     if bound is not None:
         contribution_md = f"all of their rows, at most G = {bound} examples (rows beyond G were dropped before training)"
@@ -320,27 +398,32 @@ def render_privacy_card(
         sampling_name=_SAMPLING_NAMES.get(sampling, str(sampling)),
         sampling_md=_SAMPLING_TEXT.get(sampling, ""),
         eps=_fmt_up(privacy.get("epsilon"), 2),
-        delta=_fmt(privacy.get("delta"), ".3g"),
+        delta=_fmt_sig(privacy.get("delta"), 3, up=True),
         eps_lower=privacy.get("epsilon_lower"),
         eps_estimate=privacy.get("epsilon_estimate"),
-        eps_lower_md=_fmt(privacy.get("epsilon_lower"), ".3f"),
-        eps_estimate_md=_fmt(privacy.get("epsilon_estimate"), ".3f"),
+        eps_lower_md=_fmt_down(privacy.get("epsilon_lower"), 3),
+        eps_estimate_md=_fmt_up(privacy.get("epsilon_estimate"), 3),
         eps_upper_md=_fmt_up(privacy.get("epsilon"), 3),
         target_epsilon=privacy.get("target_epsilon"),
         target_epsilon_md=_fmt(privacy.get("target_epsilon"), "g"),
         eps_group=_fmt_up(privacy.get("epsilon_group_privacy"), 2),
         has_eps_group=privacy.get("epsilon_group_privacy") is not None,
-        noise_multiplier=_fmt(privacy.get("noise_multiplier"), ".4g"),
-        sample_rate=_fmt(privacy.get("sample_rate"), ".4g"),
-        expected_batch=expected,
+        noise_multiplier=_fmt_sig(privacy.get("noise_multiplier"), 4, up=False),
+        logging_noise_multiplier=privacy.get("logging_noise_multiplier"),
+        logging_noise_multiplier_md=_fmt_sig(privacy.get("logging_noise_multiplier"), 4, up=False),
+        max_loss_md=_fmt(privacy.get("max_loss"), "g"),
+        effective_noise_multiplier=privacy.get("effective_noise_multiplier"),
+        effective_noise_multiplier_md=_fmt_sig(privacy.get("effective_noise_multiplier"), 4, up=False),
+        sample_rate=_fmt_sig(privacy.get("sample_rate"), 4, up=True),
+        expected_batch=_fmt(expected, ".1f") if expected is not None else "not reported",
         unit_plural=unit_plural,
         population=population,
         steps=_fmt(privacy.get("steps"), "d"),
         max_grad_norm=_fmt(privacy.get("max_grad_norm"), ".4g"),
         contribution_bound=_fmt(bound, "d") if bound is not None else "none (all rows kept)",
         contribution_md=contribution_md,
-        num_users=_fmt(privacy.get("num_users"), "d"),
-        num_examples=_fmt(privacy.get("num_examples"), "d"),
+        num_users=_fmt(round_count(privacy.get("num_users")), ","),
+        num_examples=_fmt(round_count(privacy.get("num_examples")), ","),
         noise_seed=privacy.get("noise_seed") or "not reported",
         accountant=privacy.get("accountant") or "not reported",
         mechanism=privacy.get("mechanism") or "not reported",
@@ -348,13 +431,20 @@ def render_privacy_card(
         eval_rows=eval_rows,
         eval_result=eval_result,
         baseline_result=baseline_result,
+        covered=[] if non_private else _covered(privacy),
         not_covered=[] if non_private else _not_covered(privacy, extra_not_covered),
     )
     return ModelCard(content)
 
 
-def write_privacy_card(report: Mapping[str, Any], output_dir: str | os.PathLike, **kwargs: Any) -> Path:
+def write_privacy_card(report: Mapping[str, Any], output_dir: str | os.PathLike, *,
+                       ledger: Mapping[str, Any] | None = None, **kwargs: Any) -> Path:
     """Render the privacy card (see [`render_privacy_card`]) and save it as `output_dir/README.md`.
+
+    Args:
+        ledger (`Mapping`, *optional*): [`DPTrainer.privacy_ledger`] (the accountant's state, δ, unit and
+            sampling), saved beside the card as `dp_ledger.json`: `hf-dp publish` recomputes ε from it and
+            refuses a card without it. Without a ledger, a stale `dp_ledger.json` there is removed.
 
     Returns:
         `Path`: the README written.
@@ -362,4 +452,9 @@ def write_privacy_card(report: Mapping[str, Any], output_dir: str | os.PathLike,
     path = Path(output_dir) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     render_privacy_card(report, **kwargs).save(path)
+    ledger_path = path.parent / LEDGER_FILE
+    if ledger is not None:
+        ledger_path.write_text(json.dumps(dict(ledger), indent=2) + "\n", encoding="utf-8")
+    elif ledger_path.exists():
+        ledger_path.unlink()
     return path

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 _NOISE_STREAM = 1
+_LOGGING_STREAM = 2
 
 
 def fresh_seed() -> int:
@@ -30,3 +31,13 @@ def add_noise(params, *, noise_multiplier: float, max_grad_norm: float, seed: in
             generators[device] = torch.Generator(device=device).manual_seed(base)
         noise = torch.normal(0.0, std, size=param.shape, generator=generators[device], device=device)
         param.grad.add_(noise.to(param.grad.dtype))
+
+
+def add_scalar_noise(values, stds, *, seed: int, step: int) -> list[float]:
+    """Each of `values` plus N(0, std²), drawn in float64 from (seed, step): the same on every rank.
+
+    Used for the logged sums (loss, clipped units), on a stream of their own: the gradient noise is unchanged.
+    """
+    state = np.random.SeedSequence([seed, step, _LOGGING_STREAM])
+    rng = np.random.default_rng(state)
+    return [float(value) + float(rng.normal(0.0, std)) for value, std in zip(values, stds)]

@@ -17,19 +17,36 @@ arXiv 2407.07737):
   guarantee protects single rows only: a user with many rows is not protected as a whole.
 
 Nothing here changes a guarantee by itself: it predicts what a run with these settings spends.
+
+Data-dependent choices are releases too. [`recommend_contribution_bound_els`],
+[`recommend_contribution_bound_uls`] and [`plan`] read the counts they are given exactly (the median, the
+largest count): give them public or assumed numbers. On private data, [`private_contribution_bound`] (what
+`DPTrainer` runs for `contribution_bound="auto"`) chooses G with ε-DP from the public grid
+`CONTRIBUTION_BOUND_GRID`, through a DP median ([`private_quantile`], the exponential mechanism); its ε joins
+the run's ledger.
 """
 from __future__ import annotations
 
 import math
-import statistics
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import accounting
 
-__all__ = ["plan", "recommend_contribution_bound_els", "recommend_contribution_bound_uls"]
+__all__ = [
+    "CONTRIBUTION_BOUND_GRID",
+    "plan",
+    "private_contribution_bound",
+    "private_quantile",
+    "quantile_probabilities",
+    "recommend_contribution_bound_els",
+    "recommend_contribution_bound_uls",
+]
 
 DEFAULT_TARGET_EPSILON = 8.0
+# Public candidates for a privately chosen contribution bound G (never a value read from the data).
+CONTRIBUTION_BOUND_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MODE_LABELS = {"uls": "ULS", "els": "ELS (MoG)", "example": "example-level"}
 
 
@@ -53,6 +70,45 @@ def _counts(examples_per_user) -> np.ndarray:
     return counts
 
 
+@dataclass(frozen=True)
+class _Population:
+    """Examples per user as (distinct count, users holding it): its size never grows with the users."""
+
+    values: np.ndarray  # distinct counts, increasing
+    users_with: np.ndarray  # users holding each
+
+    @classmethod
+    def of(cls, examples_per_user) -> "_Population":
+        if isinstance(examples_per_user, _Population):
+            return examples_per_user
+        values, users_with = np.unique(_counts(examples_per_user), return_counts=True)
+        return cls(values, users_with)
+
+    @classmethod
+    def uniform(cls, users: int, count: int) -> "_Population":
+        return cls(np.array([count], dtype=np.int64), np.array([users], dtype=np.int64))
+
+    @property
+    def users(self) -> int:
+        return int(self.users_with.sum())
+
+    @property
+    def examples(self) -> int:
+        return int((self.values * self.users_with).sum())
+
+    @property
+    def largest(self) -> int:
+        return int(self.values[-1])
+
+    def kept(self, group: int) -> int:
+        """Examples left when every user keeps at most `group`."""
+        return int((np.minimum(self.values, group) * self.users_with).sum())
+
+    def median(self) -> int:
+        """The lower median count (`statistics.median_low`)."""
+        return int(self.values[np.searchsorted(np.cumsum(self.users_with), (self.users - 1) // 2, side="right")])
+
+
 def recommend_contribution_bound_els(examples_per_user) -> int:
     """G for ELS: the median number of examples per user (Charles et al. 2024), at least 1.
 
@@ -65,12 +121,12 @@ def recommend_contribution_bound_els(examples_per_user) -> int:
         >>> recommend_contribution_bound_els([1, 3, 8, 20])
         3
     """
-    return max(1, int(statistics.median_low(_counts(examples_per_user).tolist())))
+    return max(1, _Population.of(examples_per_user).median())
 
 
-def _uls_candidates(counts: np.ndarray) -> list[int]:
-    top = int(counts.max())
-    candidates = {1, top, recommend_contribution_bound_els(counts)}
+def _uls_candidates(population: _Population) -> list[int]:
+    top = population.largest
+    candidates = {1, top, max(1, population.median())}
     g = 2
     while g < top:
         candidates.add(g)
@@ -119,15 +175,15 @@ def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float
         >>> recommend_contribution_bound_uls([2, 5, 9, 40] * 250, units_per_step=256, steps=200)
         4
     """
-    counts = _counts(examples_per_user)
-    users = counts.size
+    population = _Population.of(examples_per_user)
+    users = population.users
     budget = _positive(units_per_step, "units_per_step")
     target_epsilon = _positive(target_epsilon, "target_epsilon")
-    steps = _default_steps(steps, counts, budget)
+    steps = _default_steps(steps, population, budget)
     delta = _user_delta(delta, users)
     best, best_noise, problems = None, math.inf, []
-    for group in _uls_candidates(counts):
-        per_user = float(np.minimum(counts, group).mean())
+    for group in _uls_candidates(population):
+        per_user = population.kept(group) / users
         users_per_step = budget / per_user
         sample_rate = users_per_step / users
         if sample_rate > 1:
@@ -147,6 +203,120 @@ def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float
     return best
 
 
+def quantile_probabilities(examples_per_user, *, epsilon: float, quantile: float = 0.5,
+                           grid=CONTRIBUTION_BOUND_GRID) -> np.ndarray:
+    """Probabilities with which [`private_quantile`] releases each value of the public `grid`.
+
+    The exponential mechanism (McSherry & Talwar 2007) for a quantile of the examples per user. Each user's
+    count is rounded up to the grid (counts above its top to the top), and a grid value g has utility
+
+        u(g) = −distance(quantile · users, [#users below g, #users at g or below])
+
+    (0 when g is the quantile). Adding or removing one user moves every u(g) by at most 1, so releasing g with
+    probability ∝ exp(ε·u(g)/2) is ε-DP: between neighbouring datasets every probability changes by a factor
+    of at most e^ε.
+
+    Args:
+        examples_per_user (`Sequence[int]`): examples of each user (zeros are ignored).
+        epsilon (`float`): ε of the release (affects accounting: record it in the ledger).
+        quantile (`float`, *optional*, defaults to `0.5`): which quantile, in [0, 1].
+        grid (`Sequence[int]`, *optional*, defaults to `CONTRIBUTION_BOUND_GRID`): the public candidates,
+            increasing positive integers.
+
+    Returns:
+        `np.ndarray`: the probability of each grid value.
+
+    Raises:
+        ValueError: bad counts, ε, quantile or grid.
+
+    Example:
+        >>> p = quantile_probabilities([3] * 1000, epsilon=0.1)
+        >>> CONTRIBUTION_BOUND_GRID[p.argmax()], bool(p.max() > 0.99)
+        (3, True)
+    """
+    counts = np.sort(_counts(examples_per_user))
+    epsilon = _positive(epsilon, "epsilon")
+    if isinstance(quantile, bool) or not isinstance(quantile, (int, float, np.number)) or not 0 <= quantile <= 1:
+        raise ValueError(f"quantile={quantile!r} must be in [0, 1].")
+    grid = np.asarray(grid)
+    if grid.ndim != 1 or grid.size == 0 or not np.issubdtype(grid.dtype, np.integer) or grid[0] < 1 \
+            or np.any(np.diff(grid) <= 0):
+        raise ValueError("grid must be a non-empty increasing sequence of positive integers.")
+    at_most = np.searchsorted(counts, grid, side="right")
+    at_most[-1] = counts.size  # the top of the grid stands for every larger count
+    below = np.concatenate(([0], at_most[:-1]))
+    rank = quantile * counts.size
+    distance = np.maximum(0.0, np.maximum(below - rank, rank - at_most))
+    logits = -epsilon * distance / 2
+    weights = np.exp(logits - logits.max())
+    return weights / weights.sum()
+
+
+def private_quantile(examples_per_user, *, epsilon: float, rng: np.random.Generator | None = None,
+                     quantile: float = 0.5, grid=CONTRIBUTION_BOUND_GRID) -> int:
+    """An ε-DP `quantile` of the examples per user: one grid value drawn from [`quantile_probabilities`].
+
+    Affects accounting: the release costs `epsilon` (pure ε-DP), whatever value it returns.
+
+    Args:
+        examples_per_user, epsilon, quantile, grid: as in [`quantile_probabilities`].
+        rng (`numpy.random.Generator`, *optional*): the draw's randomness; default: fresh OS entropy.
+
+    Returns:
+        `int`: a value of `grid`.
+
+    Example:
+        >>> private_quantile([2, 3, 3, 5] * 500, epsilon=0.5)
+        3
+    """
+    probabilities = quantile_probabilities(examples_per_user, epsilon=epsilon, quantile=quantile, grid=grid)
+    rng = np.random.default_rng() if rng is None else rng
+    return int(np.asarray(grid)[rng.choice(len(probabilities), p=probabilities)])
+
+
+def private_contribution_bound(examples_per_user, *, sampling: str, epsilon: float, expected_batch_size: int,
+                               steps: int, target_epsilon: float, delta: float | None = None,
+                               rng: np.random.Generator | None = None) -> int:
+    """G chosen with ε-DP, from the public grid: what `DPTrainer` runs for `contribution_bound="auto"`.
+
+    ELS: an ε-DP median of the examples per user ([`private_quantile`]). ULS: the noise-prediction heuristic
+    of [`recommend_contribution_bound_uls`] run on that DP median alone (every user assumed to hold it, a
+    compute budget of `expected_batch_size` users × the median examples per step), so its candidates are
+    grid values: 1, the powers of two below the median, and the median. Beyond the DP median it reads only
+    the number of users (public, as in the sample rate). When no candidate fits the budget it returns the
+    median (the trainer's plan then says what to change). Affects accounting: costs `epsilon`.
+
+    Args:
+        examples_per_user (`Sequence[int]`): examples of each user.
+        sampling (`str`): `"uls"` or `"els"`.
+        epsilon (`float`): ε of the DP median (recorded in the run's ledger).
+        expected_batch_size (`int`): users per step (ULS).
+        steps (`int`): planned steps (ULS heuristic).
+        target_epsilon (`float`): ε left for DP-SGD (ULS heuristic).
+        delta (`float`, *optional*): δ; defaults to 1/(10·users).
+        rng (`numpy.random.Generator`, *optional*): the draw's randomness; default: fresh OS entropy.
+
+    Returns:
+        `int`: G, a value of `CONTRIBUTION_BOUND_GRID`.
+
+    Example:
+        >>> private_contribution_bound([1, 4, 4, 9] * 500, sampling="els", epsilon=0.5, expected_batch_size=64,
+        ...                            steps=100, target_epsilon=8.0)
+        4
+    """
+    if sampling not in ("uls", "els"):
+        raise ValueError(f"sampling={sampling!r}: use 'uls' or 'els'.")
+    counts = _counts(examples_per_user)
+    median = private_quantile(counts, epsilon=epsilon, rng=rng)
+    if sampling == "els" or expected_batch_size > counts.size:
+        return median
+    try:
+        return recommend_contribution_bound_uls(_Population.uniform(counts.size, median), units_per_step=expected_batch_size
+                                                * median, steps=steps, target_epsilon=target_epsilon, delta=delta)
+    except ValueError:
+        return median
+
+
 def _positive(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (
             value > 0 and math.isfinite(value)):
@@ -154,9 +324,9 @@ def _positive(value, name: str) -> float:
     return float(value)
 
 
-def _default_steps(steps, counts: np.ndarray, budget: float) -> int:
+def _default_steps(steps, population: _Population, budget: float) -> int:
     if steps is None:
-        return max(1, math.ceil(int(counts.sum()) / budget))
+        return max(1, math.ceil(population.examples / budget))
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps={steps!r} must be an integer ≥ 1.")
     return int(steps)
@@ -173,7 +343,7 @@ def _user_delta(delta, users: int) -> float:
     return float(delta)
 
 
-def _population(users, examples_per_user) -> np.ndarray:
+def _population(users, examples_per_user) -> _Population:
     """Counts per user from either (users, examples per user) or a list of counts."""
     if examples_per_user is None:
         raise ValueError("give examples_per_user: one count for all users (with users), or a count per user.")
@@ -184,12 +354,12 @@ def _population(users, examples_per_user) -> np.ndarray:
             raise ValueError(f"users={users!r} must be an integer ≥ 1.")
         if examples_per_user < 1:
             raise ValueError(f"examples_per_user={examples_per_user}: must be ≥ 1.")
-        return np.full(int(users), int(examples_per_user), dtype=np.int64)
-    counts = _counts(examples_per_user)
-    if users is not None and users != counts.size:
-        raise ValueError(f"users={users} but examples_per_user lists {counts.size} users with examples: "
+        return _Population.uniform(int(users), int(examples_per_user))
+    population = _Population.of(examples_per_user)
+    if users is not None and users != population.users:
+        raise ValueError(f"users={users} but examples_per_user lists {population.users} users with examples: "
                          "give one of them, or make them agree.")
-    return counts
+    return population
 
 
 def plan(*, users: int | None = None, examples_per_user=None, units_per_step: float = 64,
@@ -200,7 +370,9 @@ def plan(*, users: int | None = None, examples_per_user=None, units_per_step: fl
 
     Args:
         users (`int`, *optional*): number of users; needed when `examples_per_user` is one number.
-        examples_per_user (`int` or `Sequence[int]`): examples of every user, or one count per user.
+        examples_per_user (`int` or `Sequence[int]`): examples of every user, or one count per user: public
+            or assumed numbers, read exactly (the default G's are their median and a heuristic over them). For
+            private data plan on a DP statistic instead, as `hf-dp plan --data` does ([`private_quantile`]).
         units_per_step (`float`, *optional*, defaults to `64`): the compute budget, expected examples
             processed per step, the same for every mode (ULS turns it into users per step).
         steps (`int`, *optional*): T; defaults to one expected pass over the examples.
@@ -229,9 +401,9 @@ def plan(*, users: int | None = None, examples_per_user=None, units_per_step: fl
         >>> [row["mode"] for row in rows]
         ['uls', 'els', 'example']
     """
-    counts = _population(users, examples_per_user)
-    users = int(counts.size)
-    examples = int(counts.sum())
+    population = _population(users, examples_per_user)
+    users = population.users
+    examples = population.examples
     budget = _positive(units_per_step, "units_per_step")
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float, np.number)) or not (
             target_epsilon > 0 and math.isfinite(target_epsilon)):
@@ -242,7 +414,7 @@ def plan(*, users: int | None = None, examples_per_user=None, units_per_step: fl
     if budget > examples:
         raise ValueError(f"units_per_step={budget:g} exceeds the {examples} examples (sample rate > 1): "
                          "lower units_per_step.")
-    steps = _default_steps(steps, counts, budget)
+    steps = _default_steps(steps, population, budget)
     sigma_fixed = None if noise_multiplier is None else _positive(noise_multiplier, "noise_multiplier")
     for name, value in (("contribution_bound_els", contribution_bound_els),
                         ("contribution_bound_uls", contribution_bound_uls)):
@@ -255,16 +427,16 @@ def plan(*, users: int | None = None, examples_per_user=None, units_per_step: fl
     note = ""
     if group is None:
         try:
-            group = recommend_contribution_bound_uls(counts, units_per_step=budget, steps=steps,
+            group = recommend_contribution_bound_uls(population, units_per_step=budget, steps=steps,
                                                      target_epsilon=target, delta=user_delta)
         except ValueError as error:
-            group, note = recommend_contribution_bound_els(counts), str(error)
-    per_user = float(np.minimum(counts, group).mean())
+            group, note = recommend_contribution_bound_els(population), str(error)
+    per_user = population.kept(group) / users
     rows.append(_row("uls", "user", group, budget / per_user, users, budget, steps, user_delta, target,
-                     sigma_fixed, 1, int(np.minimum(counts, group).sum()), note))
+                     sigma_fixed, 1, population.kept(group), note))
     # ELS
-    group = contribution_bound_els or recommend_contribution_bound_els(counts)
-    kept = int(np.minimum(counts, group).sum())
+    group = contribution_bound_els or recommend_contribution_bound_els(population)
+    kept = population.kept(group)
     rows.append(_row("els", "user", group, budget, kept, budget, steps, user_delta, target, sigma_fixed, group,
                      kept, ""))
     # example-level

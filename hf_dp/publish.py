@@ -6,8 +6,10 @@ checks that run *before anything is uploaded*:
 
 1. [`check_privacy_card`]: the folder has a `README.md` whose YAML front matter parses with
    [`~huggingface_hub.ModelCard`] and [`~huggingface_hub.repocard.metadata_load`] and carries the `privacy:`
-   block that [`hf_dp.model_card`] writes (ε, δ, privacy unit, sampling). A non-private run's card is refused
-   unless `allow_non_private=True`: its data has no protection.
+   block that [`hf_dp.model_card`] writes (ε, δ, privacy unit, sampling), and what it states is what the ledger
+   saved beside it (`dp_ledger.json`) accounts: ε is recomputed from the ledger and a card claiming less (in
+   its front matter or its text), another δ, unit or mechanism, or no ledger at all is refused. A non-private
+   run's card is refused unless `allow_non_private=True`: its data has no protection.
 2. the folder holds a model (`config.json` and weights);
 3. [`ensure_hub_reachable`]: not in offline mode (`HF_HUB_OFFLINE=1`) and the Hub endpoint answers; otherwise
    one clear line ([`HubUnreachableError`]). [`~hf_dp.DPTrainer`]'s `push_to_hub` runs the same check.
@@ -26,7 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import numbers
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Mapping
@@ -49,8 +54,14 @@ _CARD_KEYS = ("epsilon", "delta", "privacy_unit", "sampling")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 _HOW_TO_CARD = (
     "train with hf_dp.DPTrainer (it writes the card at the end of train()), call trainer.write_privacy_card(dir), "
-    "or hf_dp.model_card.write_privacy_card(report, dir, base_model=...)"
+    "or hf_dp.model_card.write_privacy_card(report, dir, ledger=trainer.privacy_ledger(), base_model=...)"
 )
+# Relative slack for ε recomputed from the ledger (floating point), never for rounding down.
+_EPSILON_RTOL = 1e-6
+# The guarantee as the card's text states it: the headline and the ε and δ rows of the parameter table.
+_HEADLINE = re.compile(r"\*\*\(([^,()*]+), ([^,()*]+)\)-differential privacy")
+_EPSILON_ROW = re.compile(r"^\| ε \(`epsilon`[^|]*\| *([^|]*?) *\|", re.MULTILINE)
+_DELTA_ROW = re.compile(r"^\| δ \(`delta`\) \| *([^|]*?) *\|", re.MULTILINE)
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -100,7 +111,10 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
 
     Raises:
         PrivacyCardError: no README, front matter that does not parse, no `privacy:` block, a block without
-            ε/δ/unit/sampling, or a non-private card when not allowed. The message says how to make a card.
+            ε/δ/unit/sampling, or a non-private card when not allowed; for a DP card, an ε that is not a finite
+            number ≥ 0 or a δ outside (0, 1), no ledger (`dp_ledger.json`) beside it, or a card that states a
+            smaller ε than the ledger accounts (front matter or text), another δ, unit, sampling or step count.
+            One line, saying how to make a card.
     """
     from huggingface_hub import ModelCard
     from huggingface_hub.repocard import metadata_load
@@ -109,7 +123,7 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
     if not readme.is_file():
         raise PrivacyCardError(f"{readme} does not exist: no privacy card to publish. To make one, {_HOW_TO_CARD}.")
     try:
-        ModelCard.load(readme)
+        card = ModelCard.load(readme)
         metadata = metadata_load(readme)
     except Exception as error:  # yaml errors, ValueError: any unreadable front matter
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -133,7 +147,78 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
         raise PrivacyCardError(
             f"{readme}: the 'privacy:' block lacks {missing}. Regenerate the card: {_HOW_TO_CARD}."
         )
+    _check_against_ledger(readme, privacy, card.text)
     return dict(privacy)
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
+    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger accounts (ε recomputed from it)."""
+    from .accounting import PrivacyAccountant
+    from .model_card import LEDGER_FILE
+
+    epsilon, delta = _number(privacy["epsilon"]), _number(privacy["delta"])
+    if epsilon is None or not (math.isfinite(epsilon) and epsilon >= 0):
+        raise PrivacyCardError(f"{readme}: ε = {privacy['epsilon']!r} is not a finite number ≥ 0. "
+                               f"Regenerate the card: {_HOW_TO_CARD}.")
+    if delta is None or not 0 < delta < 1:
+        raise PrivacyCardError(f"{readme}: δ = {privacy['delta']!r} is not in (0, 1). Regenerate the card: "
+                               f"{_HOW_TO_CARD}.")
+    path = readme.parent / LEDGER_FILE
+    if not path.is_file():
+        raise PrivacyCardError(f"{path} does not exist: without the ledger the card's ε cannot be checked. "
+                               f"Regenerate card and ledger: {_HOW_TO_CARD}.")
+    try:
+        ledger = json.loads(path.read_text(encoding="utf-8"))
+        accountant = PrivacyAccountant()
+        accountant.load_state_dict(ledger["accountant"])
+        ledger_delta = _number(ledger["delta"])
+        if ledger_delta is None or not 0 < ledger_delta < 1:
+            raise ValueError(f"its delta {ledger['delta']!r} is not in (0, 1)")
+        accounted = accountant.epsilon(ledger_delta)
+    except (ValueError, KeyError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PrivacyCardError(f"{path} is not a ledger written by hf_dp ({reason}).") from error
+    checks = [(key, privacy.get(key), ledger.get(key)) for key in ("privacy_unit", "sampling")]
+    checks.append(("steps", privacy.get("steps"), accountant.steps))
+    for key, stated, recorded in checks:
+        if stated != recorded:
+            raise PrivacyCardError(f"{readme}: the card says {key} = {stated!r} but its ledger ({LEDGER_FILE}) "
+                                   f"records {recorded!r}. Regenerate the card: {_HOW_TO_CARD}.")
+    if not math.isclose(delta, ledger_delta, rel_tol=1e-9):
+        raise PrivacyCardError(f"{readme}: the card says δ = {delta:g} but its ledger was accounted at "
+                               f"δ = {ledger_delta:g}. Regenerate the card: {_HOW_TO_CARD}.")
+    floor = accounted * (1 - _EPSILON_RTOL)
+    if epsilon < floor:
+        raise PrivacyCardError(f"{readme}: the card claims ε = {epsilon:g} but its ledger accounts ε = "
+                               f"{accounted:.6g} at δ = {ledger_delta:g}: refusing to publish an understated "
+                               f"guarantee. Regenerate the card: {_HOW_TO_CARD}.")
+    stated = [(e, d) for e, d in _HEADLINE.findall(text)]
+    stated += [(e, None) for e in _EPSILON_ROW.findall(text)] + [(None, d) for d in _DELTA_ROW.findall(text)]
+    if not any(e is not None and d is not None for e, d in stated):
+        raise PrivacyCardError(f"{readme}: its text does not state the (ε, δ) guarantee. Regenerate the card: "
+                               f"{_HOW_TO_CARD}.")
+    for text_epsilon, text_delta in stated:
+        if (text_epsilon is not None and not _at_least(text_epsilon, floor)) or \
+                (text_delta is not None and not _at_least(text_delta, ledger_delta * (1 - 1e-9))):
+            raise PrivacyCardError(f"{readme}: its text states ({text_epsilon or 'ε'}, {text_delta or 'δ'}), less "
+                                   f"than the ledger's (ε = {accounted:.6g}, δ = {ledger_delta:g}). Regenerate "
+                                   f"the card: {_HOW_TO_CARD}.")
+
+
+def _at_least(shown: str, bound: float) -> bool:
+    """Whether a number as the card's text shows it ("7.98", "1e-05", "∞") is at least `bound`."""
+    if shown.strip() == "∞":
+        return True
+    try:
+        return float(shown) >= bound
+    except ValueError:
+        return False
 
 
 def _check_model_files(model_dir: Path) -> None:
@@ -243,8 +328,11 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
         if privacy.get("non_private"):
             commit_message = "Upload model fine-tuned without differential privacy (hf_dp)"
         else:
-            commit_message = (f"Upload DP model: ({privacy['epsilon']:.3g}, {privacy['delta']:.2g})-DP at the "
-                              f"{privacy['privacy_unit']} level (hf_dp)")
+            from .model_card import _fmt_sig, _fmt_up
+
+            commit_message = (f"Upload DP model: ({_fmt_up(privacy['epsilon'], 2)}, "
+                              f"{_fmt_sig(privacy['delta'], 3, up=True)})-DP at the {privacy['privacy_unit']} "
+                              "level (hf_dp)")
     repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True)
     api.upload_folder(repo_id=repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id, folder_path=model_dir,
                       commit_message=commit_message, token=token, ignore_patterns=IGNORE_PATTERNS)

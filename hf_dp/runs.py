@@ -65,10 +65,13 @@ class RunConfig:
 
         dataset (`str`, *optional*, defaults to `"shakespeare"`): `"shakespeare"` ([`~hf_dp.corpora.load_shakespeare`])
             or a JSONL/CSV/Parquet path or Hub id ([`~hf_dp.corpora.load_user_dataset`]).
-        eval_dataset (`str`, *optional*): test data for a custom `dataset`; default: a seeded split by user
-            (`eval_fraction` of the users), so no test user is ever trained on.
+        eval_dataset (`str`, *optional*): test data for a custom `dataset`; default: a split by user
+            (about `eval_fraction` of the users, [`split_by_user`]), so no test user is ever trained on.
         user_column, text_column (`str`): column names.
-        max_train_users (`int`, *optional*): train on a seeded sample of this many users (quick runs).
+        max_train_users (`int`, *optional*): train on a sample of this many users (quick runs, [`subsample_users`]).
+            The split and this sample are keyed by `seed`: each user's side is a keyed hash of (`seed`, user id)
+            alone, so one user more or less moves no other user across the split (and at most one in or out of
+            this fixed-size sample). `seed` is saved in the result JSON; the guarantee does not need it secret.
         max_eval_examples (`int`, *optional*): evaluate on a seeded sample of this many test rows.
 
         > Model
@@ -210,30 +213,46 @@ def method_of(training_args) -> str:
 
 
 def split_by_user(dataset, user_column: str, fraction: float = 0.2, seed: int = 0):
-    """(train, test): a seeded `fraction` of the users (at least one, never all) and all their rows go to test.
+    """(train, test): each user goes to test, with all their rows, when its keyed hash is below `fraction`.
+
+    A user's side depends only on (`seed`, user id) ([`~hf_dp.data.keyed_uniform`]): adding or removing one
+    user moves no other user, so neighbouring datasets give neighbouring training sets. The test set thus holds
+    about `fraction` of the users (at least one, never all: for a split that would be empty on one side, the
+    user with the lowest, or highest, hash is moved).
 
     Raises:
         ValueError: fewer than two users.
     """
-    users = sorted(dataset.unique(user_column), key=str)
+    from .data import keyed_uniform
+
+    users = dataset.unique(user_column)
     if len(users) < 2:
         raise ValueError(f"Need at least two users to split by user; found {len(users)}.")
-    rng = np.random.default_rng(seed)
-    n_test = min(len(users) - 1, max(1, round(fraction * len(users))))
-    test_users = {users[i] for i in rng.choice(len(users), size=n_test, replace=False).tolist()}
+    draws = {user: keyed_uniform(seed, user, "split") for user in users}
+    test_users = {user for user, draw in draws.items() if draw < fraction}
+    if not test_users or len(test_users) == len(users):  # only with very few users
+        ranked = sorted(users, key=draws.get)
+        test_users = {ranked[0]} if not test_users else set(ranked[:-1])
     is_test = [u in test_users for u in dataset[user_column]]
     return (dataset.select([i for i, t in enumerate(is_test) if not t]),
             dataset.select([i for i, t in enumerate(is_test) if t]))
 
 
 def subsample_users(dataset, user_column: str, max_users: int | None, seed: int = 0):
-    """The rows of a seeded sample of `max_users` users (all rows when `None` or not fewer users)."""
+    """The rows of the `max_users` users with the lowest keyed hash of (`seed`, user id) (all rows when `None` or
+    not fewer users).
+
+    Each user's hash depends on nothing else, so adding or removing an unselected user changes nothing, and a
+    selected one displaces at most one other user (a fixed-size sample must).
+    """
+    from .data import keyed_uniform
+
     if max_users is None:
         return dataset
-    users = sorted(dataset.unique(user_column), key=str)
+    users = dataset.unique(user_column)
     if max_users >= len(users):
         return dataset
-    chosen = {users[i] for i in np.random.default_rng(seed).choice(len(users), size=max_users, replace=False)}
+    chosen = set(sorted(users, key=lambda user: keyed_uniform(seed, user, "subsample"))[:max_users])
     keep = [i for i, u in enumerate(dataset[user_column]) if u in chosen]
     return dataset.select(keep)
 

@@ -7,7 +7,7 @@ sample without communication, and a resumed run redraws the steps it skips ident
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -38,10 +38,13 @@ class PoissonBatchSampler:
         seed (`int`): sampling seed, shared by all ranks.
         rank, world_size (`int`): this process's share.
         start_step (`int`): first step to yield (a resumed run starts where the ledger stopped).
+        within_budget (`Callable[[int], bool]`, *optional*): asked before drawing each step; iteration ends at
+            the first step for which it returns `False` (the privacy budget would be exceeded).
     """
 
     def __init__(self, num_units: int, sample_rate: float, steps: int, seed: int,
-                 rank: int = 0, world_size: int = 1, start_step: int = 0):
+                 rank: int = 0, world_size: int = 1, start_step: int = 0,
+                 within_budget: Callable[[int], bool] | None = None):
         self.num_units = num_units
         self.sample_rate = sample_rate
         self.steps = steps
@@ -49,12 +52,15 @@ class PoissonBatchSampler:
         self.rank = rank
         self.world_size = world_size
         self.start_step = start_step
+        self.within_budget = within_budget
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
         for step in range(self.start_step, self.steps):
+            if self.within_budget is not None and not self.within_budget(step):
+                return
             units = poisson_sample(self.num_units, self.sample_rate, self.seed, step)
             yield SampledUnits(step=step, units=units[self.rank :: self.world_size], total=len(units))
 

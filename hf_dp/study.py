@@ -132,7 +132,8 @@ def plan_runs(grid: bool) -> list[StudyRun]:
 
 def matching_examples_per_step(user_ids, users_per_step: int, contribution_bound: int) -> int:
     """Expected speeches per ULS step, `users_per_step x mean_u min(n_u, G)`: the ELS/example-level batch of equal
-    compute. (Read from the training data, like the contribution-bound heuristics: a preprocessing choice.)"""
+    compute. An exact statistic of the training data, released through the runs' `expected_batch_size`: fine for
+    the study's public Shakespeare corpus; on private data use public numbers or a DP estimate instead."""
     import numpy as np
     from collections import Counter
 

@@ -3,42 +3,65 @@
 Per optimizer step: Poisson-sample units -> per-unit clipped gradients (ghost clipping) ->
 all-reduce -> Gaussian noise once -> divide by the expected batch size -> optimizer. The ledger
 advances every step, is saved with every checkpoint and restored on resume.
+
+What the logs hold is a release too: with `private_logging` (the default) the loss and the clipped
+fraction are noised sums over the same Poisson sample, and the ledger composes gradient, loss and
+count as one Gaussian mechanism (see [`PrivacyPlan`]); nothing else computed from the data is logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import json
 import logging
 import math
 import os
+import secrets
 from dataclasses import dataclass
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import accounting, planner
 from .arguments import DPTrainingArguments
+from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity
 from .clipping import GhostClipper
-from .data import examples_per_user, partition_by_user
+from .data import examples_per_user, keyed_seed, partition_by_user
 from .losses import is_causal_lm, per_example_loss
-from .noise import add_noise, fresh_seed
+from .noise import add_noise, add_scalar_noise, fresh_seed
 from .sampling import PoissonBatchSampler
 
 logger = logging.getLogger(__name__)
 
-LEDGER_NAME = "dp_state.json"
+LOCK_NAME = "_hf_dp.lock"  # in output_dir while a run trains there
+LEDGER_NAME = "dp_state.json"  # in every checkpoint (never uploaded)
 ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency directions"
 
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """What the accountant composes, fixed before the first step."""
+    """What the accountant composes, fixed before the first step.
+
+    Each step releases three noised sums over the same Poisson sample: the clipped gradients (sensitivity C,
+    noise σ·C), and with private logging the clipped losses (sensitivity `max_loss`, noise σ_log·max_loss)
+    and the count of clipped units (sensitivity 1, noise σ_log). Scaled by their noise, they are one Gaussian
+    mechanism whose noise multiplier is `effective_noise_multiplier` = (σ⁻² + 2·σ_log⁻²)^(-1/2); for ELS a user
+    with k sampled examples moves each sum by at most k times its sensitivity, so the mixture-of-Gaussians
+    accountant applies with that σ too. The ledger records it.
+    """
 
     mode: str  # "uls" | "els" | "example"
     num_units: int  # units sampled: users (ULS) or rows (ELS, example-level)
@@ -49,6 +72,8 @@ class PrivacyPlan:
     delta: float
     group_size: int  # G for the ELS mixture-of-Gaussians accountant, else 1
     contribution_bound: int | None
+    logging_noise_multiplier: float | None = None  # σ_log of the logged loss and count; None: nothing logged
+    effective_noise_multiplier: float | None = None  # σ_eff the ledger composes (σ without private logging)
 
     def fingerprint(self, args: DPTrainingArguments) -> dict:
         """Everything a resumed run must share with the checkpoint for the ledger to stay true."""
@@ -57,6 +82,8 @@ class PrivacyPlan:
             "sampling": self.mode,
             "max_grad_norm": args.max_grad_norm,
             "noise_multiplier": self.noise_multiplier,
+            "logging_noise_multiplier": self.logging_noise_multiplier,
+            "max_loss": args.max_loss if self.logging_noise_multiplier is not None else None,
             "sample_rate": self.sample_rate,
             "contribution_bound": self.contribution_bound,
             "target_epsilon": args.target_epsilon,
@@ -72,7 +99,9 @@ class DPTrainer(Trainer):
     Swap `Trainer` for `DPTrainer` and `TrainingArguments` for [`DPTrainingArguments`]; the training dataset
     needs a user column (`args.user_id_column`). Everything Trainer does (callbacks, logging, evaluation,
     checkpoints, `resume_from_checkpoint`, `push_to_hub`) keeps working; the privacy ledger travels with
-    every checkpoint and the privacy card is written to `output_dir/README.md` at the end of `train()`.
+    every checkpoint and the privacy card is written to `output_dir/README.md` at the end of `train()`, with the
+    ledger beside it (`dp_ledger.json`). Logs hold ε, δ, σ, q and, with `private_logging` (the default), a noised
+    `loss` and `dp/clipped_fraction` that the ledger accounts; nothing else computed from the data.
 
     Args:
         model, args, train_dataset, ...: as for [`~transformers.Trainer`]; `args` must be [`DPTrainingArguments`].
@@ -81,9 +110,11 @@ class DPTrainer(Trainer):
             (the public-only baseline), `nonprivate_result`, `metric_name`. Post-processing: no effect on ε.
 
     Raises:
-        ValueError: missing user column, no user, an impossible budget or sample rate, a checkpoint from a
-            different privacy configuration.
+        ValueError: missing user column, no user, an impossible budget or sample rate, a first step that alone
+            exceeds `target_epsilon`, a model whose layers mix the examples of a batch (before any step), a
+            checkpoint from a different privacy configuration or whose ledger does not match it.
         UnsupportedLayerError: a trainable module the clipping engine has no rule for (before any step).
+        RuntimeError: (`train`) another live run holds `output_dir`.
 
     Example:
 
@@ -101,26 +132,35 @@ class DPTrainer(Trainer):
             raise TypeError("DPTrainer needs DPTrainingArguments (they carry the privacy settings).")
         if train_dataset is None:
             raise ValueError("DPTrainer needs a train_dataset with a user column to account privacy.")
+        if args.include_num_input_tokens_seen not in ("no", False, None):
+            raise ValueError(
+                "include_num_input_tokens_seen: the exact number of tokens in each Poisson sample is data-dependent "
+                "and not covered by ε; set it to 'no' for DP training."
+            )
         # A copy: the plan sets max_steps and this flag, and the caller may reuse its arguments for another run.
         args = copy.copy(args)
         # Sampling resumes from the ledger's step, so Trainer's batch skipping is not needed.
         args.ignore_data_skip = True
-        self.partition = partition_by_user(
-            train_dataset, args.user_id_column, _contribution_bound(train_dataset, args), seed=args.seed
-        )
+        # The secret keys G's private draw and each user's rows; saved with checkpoints, never released.
+        self._data_secret = _data_secret(args)
+        self._user_dataset, self._requested_max_steps = train_dataset, args.max_steps
+        self.partition = _partition(train_dataset, args, self._data_secret)
         super().__init__(model=model, args=args, train_dataset=self.partition.dataset, **kwargs)
         if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
             raise ValueError("FSDP / DeepSpeed (from the accelerate config): sharded parameters are not supported by "
                              "the clipping engine yet; launch with a DDP config (recipes/configs/multi_gpu.yaml).")
+        check_batch_independence(self.model, self._probe_batch())
         self.clipper = GhostClipper(self.model)
         self.privacy_plan = self._plan_privacy()
+        self._plan_fits: bool | None = None  # see _plan_within_budget
         self.accountant = accounting.PrivacyAccountant()
+        if _bound_epsilon(args):  # G was chosen from the data with ε-DP: a release the ledger must hold
+            self.accountant.record_pure_dp("contribution_bound", _bound_epsilon(args))
         self.privacy_card_kwargs = dict(privacy_card_kwargs or {})
         self._seed = self._shared_seed()
         self._causal_lm = is_causal_lm(self.model)
         self._epsilon_spent = 0.0
-        self._window = {"units": 0, "clipped": 0}
-        self._last_batch_units = 0
+        self._window = {"clipped_fraction": 0.0, "steps": 0}  # noised per-step fractions since the last log
         self.add_callback(_PrivacyProgress(self))
         logger.info("DP plan: %s", self.privacy_plan)
 
@@ -152,30 +192,51 @@ class DPTrainer(Trainer):
                 f"releasing a whole {args.privacy_unit}'s data. Lower --target_delta (default 1/(10·{unit_name}))."
             )
         group_size = part.contribution_bound if mode == "els" else 1
+        # σ_log = r·σ for the logged loss and count: σ_eff = (σ⁻² + 2·σ_log⁻²)^(-1/2) = σ / spread.
+        ratio = args.logging_noise_ratio if args.private_logging else None
+        spread = math.sqrt(1.0 + 2.0 / ratio**2) if ratio else 1.0
         sigma = args.noise_multiplier
+        effective = None if sigma is None else sigma / spread
+        bound_epsilon = _bound_epsilon(args)  # spent choosing G: DP-SGD gets the rest of the target
         if sigma is None:
             try:
-                sigma = accounting.noise_multiplier(
-                    target_epsilon=args.target_epsilon, delta=delta, sample_rate=sample_rate, steps=steps,
-                    group_size=group_size,
+                effective = accounting.noise_multiplier(
+                    target_epsilon=args.target_epsilon - bound_epsilon, delta=delta, sample_rate=sample_rate,
+                    steps=steps, group_size=group_size,
                 )
+                sigma = effective * spread
             except ValueError as error:
                 raise ValueError(
                     f"{error} Planned: {steps} steps at sample rate {sample_rate:.4g}. Raise --target_epsilon, "
                     "or train fewer steps/epochs or with a smaller --expected_batch_size."
                 ) from error
         elif args.target_epsilon is not None:
-            planned = accounting.epsilon(
-                sample_rate=sample_rate, noise_multiplier=sigma, steps=steps, delta=delta, group_size=group_size
+            first = accounting.epsilon(
+                sample_rate=sample_rate, noise_multiplier=effective, steps=1, delta=delta, group_size=group_size
             )
-            if planned > args.target_epsilon:
+            if first + bound_epsilon > args.target_epsilon:
+                raise ValueError(
+                    f"noise_multiplier={sigma:g} spends ε={first:.3g} on the first step alone, above "
+                    f"target_epsilon={args.target_epsilon:g}: raise --target_epsilon or --noise_multiplier."
+                )
+            planned = accounting.epsilon(
+                sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta, group_size=group_size
+            )
+            if planned + bound_epsilon > args.target_epsilon:
                 logger.warning(
                     "noise_multiplier=%g spends ε=%.3g over the %d planned steps, above target_epsilon=%g: "
                     "training will stop early, before the budget is exceeded.", sigma, planned, steps,
                     args.target_epsilon,
                 )
         return PrivacyPlan(mode, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta, group_size,
-                           part.contribution_bound)
+                           part.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
+                           effective_noise_multiplier=float(effective))
+
+    def _probe_batch(self) -> dict:
+        """The first training rows collated like a micro-batch, for the batch-independence probe."""
+        dataset = self._remove_unused_columns(self.partition.dataset, description="training")
+        rows = range(min(len(dataset), max(2, self.args.per_device_train_batch_size), 4))
+        return self._prepare_inputs(self.data_collator([dataset[i] for i in rows]))
 
     def _shared_seed(self) -> int:
         seed = self.args.noise_seed if self.args.noise_seed is not None else fresh_seed()
@@ -200,19 +261,51 @@ class DPTrainer(Trainer):
         sampler = PoissonBatchSampler(
             plan.num_units, plan.sample_rate, plan.steps, self._seed,
             rank=self.args.process_index, world_size=self.args.world_size, start_step=self.accountant.steps,
+            within_budget=self._within_budget if self.args.target_epsilon is not None else None,
         )
         return DataLoader(batches, batch_size=None, sampler=sampler, collate_fn=identity,
                           num_workers=self.args.dataloader_num_workers)
 
+    def _plan_within_budget(self) -> bool:
+        """Whether every planned step keeps ε within target_epsilon (ε grows with the steps, so then no step
+        needs its own check: one accounting, not one per step, which matters at small ε and long runs)."""
+        if self._plan_fits is None:
+            plan = self.privacy_plan
+            self._plan_fits = self.accountant.epsilon_after(
+                plan.delta, steps=max(0, plan.steps - self.accountant.steps), sample_rate=plan.sample_rate,
+                noise_multiplier=plan.effective_noise_multiplier, group_size=plan.group_size,
+            ) <= self.args.target_epsilon
+        return self._plan_fits
+
+    def _within_budget(self, step: int) -> bool:
+        """Whether step `step` (0-based) keeps ε within target_epsilon: asked before its batch is drawn."""
+        if self._plan_within_budget():
+            return True
+        plan = self.privacy_plan
+        epsilon = self.accountant.epsilon_after(
+            plan.delta, steps=step + 1 - self.accountant.steps, sample_rate=plan.sample_rate,
+            noise_multiplier=plan.effective_noise_multiplier, group_size=plan.group_size,
+        )
+        if epsilon <= self.args.target_epsilon:
+            return True
+        if step == self.accountant.steps:  # later steps: _advance_ledger has said so already
+            logger.warning("Privacy budget spent: step %d would bring ε to %.4g > target_epsilon=%g; no step taken.",
+                           step + 1, epsilon, self.args.target_epsilon)
+        return False
+
     # ---- one DP step ------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """Clip every sampled unit, add noise once, normalise by the expected batch size."""
+        """Clip every sampled unit, add noise once, normalise by the expected batch size.
+
+        Returns the noised mean loss (see `private_logging`): the clipped unit losses' sum plus noise, divided by
+        the expected batch size; 0 without private logging (then no loss is logged).
+        """
         plan, args = self.privacy_plan, self.args
         model.train()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-        # Summed over ranks below: [loss sum, rows, units clipped-or-not, units clipped]
-        totals = torch.zeros(4, dtype=torch.float64, device=args.device)
+        # Summed over ranks below: [sum of unit losses clipped to [0, max_loss], units whose gradient was clipped]
+        totals = torch.zeros(2, dtype=torch.float64, device=args.device)
         with self.accelerator.no_sync(model):  # clipped sums are all-reduced below, once
             for micro_batch in inputs.micro_batches:
                 features = self._prepare_inputs(dict(micro_batch.features))
@@ -227,11 +320,15 @@ class DPTrainer(Trainer):
                 else:
                     weighted, unit_ids = losses, None
                 norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=args.max_grad_norm)
+                unit_losses = weighted.detach().float()
+                if unit_ids is not None:  # ULS: the user's mean loss (units in sorted id order, as `norms`)
+                    index = torch.unique(unit_ids, return_inverse=True)[1]
+                    unit_losses = unit_losses.new_zeros(len(norms)).index_add_(0, index, unit_losses)
+                # Bounded per unit, a NaN included, so one unit moves the logged sum by at most max_loss.
+                unit_losses = torch.nan_to_num(unit_losses, nan=args.max_loss).clamp(0.0, args.max_loss)
                 # Accumulated on the device: no host sync per micro-batch.
-                totals[0] += losses.detach().sum().to(totals)
-                totals[1] += len(losses)
-                totals[2] += len(norms)
-                totals[3] += (norms > args.max_grad_norm).sum().to(totals)
+                totals[0] += unit_losses.sum().to(totals)
+                totals[1] += (norms > args.max_grad_norm).sum().to(totals)
         if inputs.micro_batches and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "A non-empty batch produced no gradient for any parameter the optimizer updates: the trainable "
@@ -250,18 +347,23 @@ class DPTrainer(Trainer):
         expected_batch_size = plan.sample_rate * plan.num_units
         for param in params:
             param.grad.div_(expected_batch_size)
-        loss_total, rows, units, clipped = totals.tolist()
-        self._advance_ledger(inputs.total_units, int(units), int(clipped))
-        return torch.tensor(loss_total / max(rows, 1.0), dtype=torch.float32, device=args.device)
+        self._advance_ledger()
+        if plan.logging_noise_multiplier is None:  # nothing computed from the data is released
+            return torch.zeros((), dtype=torch.float32, device=args.device)
+        # The same noise on every rank (shared seed), after the all-reduce: released once.
+        loss_sum, clipped = add_scalar_noise(
+            totals.tolist(), [plan.logging_noise_multiplier * args.max_loss, plan.logging_noise_multiplier],
+            seed=self._seed, step=inputs.step,
+        )
+        self._window["clipped_fraction"] += clipped / expected_batch_size
+        self._window["steps"] += 1
+        return torch.tensor(loss_sum / expected_batch_size, dtype=torch.float32, device=args.device)
 
-    def _advance_ledger(self, sampled_units: int, clipped_units_seen: int, clipped_units: int) -> None:
+    def _advance_ledger(self) -> None:
         plan = self.privacy_plan
-        self.accountant.step(sample_rate=plan.sample_rate, noise_multiplier=plan.noise_multiplier,
+        self.accountant.step(sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier,
                              group_size=plan.group_size)
-        self._last_batch_units = sampled_units
-        self._window["units"] += clipped_units_seen
-        self._window["clipped"] += clipped_units
-        if self.args.target_epsilon is not None:
+        if self.args.target_epsilon is not None and not self._plan_within_budget():
             next_epsilon = self.accountant.epsilon_after(plan.delta, steps=1)
             if next_epsilon > self.args.target_epsilon and self.accountant.steps < plan.steps:
                 logger.warning("Stopping after step %d: one more step would spend ε=%.4g > target %g.",
@@ -280,42 +382,56 @@ class DPTrainer(Trainer):
         return None
 
     def floating_point_ops(self, inputs) -> int:
-        return sum(super(DPTrainer, self).floating_point_ops(mb.features) for mb in inputs.micro_batches)
+        """Not counted (`total_flos` stays 0): the tokens of a Poisson sample are data-dependent, not covered by ε."""
+        return 0
 
     def _track_num_input_tokens(self, inputs):
-        for micro_batch in inputs.micro_batches:
-            super()._track_num_input_tokens(micro_batch.features)
+        """Not counted: `include_num_input_tokens_seen` is refused (exact token counts are not covered by ε)."""
 
     # ---- reporting --------------------------------------------------------------------------
 
     def current_epsilon(self) -> float:
         """ε spent so far at the run's δ (the accountant's conservative bound)."""
-        return self.accountant.epsilon(self.privacy_plan.delta) if self.accountant.steps else 0.0
+        return self.accountant.epsilon(self.privacy_plan.delta) if self.accountant.steps \
+            else self.accountant.pure_dp_epsilon  # before the first step: the choice of G, if any
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
+        """Adds ε, δ, σ and q to training logs. `loss` and `dp/clipped_fraction` are the noised releases of
+        `training_step` (covered by ε); without private logging no loss is logged at all."""
+        private_logging = self.privacy_plan.logging_noise_multiplier is not None
         if "loss" in logs:
             plan = self.privacy_plan
             self._epsilon_spent = self.current_epsilon()
-            window = self._window
             logs.update({
                 "dp/epsilon": self._epsilon_spent,
                 "dp/delta": plan.delta,
                 "dp/noise_multiplier": plan.noise_multiplier,
                 "dp/sample_rate": plan.sample_rate,
-                "dp/batch_units": self._last_batch_units,
-                "dp/clipped_fraction": window["clipped"] / window["units"] if window["units"] else 0.0,
             })
-            self._window = {"units": 0, "clipped": 0}
+            window = self._window
+            if not private_logging:
+                del logs["loss"]
+            elif window["steps"]:
+                logs["dp/clipped_fraction"] = window["clipped_fraction"] / window["steps"]
+            self._window = {"clipped_fraction": 0.0, "steps": 0}
+        if not private_logging:
+            logs.pop("train_loss", None)
         super().log(logs, start_time)
 
     def privacy_report(self) -> dict:
-        """The guarantee earned so far, in the project's vocabulary (what the card and the app show)."""
+        """The guarantee earned so far, in the project's vocabulary (what the card and the app show).
+
+        `num_users` and `num_examples` are rounded to 2 significant figures: they are not covered by ε.
+        """
+        from .model_card import round_count
+
         plan, args = self.privacy_plan, self.args
         steps = self.accountant.steps
         if steps:
             lower, estimate, upper = self.accountant.epsilon_bounds(plan.delta)
         else:
-            lower = estimate = upper = 0.0
+            lower = estimate = upper = self.accountant.pure_dp_epsilon
+        bound_epsilon = sum(r["epsilon"] for r in self.accountant.pure_dp if r["label"] == "contribution_bound")
         report = {
             "epsilon": upper,
             "epsilon_lower": lower,
@@ -326,30 +442,45 @@ class DPTrainer(Trainer):
             "sampling": plan.mode,
             "mechanism": _MECHANISMS[plan.mode],
             "noise_multiplier": plan.noise_multiplier,
+            "logging_noise_multiplier": plan.logging_noise_multiplier,
+            "max_loss": args.max_loss if plan.logging_noise_multiplier is not None else None,
+            "effective_noise_multiplier": plan.effective_noise_multiplier,
             "sample_rate": plan.sample_rate,
             "expected_batch_size": args.expected_batch_size,
             "steps": steps,
             "max_grad_norm": args.max_grad_norm,
             "contribution_bound": plan.contribution_bound,
-            "num_users": self.partition.num_users,
-            "num_examples": self.partition.num_examples,
+            # ε-DP choice of G ("auto": a DP median on the public grid; 0 when G was given) and DP-SGD's share of ε.
+            "contribution_bound_epsilon": bound_epsilon,
+            "contribution_bound_choice": _bound_choice(args, plan.mode, bound_epsilon),
+            "epsilon_training": upper - self.accountant.pure_dp_epsilon,
+            "num_users": round_count(self.partition.num_users),
+            "num_examples": round_count(self.partition.num_examples),
             "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mode == "els" else ""),
             "epsilon_group_privacy": None,
             "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
         }
         if plan.mode == "els" and steps:
             report["epsilon_group_privacy"] = accounting.group_privacy_epsilon(
-                sample_rate=plan.sample_rate, noise_multiplier=plan.noise_multiplier, steps=steps,
+                sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps,
                 delta=plan.delta, group_size=plan.group_size,
-            )
+            ) + self.accountant.pure_dp_epsilon  # the same releases as `epsilon`, composed loosely
         return report
 
+    def privacy_ledger(self) -> dict:
+        """What `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism."""
+        plan = self.privacy_plan
+        return {"format": 1, "delta": plan.delta, "privacy_unit": self.args.privacy_unit, "sampling": plan.mode,
+                "accountant": self.accountant.state_dict()}
+
     def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
-        """Write the privacy card to `output_dir/README.md` (post-processing: no effect on ε)."""
+        """Write the privacy card to `output_dir/README.md` and the ledger beside it (`dp_ledger.json`, which
+        `hf-dp publish` checks the card against). Post-processing: no effect on ε."""
         from .model_card import write_privacy_card
 
         kwargs = {"base_model": _base_model_name(self.model), **self.privacy_card_kwargs, **card_kwargs}
-        return write_privacy_card(self.privacy_report(), output_dir or self.args.output_dir, **kwargs)
+        return write_privacy_card(self.privacy_report(), output_dir or self.args.output_dir,
+                                  ledger=self.privacy_ledger(), **kwargs)
 
     def create_model_card(self, *args, **kwargs) -> None:
         """`push_to_hub` publishes the privacy card as the repo README."""
@@ -372,9 +503,15 @@ class DPTrainer(Trainer):
         return super().push_to_hub(*args, **kwargs)
 
     def train(self, *args, **kwargs):
-        output = super().train(*args, **kwargs)
-        if self.is_world_process_zero():
-            self.write_privacy_card()
+        """Trainer's `train`, holding `output_dir`'s run lock, then the privacy card is written.
+
+        Raises:
+            RuntimeError: another live run holds `output_dir` (its checkpoints and card would be mixed with these).
+        """
+        with _output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
+            output = super().train(*args, **kwargs)
+            if self.is_world_process_zero():
+                self.write_privacy_card()
         return output
 
     # ---- checkpoints: the ledger travels with every checkpoint ------------------------------
@@ -384,27 +521,50 @@ class DPTrainer(Trainer):
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
             ledger = {
-                "format": 1,
+                "format": 2,
                 "config": self.privacy_plan.fingerprint(self.args),
                 "accountant": self.accountant.state_dict(),
+                "data_secret": self._data_secret,  # a resumed run keeps G and the rows it chose; never released
             }
+            ledger["digest"] = _ledger_digest(ledger)
             with open(os.path.join(folder, LEDGER_NAME), "w") as f:
                 json.dump(ledger, f, indent=2)
         super()._save_checkpoint(model, trial)
+
+    def _use_data_secret(self, secret: str) -> None:
+        """Resume: redo G's draw and the row choice with the checkpoint's secret, so they match the checkpoint's."""
+        self._data_secret = secret
+        self.partition = _partition(self._user_dataset, self.args, secret)
+        self.train_dataset = self.partition.dataset
+        self.args.max_steps = self._requested_max_steps  # the plan below sets it again
+        self.privacy_plan = self._plan_privacy()
+        self._plan_fits = None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         self._restore_ledger(resume_from_checkpoint)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _restore_ledger(self, checkpoint: str) -> None:
+        """Restore the ledger after checking it against its checkpoint: digest, plan, step count.
+
+        Raises `ValueError` (one line naming the file) for a missing, unreadable, edited or mismatched ledger.
+        """
         path = os.path.join(checkpoint, LEDGER_NAME)
         if not os.path.isfile(path):
             raise ValueError(
                 f"{checkpoint} has no privacy ledger ({LEDGER_NAME}): it was not written by DPTrainer. Resuming "
                 "from it would lose the ε already spent; start a new run instead."
             )
-        with open(path) as f:
-            ledger = json.load(f)
+        ledger = _read_json(path, "the privacy ledger")
+        if not isinstance(ledger, dict) or not isinstance(ledger.get("config"), dict) \
+                or not isinstance(ledger.get("accountant"), dict) or not isinstance(ledger.get("digest"), str):
+            raise ValueError(f"{path} is not a DPTrainer ledger with 'config', 'accountant' and 'digest' (written by "
+                             "an older hf_dp, or edited): resume from a checkpoint of this version or start a new run.")
+        if ledger["digest"] != _ledger_digest(ledger):
+            raise ValueError(f"{path}: its integrity digest does not match its contents (the ledger was edited or "
+                             "corrupted): resume from an intact checkpoint or start a new run.")
+        if ledger.get("data_secret", self._data_secret) != self._data_secret:
+            self._use_data_secret(ledger["data_secret"])
         saved, current = ledger["config"], self.privacy_plan.fingerprint(self.args)
         changed = {k: (saved.get(k), v) for k, v in current.items() if not _same(saved.get(k), v)}
         if changed:
@@ -413,11 +573,30 @@ class DPTrainer(Trainer):
                 f"Checkpoint {checkpoint} was trained under a different privacy configuration ({details}). "
                 "Resume with the same privacy arguments and data, or start a new run."
             )
+        restored = accounting.PrivacyAccountant()
+        try:
+            restored.load_state_dict(ledger["accountant"])
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+        plan = self.privacy_plan
+        expected = (plan.sample_rate, plan.effective_noise_multiplier, plan.group_size)
+        for i, segment in enumerate(restored.history):
+            found = (segment["sample_rate"], segment["noise_multiplier"], segment["group_size"])
+            if not all(_same(a, b) for a, b in zip(found, expected)):
+                raise ValueError(f"{path}: segment {i} has (sample_rate, noise_multiplier, group_size) = {found}, "
+                                 f"not this run's {expected}: the ledger does not match the plan; start a new run.")
+        state = _read_json(os.path.join(checkpoint, TRAINER_STATE_NAME), "the trainer state")
+        global_step = state.get("global_step") if isinstance(state, dict) else None
+        if restored.steps != global_step:
+            raise ValueError(f"{path} records {restored.steps} steps but its checkpoint is at global step "
+                             f"{global_step} ({TRAINER_STATE_NAME}): the ledger does not match its checkpoint; resume "
+                             "from an intact checkpoint or start a new run.")
         self.accountant.load_state_dict(ledger["accountant"])
+        self._plan_fits = None
 
 
 class _PrivacyProgress(TrainerCallback):
-    """Shows ε spent, σ and the sampled batch size on Trainer's progress bar."""
+    """Shows ε spent and σ on Trainer's progress bar (never the sampled batch size: it is data-dependent)."""
 
     def __init__(self, trainer: DPTrainer):
         self.trainer = trainer
@@ -432,7 +611,7 @@ class _PrivacyProgress(TrainerCallback):
         if state.global_step % every == 0 or state.global_step == trainer.privacy_plan.steps:
             trainer._epsilon_spent = trainer.current_epsilon()
         bar.set_postfix(eps=f"{trainer._epsilon_spent:.3g}", sigma=f"{trainer.privacy_plan.noise_multiplier:.3g}",
-                        batch=trainer._last_batch_units, refresh=False)
+                        refresh=False)
 
 
 _MECHANISMS = {
@@ -443,12 +622,24 @@ _MECHANISMS = {
 }
 
 
-def _contribution_bound(dataset, args: DPTrainingArguments) -> int | None:
-    """G from the arguments; 'auto' follows Charles et al. 2024.
+def _partition(dataset, args: DPTrainingArguments, secret: str):
+    """Rows grouped by user under the bound G, G and every user's rows drawn with `secret`."""
+    return partition_by_user(dataset, args.user_id_column, _contribution_bound(dataset, args, secret), secret)
 
-    ELS: the median rows per user. ULS: the noise-prediction heuristic under the compute budget of
-    `expected_batch_size` users at the median rows per user (examples per step), for the run's
-    steps and target ε (see [`~hf_dp.planner.recommend_contribution_bound_uls`]).
+
+def _bound_epsilon(args: DPTrainingArguments) -> float:
+    """ε spent choosing G from the data: `contribution_bound_epsilon` for "auto" at user level, else 0."""
+    auto = args.contribution_bound == "auto" and args.accounting_mode != "example"
+    return float(args.contribution_bound_epsilon) if auto else 0.0
+
+
+def _contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int | None:
+    """G from the arguments; "auto" is chosen with ε-DP ([`~hf_dp.planner.private_contribution_bound`]).
+
+    ELS: a DP median of the rows per user, from the public grid. ULS: the noise-prediction heuristic of
+    Charles et al. 2024 run on that DP median (compute budget of `expected_batch_size` users × the median
+    rows), for the run's steps and the ε left to DP-SGD. The draw is keyed by `secret` (OS entropy, or
+    `noise_seed` for tests); its ε is recorded in the ledger by the trainer.
     """
     if args.contribution_bound is None or (args.accounting_mode == "example" and args.contribution_bound == "auto"):
         return None  # no bound: every row is kept
@@ -457,15 +648,39 @@ def _contribution_bound(dataset, args: DPTrainingArguments) -> int | None:
     counts = examples_per_user(dataset, args.user_id_column)
     if len(counts) == 0:
         return None  # partition_by_user raises the clear error
-    median = planner.recommend_contribution_bound_els(counts)
-    if args.accounting_mode == "els" or args.expected_batch_size > len(counts):
-        return median  # (ULS with too few users: the plan raises the clear error)
-    sample_rate = args.expected_batch_size / len(counts)
+    sample_rate = min(1.0, args.expected_batch_size / len(counts))  # above 1: the plan raises the clear error
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
-    return planner.recommend_contribution_bound_uls(
-        counts, units_per_step=args.expected_batch_size * median, steps=steps,
-        target_epsilon=args.target_epsilon or planner.DEFAULT_TARGET_EPSILON, delta=args.target_delta,
+    return planner.private_contribution_bound(
+        counts, sampling=args.accounting_mode, epsilon=args.contribution_bound_epsilon,
+        expected_batch_size=args.expected_batch_size, steps=steps,
+        target_epsilon=(args.target_epsilon or planner.DEFAULT_TARGET_EPSILON) - _bound_epsilon(args),
+        delta=args.target_delta, rng=np.random.default_rng(keyed_seed(secret, "contribution_bound", "bound")),
     )
+
+
+def _bound_choice(args: DPTrainingArguments, mode: str, bound_epsilon: float) -> str:
+    """How G was chosen, for the report and the card."""
+    if mode == "example" or args.contribution_bound is None:
+        return "none: every row is kept"
+    if not bound_epsilon:
+        return "given (contribution_bound): not read from the data"
+    rule = "the ELS median" if mode == "els" else "the ULS noise-prediction heuristic on that median"
+    return (f"auto: an ε-DP median of the rows per user (exponential mechanism over the public grid "
+            f"{', '.join(map(str, planner.CONTRIBUTION_BOUND_GRID))}; ε = {bound_epsilon:g}, in the ledger), "
+            f"then {rule}")
+
+
+def _data_secret(args: DPTrainingArguments) -> str:
+    """The key of G's private draw and of every user's row choice: fresh OS entropy, shared by all ranks, or
+    derived from `noise_seed` for tests. Saved in checkpoints (`dp_state.json`), never in a card, report or log."""
+    if args.noise_seed is not None:
+        return hashlib.sha256(f"hf_dp data secret {args.noise_seed}".encode()).hexdigest()[:32]
+    secret = secrets.token_hex(16)
+    if args.world_size > 1:
+        from accelerate.utils import broadcast_object_list
+
+        secret = broadcast_object_list([secret], from_process=0)[0]
+    return secret
 
 
 def _base_model_name(model) -> str | None:
@@ -473,6 +688,50 @@ def _base_model_name(model) -> str | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name = getattr(getattr(base, "config", None), "_name_or_path", None)
     return name if name and not os.path.exists(name) else None
+
+
+@contextlib.contextmanager
+def _output_dir_lock(output_dir: str, enabled: bool = True):
+    """Hold an exclusive lock on `output_dir/_hf_dp.lock` (never uploaded: `_*`) while one run writes there.
+
+    The OS releases the lock when the run ends, even if it crashes: a leftover file does not block a later run.
+    """
+    if not enabled or fcntl is None:  # no flock on Windows
+        yield
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_NAME)
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise RuntimeError(f"output_dir={output_dir!r} is in use by another live training run ({path} is locked "
+                               f"by {lock.read().strip() or 'another process'}): wait for it to finish or choose "
+                               "another --output_dir.") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}\n")
+        lock.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _ledger_digest(ledger: dict) -> str:
+    """sha256 of the canonical JSON of everything in the ledger but the digest (catches edits and corruption)."""
+    content = {key: value for key, value in ledger.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: cannot read {what} ({type(error).__name__}: {error}); the checkpoint is truncated "
+                         "or corrupted: resume from an intact checkpoint or start a new run.") from error
 
 
 def _same(a, b) -> bool:

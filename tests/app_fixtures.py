@@ -79,6 +79,18 @@ def privacy_report(method: str, epsilon: float, target: float) -> dict:
     }
 
 
+def privacy_ledger(report: dict) -> dict:
+    """The ledger `DPTrainer.privacy_ledger()` would write for `report` (its q, σ, steps, G): what publishing checks."""
+    from hf_dp.accounting import PrivacyAccountant
+
+    accountant = PrivacyAccountant()
+    accountant.step(sample_rate=report["sample_rate"], noise_multiplier=report["noise_multiplier"],
+                    group_size=report["contribution_bound"] if report["sampling"] == "els" else 1,
+                    steps=report["steps"])
+    return {"format": 1, "delta": report["delta"], "privacy_unit": report["privacy_unit"],
+            "sampling": report["sampling"], "accountant": accountant.state_dict()}
+
+
 def _result(run: str, method: str, *, metric: float, epsilon, target, model_dir, base_path: str,
             task: str = "classification", metric_name: str = "accuracy", privacy=None, delta=None,
             baseline_metric: float = 0.40) -> dict:

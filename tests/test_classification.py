@@ -133,7 +133,7 @@ def test_custom_data_is_split_by_user_and_labels_encoded(tmp_path, toy_jsonl, ti
     data = load_classification_data(config)
     assert data.label_names == ["comedy", "history", "tragedy"]  # sorted distinct values
     assert not set(data.train["author"]) & set(data.test["author"])
-    assert len(set(data.test["author"])) == 12  # 20 % of 60 users
+    assert 4 <= len(set(data.test["author"])) <= 20  # about 20 % of 60 users: each one's keyed hash decides
     assert set(data.train["labels"]) <= {0, 1, 2}
     row = data.test[0]
     assert data.label_names[row["labels"]] == WORDS[next(w for w in row["body"].split() if w in WORDS)]

@@ -1,15 +1,22 @@
-"""GhostClipper against one oracle: per-example gradients from `torch.func`
-(functional_call + vmap(grad)), summed per unit, clipped by brute force.
+"""GhostClipper against one oracle (`clipping_oracle.py`): per-example gradients from
+`torch.func` (functional_call + vmap(grad)), summed per unit, clipped by brute force.
 
 Every case compares the per-unit norms and the clipped gradient sums, in float64, to a
-relative error of 1e-5.
+relative error of 1e-5. The transformers family table is in `test_clipping_families.py`.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
-
 import pytest
 import torch
+from clipping_oracle import (
+    REL_TOL,
+    UNIT_IDS,
+    assert_rel_close,
+    check_against_oracle,
+    clip_by_engine,
+    clip_by_oracle,
+    oracle_unit_grads,
+)
 from tiny_models import (
     ARCHITECTURES,
     model_inputs,
@@ -19,97 +26,8 @@ from tiny_models import (
     trainable_parameters,
 )
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 from hf_dp.clipping import EXAMPLE, ExampleGrad, GhostClipper, UnsupportedLayerError, register_rule
-
-REL_TOL = 1e-5
-UNIT_IDS = torch.tensor([5, 2, 5, 9, 2, 2])  # 3 users, 1-3 examples each, not contiguous
-
-
-# ---------------------------------------------------------------------------------------
-# The oracle
-
-
-def oracle_unit_grads(
-    model: nn.Module,
-    inputs: Dict[str, torch.Tensor],
-    labels: torch.Tensor,
-    loss_fn: Callable[[object, torch.Tensor], torch.Tensor],
-    unit_ids: Optional[torch.Tensor],
-) -> Dict[str, torch.Tensor]:
-    """Per-unit gradients {name: (U, *shape)}: per-example gradients by vmap(grad), segment-summed."""
-    params = {name: p.detach() for name, p in trainable_parameters(model).items()}
-    frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
-    buffers = dict(model.named_buffers())
-
-    def example_loss(params, example_inputs, example_labels):
-        batch_of_one = {key: value.unsqueeze(0) for key, value in example_inputs.items()}
-        output = functional_call(model, (params, frozen, buffers), (), batch_of_one)
-        return loss_fn(output, example_labels.unsqueeze(0))[0]
-
-    per_example_grad = grad(example_loss)
-    try:
-        grads = vmap(per_example_grad, in_dims=(None, 0, 0))(params, inputs, labels)
-    except RuntimeError as error:
-        # Some forwards (BERT's mask creation) branch on tensor values, which vmap cannot
-        # trace: take the same torch.func gradient one example at a time.
-        if "vmap" not in str(error):
-            raise
-        rows = [
-            per_example_grad(params, {k: v[i] for k, v in inputs.items()}, labels[i]) for i in range(len(labels))
-        ]
-        grads = {name: torch.stack([row[name] for row in rows]) for name in params}
-    batch_size = len(labels)
-    ids = torch.arange(batch_size) if unit_ids is None else unit_ids
-    _, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    num_units = int(inverse.max()) + 1
-    return {
-        name: g.new_zeros((num_units,) + g.shape[1:]).index_add_(0, inverse, g) for name, g in grads.items()
-    }
-
-
-def clip_by_oracle(unit_grads: Dict[str, torch.Tensor], max_grad_norm: float) -> Tuple[torch.Tensor, Dict]:
-    norms = torch.sqrt(sum(g.pow(2).flatten(1).sum(1) for g in unit_grads.values()))
-    weights = (max_grad_norm / norms).clamp(max=1.0)
-    return norms, {name: torch.tensordot(weights, g, dims=1) for name, g in unit_grads.items()}
-
-
-def clip_by_engine(model, inputs, labels, loss_fn, unit_ids, max_grad_norm, strategy="auto", clipper=None):
-    own = clipper is None
-    clipper = clipper or GhostClipper(model, strategy=strategy)
-    try:
-        losses = loss_fn(model(**inputs), labels)
-        norms = clipper.backward(losses, unit_ids=unit_ids, max_grad_norm=max_grad_norm)
-    finally:
-        if own:
-            clipper.detach()
-    return norms, {name: p.grad.detach().clone() for name, p in trainable_parameters(model).items()}
-
-
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float = REL_TOL):
-    actual, expected = actual.double(), expected.double()
-    error = (actual - expected).norm()
-    scale = expected.norm()
-    assert error <= tol * scale + 1e-12, f"{what}: relative error {float(error / scale.clamp_min(1e-300)):.2e}"
-
-
-def check_against_oracle(model, inputs, labels, loss_fn, unit_ids, strategy="auto", clip_fraction=0.5):
-    unit_grads = oracle_unit_grads(model, inputs, labels, loss_fn, unit_ids)
-    norms_oracle, _ = clip_by_oracle(unit_grads, 1.0)
-    # A clip norm that clips some units and leaves others untouched.
-    max_grad_norm = float(torch.quantile(norms_oracle, clip_fraction))
-    _, clipped_oracle = clip_by_oracle(unit_grads, max_grad_norm)
-    norms, clipped = clip_by_engine(model, inputs, labels, loss_fn, unit_ids, max_grad_norm, strategy)
-    assert norms.dtype == torch.float32
-    assert norms.shape == norms_oracle.shape
-    assert_rel_close(norms, norms_oracle, "norms", tol=max(REL_TOL, 1e-6))  # float32 output
-    # Each norm individually, too (a wrong small norm could hide behind a large one).
-    assert torch.allclose(norms.double(), norms_oracle, rtol=REL_TOL, atol=0)
-    assert set(clipped) == set(clipped_oracle)
-    for name in clipped_oracle:
-        assert_rel_close(clipped[name], clipped_oracle[name], f"clipped sum of {name}")
-    return norms_oracle, max_grad_norm
 
 
 def hf_loss(head: str):
@@ -371,6 +289,214 @@ def test_position_ids_broadcast_or_expanded(form):
             assert_rel_close(clipped[name], clipped_oracle[name], name)
 
 
+class _Flattening(nn.Module):
+    """Runs its linear layer on the tokens flattened to (B·T, d), batch-major (as OPT) or time-major."""
+
+    def __init__(self, time_major: bool):
+        super().__init__()
+        self.time_major = time_major
+        self.inner, self.outer = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, input):  # (B, T, 3)
+        batch, tokens = input.shape[:2]
+        if self.time_major:
+            flat = self.inner(input.transpose(0, 1).reshape(batch * tokens, 3))  # rows: t * B + b
+            hidden = flat.reshape(tokens, batch, 4).transpose(0, 1)
+        else:
+            hidden = self.inner(input.reshape(batch * tokens, 3)).reshape(batch, tokens, 4)  # rows: b * T + t
+        return self.outer(torch.tanh(hidden))
+
+
+def test_rows_flattened_over_batch_and_time_are_attributed_batch_major():
+    torch.manual_seed(0)
+    model = _Flattening(time_major=False).double()
+    inputs = {"input": torch.randn(6, 5, 3, dtype=torch.float64)}
+    labels = torch.randn(6, 5, 2, dtype=torch.float64)
+    loss = lambda output, target: ((output - target) ** 2).sum(dim=(1, 2))  # noqa: E731
+    check_against_oracle(model, inputs, labels, loss, UNIT_IDS)
+
+
+def test_rows_of_other_examples_are_refused_before_any_grad():
+    """Time-major rows read batch-major would mix examples: the first backward checks attribution."""
+    torch.manual_seed(0)
+    model = _Flattening(time_major=True).double()
+    clipper = GhostClipper(model)
+    losses = model(torch.randn(4, 6, 3, dtype=torch.float64)).pow(2).sum(dim=(1, 2))
+    with pytest.raises(UnsupportedLayerError, match=r"rows.*\['inner \(Linear\)'\]"):
+        clipper.backward(losses, max_grad_norm=1.0)
+    assert all(param.grad is None for param in model.parameters())
+
+
+def test_rows_shared_by_all_examples_are_refused_naming_the_layer():
+    class SharedTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, input):  # the same (1, 5, 3) table output added to every example
+            return self.head(input + self.table(torch.ones(1, 5, 3, dtype=input.dtype)))
+
+    model = SharedTable().double()
+    clipper = GhostClipper(model)
+    losses = model(torch.randn(4, 5, 3, dtype=torch.float64)).pow(2).sum(dim=(1, 2))
+    with pytest.raises(UnsupportedLayerError, match=r"table \(Linear, leading dimensions \[1, 1\]\).*freeze"):
+        clipper.backward(losses, max_grad_norm=1.0)
+    assert all(param.grad is None for param in model.parameters())
+
+
+@pytest.mark.parametrize("arch,lora", [("llama", False), ("llama", True), ("gpt2", False), ("bert", True)],
+                         ids=["llama-full", "llama-lora", "gpt2-full", "bert-lora"])
+def test_gradient_checkpointing_matches_oracle(arch, lora):
+    """Non-reentrant checkpointing (transformers' default): inputs of layers in checkpointed blocks
+    are not held from the forward pass; they come from the recomputation, captured once."""
+    head = "causal_lm" if arch != "bert" else "seq_cls"
+    model = tiny_model(arch, head, lora=lora, dtype=torch.float64)
+    batch = tiny_batch(len(UNIT_IDS), 8, head=head, seed=13)
+    unit_grads = oracle_unit_grads(model, model_inputs(batch), batch["labels"], hf_loss(head), UNIT_IDS)
+    norms_oracle, clipped_oracle = clip_by_oracle(unit_grads, 0.3)
+    model.activation_checkpointing_enable()
+    with GhostClipper(model) as clipper:
+        losses = hf_loss(head)(model(**model_inputs(batch)), batch["labels"])
+        deferred = [capture for capture in clipper._captures if capture.pending]
+        assert deferred and all(capture.activations is None for capture in deferred)
+        assert all(capture.layer.checkpoint_blocks for capture in deferred)  # only inside checkpointed blocks
+        norms = clipper.backward(losses, unit_ids=UNIT_IDS, max_grad_norm=0.3)
+        assert all(capture.activations is not None and not capture.pending for capture in deferred)
+    assert torch.allclose(norms.double(), norms_oracle, rtol=REL_TOL, atol=0)
+    for name, param in trainable_parameters(model).items():
+        assert_rel_close(param.grad, clipped_oracle[name], name)
+
+
+def test_gradient_checkpointing_of_a_block_shared_across_depths():
+    """One checkpointed block called three times: recomputed in backward order, each input goes to its call."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.linear = nn.LayerNorm(4), nn.Linear(4, 4)
+
+        def forward(self, hidden):
+            return hidden + torch.tanh(self.linear(self.norm(hidden)))
+
+    class SharedDepth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.block, self.head = nn.Linear(3, 4), Block(), nn.Linear(4, 2)
+
+        def forward(self, input):
+            hidden = self.embed(input)
+            for _ in range(3):
+                hidden = self.block(hidden)
+            return self.head(hidden)
+
+    torch.manual_seed(0)
+    model = SharedDepth().double()
+    inputs = {"input": torch.randn(6, 5, 3, dtype=torch.float64)}
+    labels = torch.randn(6, 5, 2, dtype=torch.float64)
+    loss = lambda output, target: ((output - target) ** 2).sum(dim=(1, 2))  # noqa: E731
+    unit_grads = oracle_unit_grads(model, inputs, labels, loss, UNIT_IDS)
+    norms_oracle, clipped_oracle = clip_by_oracle(unit_grads, 0.5)
+    model.block.gradient_checkpointing = True
+    model.block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    with GhostClipper(model) as clipper:
+        losses = loss(model(**inputs), labels)
+        assert sum(capture.pending for capture in clipper._captures) == 6
+        norms = clipper.backward(losses, unit_ids=UNIT_IDS, max_grad_norm=0.5)
+    assert torch.allclose(norms.double(), norms_oracle, rtol=REL_TOL, atol=0)
+    for name, param in model.named_parameters():
+        assert_rel_close(param.grad, clipped_oracle[name], name)
+
+
+# Packed rows: six examples in three rows of ten tokens (the last row ends in padding),
+# positions restarting at each example, no attention mask.
+_PACKED_LAYOUT = [[4, 6], [3, 3, 4], [5]]
+
+
+def _packed_and_unpacked(seq_len: int = 10):
+    """The same six examples packed into rows, and one per row right-padded (the oracle's batch)."""
+    from tiny_models import VOCAB
+
+    generator = torch.Generator().manual_seed(14)
+    examples = [torch.randint(3, VOCAB, (n,), generator=generator) for row in _PACKED_LAYOUT for n in row]
+    unpacked = tiny_batch(len(examples), seq_len, head="causal_lm", padding=False)
+    unpacked["input_ids"].zero_()
+    unpacked["attention_mask"].zero_()
+    for index, tokens in enumerate(examples):
+        unpacked["input_ids"][index, : len(tokens)] = tokens
+        unpacked["attention_mask"][index, : len(tokens)] = 1
+    unpacked["labels"] = unpacked["input_ids"].masked_fill(unpacked["attention_mask"] == 0, -100)
+    rows = len(_PACKED_LAYOUT)
+    input_ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    labels = torch.full((rows, seq_len), -100)
+    position_ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    real = torch.zeros(rows, seq_len, dtype=torch.long)
+    tokens_iter = iter(examples)
+    for row, lengths in enumerate(_PACKED_LAYOUT):
+        start = 0
+        for length in lengths:
+            tokens = next(tokens_iter)
+            input_ids[row, start : start + length] = tokens
+            labels[row, start + 1 : start + length] = tokens[1:]  # no label across an example boundary
+            position_ids[row, start : start + length] = torch.arange(length)
+            start += length
+        position_ids[row, start:] = torch.arange(seq_len - start)  # the padding tail is a block of its own
+        real[row, :start] = 1
+    packed = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "real": real}
+    return packed, unpacked
+
+
+def _packed_losses(logits, packed, example_ids, num_examples):
+    """Each example's mean next-token cross-entropy, from the packed rows."""
+    labels = packed["labels"][:, 1:]
+    token_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none"
+    )
+    owners = example_ids[:, 1:].masked_fill(labels == -100, -1)
+    kept = owners >= 0
+    sums = token_loss.new_zeros(num_examples).index_add(0, owners[kept], token_loss[kept])
+    return sums / torch.bincount(owners[kept], minlength=num_examples)
+
+
+@pytest.mark.parametrize("arch,lora", [("llama", False), ("llama", True), ("gpt2", False)],
+                         ids=["llama-full", "llama-lora", "gpt2-full"])
+def test_packed_rows_match_the_examples_unpacked(arch, lora):
+    from hf_dp.clipping.packing import examples_from_position_ids
+
+    model = tiny_model(arch, "causal_lm", lora=lora, dtype=torch.float64, attn_implementation="sdpa")
+    packed, unpacked = _packed_and_unpacked()
+    unit_grads = oracle_unit_grads(model, model_inputs(unpacked), unpacked["labels"], hf_loss("causal_lm"), UNIT_IDS)
+    norms_oracle, clipped_oracle = clip_by_oracle(unit_grads, 0.3)
+    example_ids = examples_from_position_ids(packed["position_ids"], packed["real"])
+    assert example_ids.tolist()[1] == [2, 2, 2, 3, 3, 3, 4, 4, 4, 4] and example_ids.tolist()[2][5:] == [-1] * 5
+    with GhostClipper(model) as clipper:
+        # No attention mask and no cache: transformers masks attention example by example.
+        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+        losses = _packed_losses(logits, packed, example_ids, len(UNIT_IDS))
+        norms = clipper.backward(losses, unit_ids=UNIT_IDS, max_grad_norm=0.3, example_ids=example_ids)
+    assert torch.allclose(norms.double(), norms_oracle, rtol=REL_TOL, atol=0)
+    for name, param in trainable_parameters(model).items():
+        assert_rel_close(param.grad, clipped_oracle[name], name)
+
+
+def test_packed_examples_that_attend_to_each_other_are_refused():
+    """With a cache, transformers 5 does not mask packed examples from each other: gradients mix."""
+    from hf_dp.clipping.packing import examples_from_position_ids
+
+    model = tiny_model("llama", "causal_lm", dtype=torch.float64, attn_implementation="sdpa")
+    packed, _ = _packed_and_unpacked()
+    example_ids = examples_from_position_ids(packed["position_ids"], packed["real"])
+    clipper = GhostClipper(model)
+    logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=True).logits
+    losses = _packed_losses(logits, packed, example_ids, len(UNIT_IDS))
+    with pytest.raises(UnsupportedLayerError, match="do not belong to the examples"):
+        clipper.backward(losses, unit_ids=UNIT_IDS, max_grad_norm=0.3, example_ids=example_ids)
+    assert all(param.grad is None for param in model.parameters())
+
+
 def test_in_place_op_on_layer_output_is_handled():
     class InPlace(nn.Module):
         def __init__(self):
@@ -439,8 +565,8 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="strategy"):
         GhostClipper(nn.Linear(2, 2), strategy="fast")
     model = tiny_model("llama", "causal_lm")
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient checkpointing"):
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="non-reentrant gradient checkpointing only"):
         GhostClipper(model)
 
 

@@ -26,6 +26,9 @@ ULS_REPORT = {
     "privacy_unit": "user",
     "sampling": "uls",
     "noise_multiplier": 0.8125,
+    "logging_noise_multiplier": 8.125,
+    "max_loss": 5.0,
+    "effective_noise_multiplier": 0.80449,
     "sample_rate": 0.0625,
     "expected_batch_size": 68.8,
     "steps": 300,
@@ -47,6 +50,8 @@ ELS_REPORT = dict(
     epsilon_lower=2.9611,
     epsilon_estimate=2.9745,
     noise_multiplier=1.25,
+    logging_noise_multiplier=12.5,
+    effective_noise_multiplier=1.23768,
     sample_rate=0.004,
     contribution_bound=7,
     num_examples=6412,
@@ -63,6 +68,9 @@ EXAMPLE_REPORT = dict(
     expected_batch_size=242.2,
     mechanism="DP-SGD with example-level sampling, per-example clipping",
     noise_seed="fixed seed for testing: 1234",
+    logging_noise_multiplier=None,  # private_logging=False
+    max_loss=None,
+    effective_noise_multiplier=0.8125,
 )
 NON_PRIVATE_REPORT = {"non_private": True, "steps": 300, "num_users": 1101, "num_examples": 24217}
 
@@ -132,7 +140,7 @@ def test_user_level_card_states_the_guarantee():
     assert "whole contribution —\nall of their rows, at most G = 16 examples" in text
     assert "between\n7.910 (lower bound) and 7.974 (upper bound)" in text
     assert "| Public-only baseline (pretrained, no private data) | 0.4 |" in text
-    assert "What this guarantee does not cover" in text
+    assert "What the guarantee covers" in text
     for topic in ("pretraining data", "Hyperparameter search", "Preprocessing decisions",
                   "public-only baseline comparison", "noise seed"):
         assert topic in text
@@ -175,7 +183,7 @@ def test_non_private_card_says_there_is_no_guarantee():
     text = render_privacy_card(NON_PRIVATE_REPORT, base_model="m", eval_result=0.7).text
     assert "No privacy guarantee." in text and "NO formal protection" in text
     assert "differential privacy at the level" not in text
-    assert "What this guarantee does not cover" not in text
+    assert "What the guarantee covers" not in text
 
 
 def test_numpy_values_become_plain_yaml(tmp_path):

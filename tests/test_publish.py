@@ -10,7 +10,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants
 
-from app_fixtures import make_tokenizer, privacy_report, tiny_classifier
+from app_fixtures import make_tokenizer, privacy_ledger, privacy_report, tiny_classifier
 from hf_dp import publish as publish_module
 from hf_dp.model_card import write_privacy_card
 from hf_dp.publish import (
@@ -54,7 +54,8 @@ def model_dir(tmp_path):
     tokenizer = make_tokenizer()
     tiny_classifier(0, len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    write_privacy_card(privacy_report("uls", 7.9, 8.0), folder, base_model="test/tiny", eval_result=0.7,
+    report = privacy_report("uls", 7.9, 8.0)
+    write_privacy_card(report, folder, ledger=privacy_ledger(report), base_model="test/tiny", eval_result=0.7,
                        baseline_result=0.4)
     (folder / "checkpoint-5").mkdir()
     (folder / "checkpoint-5" / "dp_state.json").write_text("{}")
@@ -112,7 +113,8 @@ def test_publish_uploads_model_tokenizer_and_card(model_dir, api, monkeypatch):
     assert "checkpoint-*" in upload_kwargs["ignore_patterns"]
     assert "7.9" in upload_kwargs["commit_message"] and "user" in upload_kwargs["commit_message"]
     uploaded = {p.name for p in model_dir.iterdir()}
-    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json"} <= uploaded
+    assert {"README.md", "dp_ledger.json", "config.json", "model.safetensors", "tokenizer.json"} <= uploaded
+    assert "dp_ledger.json" not in upload_kwargs["ignore_patterns"]  # published: anyone can recompute ε
 
 
 def test_publish_accepts_a_result_json(model_dir, api, monkeypatch):
@@ -172,7 +174,8 @@ def test_bad_repo_id_and_no_weights(model_dir, tmp_path, api):
     with pytest.raises(ValueError, match="repo-id"):
         publish(model_dir, "not a repo id", token="t")
     cardonly = tmp_path / "cardonly"
-    write_privacy_card(privacy_report("uls", 7.9, 8.0), cardonly, base_model="test/tiny")
+    report = privacy_report("uls", 7.9, 8.0)
+    write_privacy_card(report, cardonly, ledger=privacy_ledger(report), base_model="test/tiny")
     with pytest.raises(FileNotFoundError, match="config.json"):
         publish(cardonly, "alice/m", token="t")
     assert api.calls == []

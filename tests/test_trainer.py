@@ -37,7 +37,7 @@ def make_trainer(tmp_path, model=None, dataset=None, **overrides) -> DPTrainer:
 
 
 def fresh_epsilon(report: dict, group_size: int = 1) -> float:
-    return accounting.epsilon(sample_rate=report["sample_rate"], noise_multiplier=report["noise_multiplier"],
+    return accounting.epsilon(sample_rate=report["sample_rate"], noise_multiplier=report["effective_noise_multiplier"],
                               steps=report["steps"], delta=report["delta"], group_size=group_size)
 
 
@@ -58,7 +58,9 @@ def test_modes_report_the_epsilon_a_fresh_accountant_computes(tmp_path, override
     assert report["steps"] == 4
     assert report["sample_rate"] == pytest.approx(8 / report[units_key])
     expected = fresh_epsilon(report, group_size=report["contribution_bound"] if group else 1)
-    assert report["epsilon"] == pytest.approx(expected, rel=1e-6)
+    assert report["epsilon_training"] == pytest.approx(expected, rel=1e-6)
+    # ULS "auto" chose G with ε-DP (0.1): it adds to DP-SGD's ε (tests/test_data_dependent_choices.py)
+    assert report["epsilon"] == pytest.approx(expected + report["contribution_bound_epsilon"], rel=1e-6)
     assert 0 < report["epsilon"] <= 8.0
     assert report["epsilon_lower"] <= report["epsilon_estimate"] <= report["epsilon"]
     if group:
@@ -69,7 +71,8 @@ def test_modes_report_the_epsilon_a_fresh_accountant_computes(tmp_path, override
     assert len(moved) == len(before)  # every trainable parameter was updated
     logged = [entry for entry in trainer.state.log_history if "dp/epsilon" in entry]
     assert len(logged) == 4 and logged[-1]["dp/epsilon"] == pytest.approx(report["epsilon"], rel=1e-6)
-    assert {"dp/noise_multiplier", "dp/sample_rate", "dp/batch_units", "dp/clipped_fraction"} <= set(logged[-1])
+    assert {"dp/noise_multiplier", "dp/sample_rate", "dp/clipped_fraction"} <= set(logged[-1])
+    assert "dp/batch_units" not in logged[-1]  # the sampled size is data-dependent: never logged
     card = (tmp_path / "out" / "README.md").read_text()
     assert "differential-privacy" in card and f"{report['epsilon']:.2f}" in card
 
@@ -104,10 +107,16 @@ def test_poisson_batch_sizes_follow_the_binomial():
 
 
 def test_trainer_trains_on_the_poisson_sample(tmp_path):
-    """The batches the trainer logs are exactly the sampler's Poisson draws (tested above)."""
+    """The batches the trainer trains on are exactly the sampler's Poisson draws (tested above)."""
     trainer = make_trainer(tmp_path, max_steps=30, learning_rate=0.0, noise_multiplier=1.0, target_epsilon=None)
+    logged, step = [], trainer.training_step
+
+    def recording_step(model, inputs, *args, **kwargs):  # the sampled size is no longer logged
+        logged.append(inputs.total_units)
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = recording_step
     trainer.train()
-    logged = [e["dp/batch_units"] for e in trainer.state.log_history if "dp/batch_units" in e]
     plan = trainer.privacy_plan
     drawn = [s.total for s in PoissonBatchSampler(plan.num_units, plan.sample_rate, plan.steps, seed=1234)]
     assert logged == drawn
@@ -169,9 +178,10 @@ def test_contribution_bound_is_applied(tmp_path):
     trainer = make_trainer(tmp_path, sampling="els", contribution_bound=2)
     assert trainer.partition.rows_per_user().max() == 2
     auto = make_trainer(tmp_path, sampling="els", contribution_bound="auto")
-    counts = np.bincount(np.unique(np.asarray(user_dataset()["user_id"]), return_inverse=True)[1])
-    assert auto.partition.contribution_bound == planner.recommend_contribution_bound_els(counts)
-    assert auto.partition.rows_per_user().max() == auto.partition.contribution_bound
+    # An ε-DP median from the public grid (24 users: barely informative at ε = 0.1), never read exactly.
+    assert auto.partition.contribution_bound in planner.CONTRIBUTION_BOUND_GRID
+    assert auto.partition.rows_per_user().max() <= auto.partition.contribution_bound
+    assert auto.accountant.pure_dp == [{"label": "contribution_bound", "epsilon": 0.1}]
 
 
 def test_resume_reproduces_an_uninterrupted_run_and_keeps_the_ledger(tmp_path):
@@ -211,7 +221,7 @@ def test_training_stops_before_exceeding_the_target(tmp_path):
     spent = trainer.privacy_report()["epsilon"]
     assert trainer.accountant.steps < 200
     assert spent <= 1.5
-    one_more = accounting.epsilon(sample_rate=plan.sample_rate, noise_multiplier=sigma,
+    one_more = accounting.epsilon(sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier,
                                   steps=trainer.accountant.steps + 1, delta=plan.delta)
     assert one_more > 1.5
 

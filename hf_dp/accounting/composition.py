@@ -164,6 +164,14 @@ def epsilon_from_pmf(pmf_n, delta: float, delta_error: float, eps_error: float):
 
 
 def direction_bounds(acc: Discretisation, counts, delta: float) -> tuple[float, float, float]:
+    while True:
+        bounds = _bounds(acc, counts, delta)
+        if bounds[0] <= 0.0 or acc.check_round_off(bounds[3], bounds[0]):
+            return bounds[:3]
+
+
+def _bounds(acc: Discretisation, counts, delta: float):
+    """(lower, estimate, upper, composition) in one direction."""
     try:
         pmf_n = acc.compute_composition(list(counts))
         bounds = epsilon_from_pmf(pmf_n, delta, acc.delta_error, acc.eps_error)  # fast path
@@ -177,12 +185,12 @@ def direction_bounds(acc: Discretisation, counts, delta: float) -> tuple[float, 
     except RuntimeError:
         # ε is below the left end of the domain (δ(ε) ≤ δ already at a negative ε): check ε = 0.
         if acc.compute_delta_upper(0.0, list(counts)) <= delta:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, None
         raise
     if not all(math.isfinite(v) for v in (lower, estimate, upper)):
         raise ValueError("ε is too large to account at these settings (the privacy loss leaves the accountant's "
                          "numerical range): use a larger noise_multiplier, a smaller sample_rate or fewer steps.")
-    return float(max(0.0, lower)), float(max(0.0, estimate)), float(max(0.0, upper))
+    return float(max(0.0, lower)), float(max(0.0, estimate)), float(max(0.0, upper)), pmf_n
 
 
 def composition_bounds(segments, delta: float) -> tuple[float, float, float]:

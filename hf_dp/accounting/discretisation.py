@@ -28,11 +28,13 @@ from .mechanisms import MixtureOfGaussiansMechanism
 MAX_MESH_POINTS = 1 << 22
 # The mean's tolerated error, as a share of eps_error spread over all steps.
 MEAN_ERROR_SHARE = 1e-3
-# Round-off of a composition, bounded by twice the negative mass the FFT leaves at losses ≥ 0
-# (where δ is read; an exact composition has none there), as a share of delta_error: above
-# the first the composition is redone in long double (as prv-accountant's own mechanisms are,
-# ~4x slower; δ ≲ 1e-7 with long runs), above the second no ε is returned.
-ROUND_OFF_SHARE = (0.1, 0.5)
+# Round-off of a float64 composition, bounded by twice the negative mass the FFT leaves at
+# losses ≥ ε (where δ is read; an exact composition has none), as a share of delta_error:
+# above it the composition is redone in long double (as prv-accountant's own mechanisms are,
+# ~4x slower; δ ≲ 1e-7 with long runs). In long double, prv-accountant's own bound (machine
+# epsilon x mesh points) must stay below this share of delta_error, or no ε is returned.
+ROUND_OFF_SHARE = 0.1
+LONG_DOUBLE_SHARE = 999.0  # = (δ − delta_error) / delta_error: prv-accountant's exact criterion
 
 
 class AccountingError(Exception):
@@ -79,26 +81,37 @@ class Discretisation:
 
     def compute_composition(self, counts) -> DiscretePrivacyRandomVariable:
         """`composers.Heterogeneous.compute_composition`, with each kind's Fourier power F^n kept
-        so that the next step count costs one multiplication (the ledger asks for n, n+1, ...),
-        redone in long double when float64 round-off reaches δ's error budget."""
+        so that the next step count costs one multiplication (the ledger asks for n, n+1, ...)."""
         if any(n > h for n, h in zip(counts, self.max_self_compositions)):
             raise ValueError("Requested number of compositions exceeds the maximum number of compositions")
         parts = [self._self_compose(i, n) for i, n in enumerate(counts)]
-        composed = parts[0] if len(parts) == 1 else \
-            composers.ConvolutionTree(parts).compute_composition([1] * len(parts))
-        negative = (composed.pmf < 0) & (composed.domain.ts() >= 0)
-        round_off = -2 * float(composed.pmf[negative].sum())
-        if round_off > ROUND_OFF_SHARE[self.long_double] * self.delta_error:
-            if self.long_double:
+        if len(parts) == 1:
+            return parts[0]
+        return composers.ConvolutionTree(parts).compute_composition([1] * len(parts))
+
+    def check_round_off(self, composed: DiscretePrivacyRandomVariable, epsilon: float) -> bool:
+        """Whether the composition's round-off above `epsilon` is within δ's error budget.
+
+        δ(ε) sums the masses at losses ≥ ε; an exact composition has no negative mass, so twice
+        the negative mass there measures the round-off in δ. When it is too large in float64 the
+        masses switch to long double (and False is returned: compose again); in long double
+        prv-accountant's own precision test applies, and failing it is an `AccountingError`.
+        """
+        if self.long_double:  # prv-accountant's own test for its long-double mechanisms
+            round_off = float(np.finfo(np.longdouble).eps) * len(composed.pmf)
+            if round_off > LONG_DOUBLE_SHARE * self.delta_error:
                 raise AccountingError(f"the composition's round-off ({round_off:.2g}) exceeds δ's error budget "
                                       f"({self.delta_error:.2g}) even in long double: use a larger delta.")
-            self.long_double = True
-            self.composer = composers.Heterogeneous([
-                DiscretePrivacyRandomVariable(f.prvs[0].pmf.astype(np.longdouble), f.prvs[0].domain)
-                for f in self.composer.self_composers])
-            self._powers.clear()
-            return self.compute_composition(counts)
-        return composed
+            return True
+        negative = (composed.pmf < 0) & (composed.domain.ts() >= epsilon)
+        if -2 * float(composed.pmf[negative].sum()) <= ROUND_OFF_SHARE * self.delta_error:
+            return True
+        self.long_double = True
+        self.composer = composers.Heterogeneous([
+            DiscretePrivacyRandomVariable(f.prvs[0].pmf.astype(np.longdouble), f.prvs[0].domain)
+            for f in self.composer.self_composers])
+        self._powers.clear()
+        return False
 
     def _self_compose(self, index: int, count: int) -> DiscretePrivacyRandomVariable:
         # composers.Fourier.compute_composition, with a cached power

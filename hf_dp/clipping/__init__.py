@@ -10,11 +10,13 @@ clipper.detach()
 ```
 """
 from .engine import GhostClipper
+from .packing import examples_from_position_ids
 from .registry import Rule, UnsupportedLayerError, find_rule, register_rule, registered_rules
 from .terms import EXAMPLE, OUTER, ExampleGrad, GradTerm, OuterGrad
 
 __all__ = [
     "GhostClipper",
+    "examples_from_position_ids",
     "UnsupportedLayerError",
     "register_rule",
     "find_rule",

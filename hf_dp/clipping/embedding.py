@@ -8,11 +8,16 @@ Rows at `padding_idx` get no gradient, as in `nn.Embedding`'s own backward.
 
 Position ids built as a broadcast `(1, T)` tensor are expanded to the batch by the
 engine at capture time, so each row's gradient stays attributed to its own example.
+Subclasses that override `forward` (Gemma's token embedding scaled by sqrt(d), BART's
+and OPT's learned positions, which compute their own ids) are captured at their
+`F.embedding(ids, self.weight)` call: the rule sees the ids actually looked up and the
+gradient of the lookup itself, before any scaling.
 """
 from __future__ import annotations
 
 from typing import Dict, Optional
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .registry import register_rule
@@ -29,7 +34,9 @@ def _check_embedding(layer: nn.Embedding) -> Optional[str]:
     return None
 
 
-@register_rule(nn.Embedding, name="embedding", params={"weight": OUTER}, validate=_check_embedding)
+@register_rule(
+    nn.Embedding, name="embedding", params={"weight": OUTER}, validate=_check_embedding, function=F.embedding
+)
 def embedding_rule(layer: nn.Embedding, token_ids: Tensor, output_grads: Tensor) -> Dict[str, GradTerm]:
     """`nn.Embedding`: ∇W = Σ_t e_{id_t} g_tᵀ, an indexed outer product."""
     batch_size = output_grads.shape[0]

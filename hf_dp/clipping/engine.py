@@ -9,23 +9,57 @@ output gradients into factored per-example gradients; [`~hf_dp.clipping.terms`] 
 them into units, computes each unit's squared norm (ghost or materialised, whichever is
 cheaper per layer and batch), and forms Σ_u min(1, C/‖g_u‖)·g_u by book-keeping
 (Bu et al. 2023), which is added to `p.grad`.
+
+Which rows belong to which example:
+
+- tensors with the batch first, `(B, ...)`;
+- rows flattened over (batch, time), `(B·T, ...)` (OPT's feed-forward block): read
+  batch-major, `(B, T, ...)`;
+- ids broadcast over the batch, `(1, T)` position ids: the layer's output is expanded
+  to `(B, T, d)` (same values) so that its gradient keeps one row per example;
+- T5's relative attention bias, one lookup shared by all examples: supplied to the
+  attention already expanded to the batch (see [`~hf_dp.clipping.position_bias`]);
+- packed rows, several examples per row (`backward(..., example_ids=...)`): each layer's
+  tokens are regrouped by example (see [`~hf_dp.clipping.packing`]).
+
+The first time a layer is seen with a given layout (and a batch of two or more) the
+attribution is verified: a second backward of Σ_b c_b·L_b, with weights c_b drawn from
+the powers of two 1/8 ... 8 (exact in floating point), must scale each example's rows of
+the output gradient by its own c_b. A tensor with no
+batch dimension (shared by all examples) fails this or has no rows to read, and is
+refused before any gradient is written, naming the layer.
+
+Gradient checkpointing (transformers' `gradient_checkpointing_enable()`, non-reentrant,
+the default): layers inside a checkpointed block keep only the handle on their output
+in the forward pass; their inputs are taken from the block's recomputation during the
+backward pass (which captures nothing else), so they are not held from the forward.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.overrides import TorchFunctionMode
 
 # Importing the rule modules registers their rules.
 from . import embedding as _embedding  # noqa: F401
 from . import linear as _linear  # noqa: F401
 from . import norm as _norm  # noqa: F401
-from .registry import Rule, UnsupportedLayerError, find_rule
+from . import position_bias
+from .packing import PackedRows
+from .registry import Rule, UnsupportedLayerError, find_rule, overrides_forward
 from .terms import STRATEGIES, UnitIndex, norm_sq_and_reducer
+
+try:  # transformers' blocks that `gradient_checkpointing_enable()` checkpoints
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # pragma: no cover - older transformers
+    GradientCheckpointingLayer = None
 
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "labels", "pixel_values", "input_values")
 
@@ -38,6 +72,8 @@ class _Layer:
     module: nn.Module
     rule: Rule
     params: Dict[str, nn.Parameter]  # trainable direct parameters, by name
+    functional: bool = False  # captured at its rule's torch function call (a subclass with its own forward)
+    checkpoint_blocks: Tuple[nn.Module, ...] = ()  # enclosing blocks transformers may checkpoint
 
 
 @dataclass
@@ -48,6 +84,9 @@ class _Capture:
     activations: Optional[Tensor]  # the layer's first input, detached
     output_edge: object  # autograd GradientEdge of the output's node
     output_shape: torch.Size
+    pending: bool = False  # activations still to come from the checkpoint recomputation
+    fingerprint: Optional[Tensor] = None  # of a pending call's input, to tell calls of a shared layer apart
+    grad_transform: Optional[Callable[[Tensor], Tensor]] = None  # edge gradient -> the layer output's layout
 
 
 class GhostClipper:
@@ -65,6 +104,10 @@ class GhostClipper:
     stage of DP-SGD: the clip norm `max_grad_norm` *affects accounting* (noise is scaled to
     it by the caller); the clipper adds no noise.
 
+    Gradient checkpointing is supported in its non-reentrant form (transformers' default
+    for `gradient_checkpointing_enable()`); the reentrant form cannot stop at the layers'
+    outputs and is refused.
+
     Args:
         model (`torch.nn.Module`): the model, possibly wrapped (peft, `DistributedDataParallel`,
             accelerate). Hooks go on the underlying modules, found with `model.modules()`.
@@ -78,14 +121,19 @@ class GhostClipper:
             that it equals the sum of the per-unit gradients the rules produced. This
             catches a parameter used outside its layer's forward (e.g. through
             `F.linear(x, layer.weight)`), whose contribution hooks cannot see. Costs one
-            extra weight-gradient computation, once.
+            extra weight-gradient computation, once. Also verifies, the first time each
+            layer is seen with a given row layout, that its rows are attributed to the
+            right examples (one extra backward pass, see the module docstring).
 
     Raises:
         UnsupportedLayerError: a trainable parameter is in a module without a rule, or is
             shared by layers whose rules cannot give the joint norm. Names every module.
-            Also raised by the first `backward` when `check_coverage` finds a parameter
-            whose gradient the rules do not fully account for (before any `.grad` is written).
-        ValueError: unknown `strategy`, or gradient checkpointing is enabled.
+            Also raised by a `backward` (before any `.grad` is written) when `check_coverage`
+            finds a parameter whose gradient the rules do not fully account for, or a layer
+            whose rows are not those of the examples.
+            Also raised by `backward`, before any `.grad` is written, for layers whose tensors
+            have no batch dimension (computed once and shared by every example), naming them all.
+        ValueError: unknown `strategy`, or reentrant gradient checkpointing is enabled.
 
     Example:
 
@@ -112,13 +160,30 @@ class GhostClipper:
         self.enabled = True
         self._layers, self._also_on_ruleless = self._find_layers(model)
         self._coverage_checked = not check_coverage
+        self._check_attribution = check_coverage
+        self._verified: Set[Tuple[str, str]] = set()  # (layer path, row layout) whose attribution was verified
         self._check_gradient_checkpointing()
         self._captures: List[_Capture] = []
+        self._pending: Dict[nn.Module, Deque[_Capture]] = {}  # per layer, in call order
+        self._modes: Dict[nn.Module, List[Optional[TorchFunctionMode]]] = {}
+        self._batched_bias: Dict[nn.Module, bool] = {}  # T5-style attention -> bias supplied expanded
         self._batch_size: Optional[int] = None
         self._in_backward = False
         self._handles = []
         for layer in self._layers.values():
-            self._handles.append(layer.module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
+            module = layer.module
+            if layer.functional:
+                enter = functools.partial(self._enter_function_capture, layer)
+                leave = functools.partial(self._exit_function_capture, layer)
+                self._handles.append(module.register_forward_pre_hook(enter))
+                self._handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+            else:
+                self._handles.append(module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
+            if layer.checkpoint_blocks:
+                self._handles.append(module.register_forward_pre_hook(self._on_recompute, with_kwargs=True))
+        for module in model.modules():
+            if position_bias.is_relative_bias_attention(module) and module.relative_attention_bias in self._layers:
+                self._handles.append(module.register_forward_pre_hook(self._supply_batched_bias, with_kwargs=True))
         for root in _roots(model):
             self._handles.append(root.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
 
@@ -148,7 +213,8 @@ class GhostClipper:
             if reason is not None:
                 problems.append(f"{where}: the '{rule.name}' rule cannot clip this layer: {reason}")
                 continue
-            layers[module] = _Layer(path=path, module=module, rule=rule, params=trainable)
+            functional = rule.function is not None and overrides_forward(module)
+            layers[module] = _Layer(path=path, module=module, rule=rule, params=trainable, functional=functional)
             for name, param in trainable.items():
                 users.setdefault(id(param), []).append((path, name, rule.params[name]))
         # A parameter registered on a rule-less module too (BERT's LM head registers the
@@ -173,14 +239,26 @@ class GhostClipper:
                 + "\n  - ".join(problems)
                 + "\nFreeze these parameters, or register a rule with hf_dp.clipping.register_rule."
             )
+        if GradientCheckpointingLayer is not None:
+            modules = dict(model.named_modules())
+            for layer in layers.values():
+                parts = layer.path.split(".")
+                ancestors = (modules.get(".".join(parts[:end])) for end in range(len(parts)))
+                layer.checkpoint_blocks = tuple(m for m in ancestors if isinstance(m, GradientCheckpointingLayer))
         return layers, also_on_ruleless
 
     def _check_gradient_checkpointing(self) -> None:
+        """Refuse reentrant checkpointing: it runs the forward without gradients and cannot stop at edges."""
         for module in self.model.modules():
-            if getattr(module, "gradient_checkpointing", False) is True:
+            if getattr(module, "gradient_checkpointing", False) is not True:
+                continue
+            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+            if getattr(checkpoint, "keywords", {}).get("use_reentrant", False):
                 raise ValueError(
-                    "GhostClipper does not support gradient checkpointing (activations are recomputed "
-                    "outside its hooks); call model.gradient_checkpointing_disable()"
+                    "GhostClipper supports non-reentrant gradient checkpointing only (the reentrant form runs the "
+                    "forward pass without gradients and cannot stop the backward pass at each layer's output); call "
+                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
+                    "(the default) or set gradient_checkpointing_kwargs={'use_reentrant': False} in the arguments"
                 )
 
     # -- public API --------------------------------------------------------------------
@@ -194,7 +272,7 @@ class GhostClipper:
     def disabled(self) -> Iterator["GhostClipper"]:
         """Within this context forward passes capture nothing (plain, non-private backward)."""
         previous, self.enabled = self.enabled, False
-        self._captures = []
+        self._forget_captures()
         try:
             yield self
         finally:
@@ -205,7 +283,7 @@ class GhostClipper:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._captures = []
+        self._forget_captures()
 
     def __enter__(self) -> "GhostClipper":
         return self
@@ -213,7 +291,14 @@ class GhostClipper:
     def __exit__(self, *exc) -> None:
         self.detach()
 
-    def backward(self, losses: Tensor, *, unit_ids: Optional[Tensor] = None, max_grad_norm: float) -> Tensor:
+    def backward(
+        self,
+        losses: Tensor,
+        *,
+        unit_ids: Optional[Tensor] = None,
+        max_grad_norm: float,
+        example_ids: Optional[Tensor] = None,
+    ) -> Tensor:
         """Back-propagates `losses`, clips each unit's gradient, adds the clipped sum to `.grad`.
 
         Args:
@@ -223,6 +308,12 @@ class GhostClipper:
                 unit (a user) whose gradient is that of the **sum** of its losses. Defaults
                 to every example being its own unit.
             max_grad_norm (`float`): clip norm C (affects accounting).
+            example_ids (`torch.LongTensor`, *optional*): for packed rows (several examples per
+                row, positions restarting at each, attention masked block by block): `(rows, T)`,
+                the index in `losses` of the example each token belongs to, -1 for none (see
+                [`~hf_dp.clipping.packing.examples_from_position_ids`]). `losses` and `unit_ids`
+                then have one entry per example, not per row. Layers whose tensors have no token
+                axis (a pooled classifier head, T5's relative bias) cannot be split and are refused.
 
         Returns:
             `torch.Tensor`: `(U,)` float32 pre-clip L2 norms of the units' gradients over all
@@ -237,9 +328,11 @@ class GhostClipper:
             raise ValueError(f"losses must have shape (batch_size,), got {tuple(losses.shape)}")
         self._check_gradient_checkpointing()
         captures, self._captures = self._captures, []
-        batch_size = losses.shape[0]
-        units = UnitIndex(unit_ids, batch_size, losses.device)
-        if batch_size == 0:
+        packing = PackedRows(example_ids, losses.shape[0]) if example_ids is not None else None
+        batch_size = losses.shape[0] if packing is None else packing.rows  # rows of the captured tensors
+        units = UnitIndex(unit_ids, losses.shape[0], losses.device)
+        if losses.shape[0] == 0:
+            self._forget_captures()
             self._ensure_grads()
             return losses.new_zeros(0, dtype=torch.float32)
         if not captures:
@@ -247,35 +340,55 @@ class GhostClipper:
                 "GhostClipper.backward: no forward pass was captured; run the forward pass after "
                 "attaching the clipper, with gradients enabled and the clipper enabled"
             )
+        self._check_rows(captures, batch_size)
         edges = [capture.output_edge for capture in captures]
         checked_params = [] if self._coverage_checked else self._trainable_params()
+        unverified = self._unverified(captures, batch_size, packing)
         self._in_backward = True
         try:
-            all_grads = torch.autograd.grad(losses.sum(), edges + checked_params, allow_unused=True)
+            all_grads = torch.autograd.grad(
+                losses.sum(), edges + checked_params, allow_unused=True, retain_graph=bool(unverified)
+            )
+            output_grads = all_grads[: len(edges)]
+            self._check_recomputed(captures, output_grads)
+            if unverified:
+                self._verify_attribution(losses, captures, output_grads, unverified, packing)
+        except RuntimeError as error:
+            if "Checkpointing is not compatible with .grad()" in str(error):
+                raise ValueError(
+                    "GhostClipper supports non-reentrant gradient checkpointing only; pass "
+                    "use_reentrant=False to torch.utils.checkpoint (transformers' default)"
+                ) from error
+            raise
         finally:
             self._in_backward = False
+            self._forget_captures()
         # Handed over in a list that `_clip` empties, so that captured tensors can be freed
         # as soon as their layer is done.
-        work = [captures, all_grads[: len(edges)], all_grads[len(edges) :]]
-        del captures, edges, all_grads
+        work = [captures, output_grads, all_grads[len(edges) :]]
+        del captures, edges, all_grads, output_grads
         # Norms and sums in float32 (float64), also when the forward ran under autocast.
         with _autocast_disabled(losses.device):
-            return self._clip(work, checked_params, units, max_grad_norm)
+            return self._clip(work, checked_params, units, max_grad_norm, batch_size, packing)
 
-    def _clip(self, work: list, checked_params, units: UnitIndex, max_grad_norm: float) -> Tensor:
+    def _clip(
+        self, work: list, checked_params, units: UnitIndex, max_grad_norm: float, batch_size: int,
+        packing: Optional[PackedRows],
+    ) -> Tensor:
         captures, output_grads, autograd_param_grads = work
         work.clear()
-        batch_size = units.batch_size
         terms_by_param: Dict[nn.Parameter, list] = {}
         precision_bits: Dict[nn.Parameter, int] = {}  # least precise dtype its gradient went through
         for capture, grads in zip(captures, output_grads):
             if grads is None:  # this call's output does not reach the loss
                 continue
-            grads = grads.reshape(capture.output_shape)
             layer = capture.layer
-            self._check_batch(layer, capture.activations, grads, batch_size)
-            terms = layer.rule.fn(layer.module, capture.activations, grads)
-            bits = _precision_bits(grads, capture.activations)
+            activations, grads = self._batch_first(capture, grads, batch_size, packing)
+            if packing is not None:  # (rows, T, ...) -> (examples, L, ...)
+                activations = None if activations is None else packing.regroup(activations)
+                grads = packing.regroup(grads)
+            terms = layer.rule.fn(layer.module, activations, grads)
+            bits = _precision_bits(grads, activations)
             for name, param in layer.params.items():
                 terms_by_param.setdefault(param, []).append(terms[name])
                 precision_bits[param] = min(precision_bits.get(param, 64), bits, _precision_bits(param))
@@ -312,56 +425,257 @@ class GhostClipper:
     def _capturing(self) -> bool:
         return self.enabled and not self._in_backward and torch.is_grad_enabled()
 
+    def _forget_captures(self) -> None:
+        self._captures = []
+        self._pending = {}
+
     def _on_model_forward(self, module, args, kwargs):
         if not self._capturing():
             return None
-        self._captures = []  # a new forward pass: captures of an abandoned one go
+        self._forget_captures()  # a new forward pass: captures of an abandoned one go
         self._batch_size = _batch_size(args, kwargs)
         return None
 
     def _make_hook(self, layer: _Layer):
         def hook(module, args, kwargs, output):
-            if not self._capturing() or not isinstance(output, Tensor) or not output.requires_grad:
-                return None
-            inputs = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
-            activations = inputs.detach() if (layer.rule.capture_input and inputs is not None) else None
-            replaced = None
-            batch_size = self._batch_size
-            if (
-                activations is not None
-                and not torch.is_floating_point(activations)
-                and activations.dim() >= 1
-                and activations.shape[0] == 1
-                and batch_size is not None
-                and batch_size > 1
-                and output.shape[0] == 1
-            ):
-                # Ids broadcast over the batch (position ids as (1, T)): expand the output so
-                # that its gradient keeps one row per example.
-                replaced = output.expand((batch_size,) + output.shape[1:])
-                activations = activations.expand((batch_size,) + activations.shape[1:])
-                output = replaced
-            capture = _Capture(
-                layer=layer, activations=activations, output_edge=_output_edge(output), output_shape=output.shape
-            )
-            self._captures.append(capture)
-            return replaced
+            return self._capture(layer, _first_input(args, kwargs), output, at_module=True)
 
         return hook
 
-    # -- helpers -----------------------------------------------------------------------
+    def _capture(self, layer: _Layer, inputs: Optional[Tensor], output, at_module: bool = True) -> Optional[Tensor]:
+        """Record one call of `layer` (its module's input and output, or `at_module=False` a function
+        call inside its forward); returns the output to use instead, or `None`."""
+        if not (self.enabled and torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
+            return None
+        activations = inputs.detach() if (layer.rule.capture_input and isinstance(inputs, Tensor)) else None
+        replaced = None
+        batch_size = self._batch_size
+        if (
+            activations is not None
+            and not torch.is_floating_point(activations)
+            and activations.dim() >= 1
+            and activations.shape[0] == 1
+            and batch_size is not None
+            and batch_size > 1
+            and output.shape[0] == 1
+        ):
+            # Ids broadcast over the batch (position ids as (1, T)): expand the output so
+            # that its gradient keeps one row per example. Also in a checkpoint's
+            # recomputation, which must rebuild the same shapes.
+            replaced = output.expand((batch_size,) + output.shape[1:])
+            activations = activations.expand((batch_size,) + activations.shape[1:])
+            output = replaced
+        if self._in_backward:  # a checkpoint recomputation: inputs come through `_on_recompute`
+            return replaced
+        # Inside a block transformers checkpoints: the input is taken again from the recomputation.
+        pending = (
+            activations is not None
+            and torch.is_floating_point(activations)
+            and at_module
+            and _checkpointed(layer)
+        )
+        capture = _Capture(
+            layer=layer,
+            activations=None if pending else activations,
+            output_edge=_output_edge(output),
+            output_shape=output.shape,
+            pending=pending,
+            fingerprint=_fingerprint(activations) if pending else None,
+        )
+        self._captures.append(capture)
+        if pending:
+            self._pending.setdefault(layer.module, deque()).append(capture)
+        return replaced
+
+    def _on_recompute(self, module, args, kwargs):
+        """A checkpointed block recomputed in the backward pass: the layer's input for its pending call.
+
+        A layer called once per forward pass has one pending call. A layer called in several
+        checkpointed blocks (a block shared across depths) is recomputed block by block in
+        backward order: each recomputed input goes to the call whose input fingerprint it matches.
+        """
+        queue = self._pending.get(module) if self._in_backward else None
+        if not queue:
+            return None
+        inputs = _first_input(args, kwargs).detach()
+        if len(queue) == 1:
+            capture = queue.popleft()
+        else:
+            fingerprint = _fingerprint(inputs)
+            distances = torch.stack([(c.fingerprint - fingerprint).abs().sum() for c in queue])
+            best = int(distances.argmin())
+            scale = float(queue[best].fingerprint.abs().sum())
+            if float(distances[best]) > 1e-3 * scale + 1e-12:
+                return None  # no call matches: left pending, reported after the backward pass
+            capture = queue[best]
+            del queue[best]
+        capture.activations = inputs
+        capture.pending = False
+        capture.fingerprint = None
+        return None
+
+    def _enter_function_capture(self, layer: _Layer, module, args):
+        mode = _FunctionCapture(self, layer) if self.enabled and torch.is_grad_enabled() else None
+        if mode is not None:
+            mode.__enter__()
+        self._modes.setdefault(module, []).append(mode)
+        return None
+
+    def _exit_function_capture(self, layer: _Layer, module, args, kwargs, output):
+        modes = self._modes.get(module)
+        mode = modes.pop() if modes else None
+        if mode is None:
+            return None
+        mode.__exit__(None, None, None)
+        if mode.calls:
+            return None
+        # Its forward did not call the function with its weight (e.g. `x @ W.T + b`): capture
+        # its input and output as for the base type; the coverage check vouches for that.
+        return self._capture(layer, _first_input(args, kwargs), output, at_module=True)
+
+    def _supply_batched_bias(self, module, args, kwargs):
+        """T5-style attention: compute the shared relative bias here and pass it on expanded to the batch."""
+        if not self.enabled or not torch.is_grad_enabled():
+            return None
+        queries = position_bias.self_attention_queries(args, kwargs)
+        if queries is None:
+            return None
+        batch_size, length = queries.shape[0], queries.shape[1]
+        if self._in_backward:  # checkpoint recomputation: rebuild what the forward pass built
+            if not self._batched_bias.get(module):
+                return None
+            bias = module.compute_bias(length, length, device=queries.device)
+            return args, dict(kwargs, position_bias=position_bias.expand_to_batch(bias, batch_size))
+        table = self._layers[module.relative_attention_bias]
+        first = len(self._captures)
+        bias = module.compute_bias(length, length, device=queries.device)  # (1, heads, T, T), captured below
+        lookups = [capture for capture in self._captures[first:] if capture.layer is table]
+        self._batched_bias[module] = (
+            len(lookups) == 1
+            and lookups[0].activations is not None
+            and position_bias.matches_lookup(bias, table.module.weight, lookups[0].activations)
+        )
+        if not self._batched_bias[module]:  # left shared: refused on backward, naming the table
+            return args, dict(kwargs, position_bias=bias)
+        batched = position_bias.expand_to_batch(bias, batch_size)
+        lookup = lookups[0]
+        lookup.activations = lookup.activations.expand((batch_size,) + lookup.activations.shape)  # (B, T, T)
+        lookup.output_edge, lookup.output_shape = _output_edge(batched), batched.shape
+        lookup.grad_transform = position_bias.bias_to_lookup_layout
+        return args, dict(kwargs, position_bias=batched)
+
+    # -- row attribution ---------------------------------------------------------------
 
     @staticmethod
-    def _check_batch(layer: _Layer, activations: Optional[Tensor], grads: Tensor, batch_size: int) -> None:
+    def _layout(capture: _Capture, batch_size: int, packing: Optional[PackedRows] = None) -> str:
+        leading = capture.output_shape[0] if len(capture.output_shape) else 0
+        if leading == batch_size:
+            layout = "batch"
+        else:
+            layout = "flattened" if leading and leading % batch_size == 0 else "shared"
+        return layout if packing is None else f"packed {layout}"
+
+    def _unverified(self, captures: List[_Capture], batch_size: int, packing: Optional[PackedRows]) -> List[int]:
+        """Indices of captures whose (layer, layout) has not been verified yet (2+ examples only)."""
+        if not self._check_attribution or (batch_size if packing is None else packing.num_examples) < 2:
+            return []
+        return [
+            index
+            for index, capture in enumerate(captures)
+            if (capture.layer.path, self._layout(capture, batch_size, packing)) not in self._verified
+        ]
+
+    def _batch_first(
+        self, capture: _Capture, grads: Tensor, batch_size: int, packing: Optional[PackedRows] = None
+    ) -> Tuple[Optional[Tensor], Tensor]:
+        """Activations and output gradients as `(B, ...)`; rows flattened over (batch, time) are read
+        batch-major; for packed rows, `(B, T, ...)` with the rows' token axis."""
+        grads = grads.reshape(capture.output_shape)
+        if capture.grad_transform is not None:
+            grads = capture.grad_transform(grads)
+        activations = capture.activations
         leading = [grads.shape[0] if grads.dim() else None]
         if activations is not None:
             leading.append(activations.shape[0] if activations.dim() else None)
-        if any(size != batch_size for size in leading):
+        if _unattributable(leading, batch_size):
+            _raise_shared([(capture, leading)], batch_size)
+        activations, grads = _unflatten(activations, batch_size), _unflatten(grads, batch_size)
+        if packing is not None:
+            tokens = packing.tokens
+            if any(t is not None and (t.dim() < 2 or t.shape[1] != tokens) for t in (activations, grads)):
+                layer = capture.layer
+                raise UnsupportedLayerError(
+                    f"GhostClipper: layer {layer.path} ({type(layer.module).__name__}) has tensors without the "
+                    f"rows' token axis of length {tokens} (shapes {tuple(grads.shape)}), so they cannot be split "
+                    "into the packed examples of each row: freeze it, or do not pack the batch."
+                )
+        return activations, grads
+
+    @staticmethod
+    def _check_rows(captures: List[_Capture], batch_size: int) -> None:
+        """Before the backward pass: every captured tensor must have rows that belong to examples."""
+        shared = []
+        for capture in captures:
+            leading = [capture.output_shape[0] if len(capture.output_shape) else None]
+            if capture.activations is not None:
+                leading.append(capture.activations.shape[0] if capture.activations.dim() else None)
+            if _unattributable(leading, batch_size):
+                shared.append((capture, leading))
+        if shared:
+            _raise_shared(shared, batch_size)
+
+    def _check_recomputed(self, captures: List[_Capture], output_grads) -> None:
+        missing = sorted({c.layer.path for c, g in zip(captures, output_grads) if c.pending and g is not None})
+        if missing:
             raise RuntimeError(
-                f"GhostClipper: layer {layer.path} ({type(layer.module).__name__}) saw tensors with leading "
-                f"dimension {leading} for a batch of {batch_size} examples; it cannot attribute its rows to "
-                "examples. Call the model with input_ids / inputs_embeds of shape (batch_size, ...)."
+                f"GhostClipper: layers inside a gradient-checkpointed block were not recomputed in the backward "
+                f"pass, so their inputs are unknown: {missing}. Disable gradient checkpointing for this model."
             )
+
+    def _verify_attribution(
+        self, losses: Tensor, captures: List[_Capture], output_grads, indices: List[int],
+        packing: Optional[PackedRows] = None,
+    ) -> None:
+        """A backward of Σ_b c_b·L_b must scale example b's rows (for packed rows: tokens) of every
+        output gradient by c_b."""
+        # Powers of two, 1/8 ... 8, spread at random: scaling by them is exact in floating point, so a
+        # correctly attributed row is its example's weight times the unweighted row up to (at most)
+        # nondeterministic kernels, also where the gradient is small after cancellation.
+        generator = torch.Generator().manual_seed(0)
+        exponents = torch.randperm(losses.shape[0], generator=generator) % 7 - 3
+        weights = torch.pow(2.0, exponents.double()).to(device=losses.device, dtype=losses.dtype)
+        row_weights = weights.double() if packing is None else packing.token_weights(weights.double())  # (B,) | (B, T)
+        batch_size = len(row_weights)
+        selected = [index for index in indices if output_grads[index] is not None]
+        weighted_grads = torch.autograd.grad(
+            (losses * weights).sum(), [captures[index].output_edge for index in selected], allow_unused=True
+        )
+        # A misattributed row is off by a factor c_b'/c_b of at least 2 (unless the weights collide).
+        bits = min(_precision_bits(losses, *(g for g in output_grads if g is not None)), 64)
+        tolerance = 1e-3 if bits >= 32 else 1e-1
+        wrong = []
+        for index, weighted in zip(selected, weighted_grads):
+            capture = captures[index]
+            _, grads = self._batch_first(capture, output_grads[index], batch_size, packing)
+            scale = row_weights.reshape(row_weights.shape + (1,) * (grads.dim() - row_weights.dim()))
+            expected = (grads.double() * scale).reshape(batch_size, -1)
+            actual = expected.new_zeros(expected.shape)
+            if weighted is not None:
+                actual = self._batch_first(capture, weighted, batch_size, packing)[1].reshape(batch_size, -1).double()
+            error = float((actual - expected).norm())
+            if error > tolerance * float(expected.norm()):
+                wrong.append(f"{capture.layer.path} ({type(capture.layer.module).__name__})")
+        if wrong:
+            raise UnsupportedLayerError(
+                "GhostClipper: the rows of these layers' tensors do not belong to the examples they were read as "
+                f"(batch first, or flattened batch-major over (batch, time)): {sorted(set(wrong))}. Freeze them "
+                "(requires_grad_(False)) or call the model with batch-first inputs."
+                + (" With packed rows: do the examples of a row attend to each other (an attention mask or a cache "
+                   "turns off transformers' per-example masking)?" if packing is not None else "")
+            )
+        self._verified.update(
+            (captures[i].layer.path, self._layout(captures[i], batch_size, packing)) for i in selected
+        )
 
     def _trainable_params(self) -> List[nn.Parameter]:
         unique: Dict[int, nn.Parameter] = {}
@@ -403,6 +717,76 @@ class GhostClipper:
             for param in layer.params.values():
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
+
+
+class _FunctionCapture(TorchFunctionMode):
+    """Within one call of a layer whose class has its own `forward`: capture its rule's function call.
+
+    Active only between the layer's forward pre-hook and forward hook; every other torch
+    function passes through unchanged.
+    """
+
+    def __init__(self, clipper: "GhostClipper", layer: _Layer):
+        super().__init__()
+        self.clipper, self.layer = clipper, layer
+        self.calls = 0  # calls of the function with the layer's weight
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        if func is not self.layer.rule.function:
+            return output
+        module = self.layer.module
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if weight is not module.weight or (func is torch.nn.functional.linear and bias is not module.bias):
+            return output  # another use: the coverage check on the first backward sees it
+        self.calls += 1
+        replaced = self.clipper._capture(self.layer, args[0] if args else kwargs.get("input"), output, at_module=False)
+        return output if replaced is None else replaced
+
+
+def _unattributable(leading: List[Optional[int]], batch_size: int) -> bool:
+    """Leading dimensions that are neither the batch nor (batch x something)."""
+    return any(not size or size % batch_size for size in leading)
+
+
+def _raise_shared(shared: List[Tuple[_Capture, List[Optional[int]]]], batch_size: int) -> None:
+    layers = sorted({
+        f"{capture.layer.path} ({type(capture.layer.module).__name__}, leading dimensions {leading})"
+        for capture, leading in shared
+    })
+    raise UnsupportedLayerError(
+        f"GhostClipper: these layers saw tensors whose rows cannot be attributed to the {batch_size} examples of "
+        f"the batch: {layers}. A tensor computed once and shared by every example (a relative-position table "
+        "such as DeBERTa's) has no per-example gradient: freeze these layers (requires_grad_(False)), or leave "
+        "them out of the LoRA target modules. Otherwise call the model with input_ids / inputs_embeds of shape "
+        "(batch_size, ...)."
+    )
+
+
+def _checkpointed(layer: _Layer) -> bool:
+    """Whether transformers will recompute this call of `layer` in the backward pass."""
+    return torch.is_grad_enabled() and any(
+        block.gradient_checkpointing is True and block.training for block in layer.checkpoint_blocks
+    )
+
+
+def _fingerprint(inputs: Tensor) -> Tensor:
+    """Two numbers that tell one call's input from another's: its sum and its norm (float64)."""
+    inputs = inputs.detach()
+    return torch.stack([inputs.sum(dtype=torch.float64), torch.linalg.vector_norm(inputs, dtype=torch.float64)])
+
+
+def _first_input(args, kwargs) -> Optional[Tensor]:
+    return args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+
+
+def _unflatten(tensor: Optional[Tensor], batch_size: int) -> Optional[Tensor]:
+    """`(B·k, ...)` -> `(B, k, ...)` batch-major; `(B, ...)` unchanged."""
+    if tensor is None or tensor.shape[0] == batch_size:
+        return tensor
+    return tensor.reshape((batch_size, tensor.shape[0] // batch_size) + tuple(tensor.shape[1:]))
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
@@ -39,7 +40,7 @@ def _dense_terms(layer, activations: Tensor, output_grads: Tensor, *, outputs_fi
     return terms
 
 
-@register_rule(nn.Linear, name="linear", params={"weight": OUTER, "bias": EXAMPLE})
+@register_rule(nn.Linear, name="linear", params={"weight": OUTER, "bias": EXAMPLE}, function=F.linear)
 def linear_rule(layer: nn.Linear, activations: Tensor, output_grads: Tensor) -> Dict[str, GradTerm]:
     """`nn.Linear`: ∇W = Σ_t g_t a_tᵀ (rows: outputs), ∇b = Σ_t g_t."""
     return _dense_terms(layer, activations, output_grads, outputs_first=True)

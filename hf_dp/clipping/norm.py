@@ -1,6 +1,7 @@
 """Rules for normalisation layers: `nn.LayerNorm`, `nn.RMSNorm` and transformers' RMSNorm
 variants (`LlamaRMSNorm`, `Qwen2RMSNorm`, `MistralRMSNorm`, ...: any class whose name
-ends in ``RMSNorm``).
+ends in ``RMSNorm``, and T5's `T5LayerNorm`, an RMSNorm by another name: any class
+named ``*LayerNorm`` that does not derive from `nn.LayerNorm`).
 
 With normalised inputs ``x̂_t`` and output gradients ``g_t``, the affine parameters
 act elementwise, ``y_t = w ⊙ x̂_t + b`` (or ``(1 + w) ⊙ x̂_t``, Gemma style), so one
@@ -12,9 +13,10 @@ in float32:
 - LayerNorm: ``x̂ = (x - mean(x)) / sqrt(var(x) + eps)``;
 - RMSNorm: ``x̂ = x / sqrt(mean(x²) + eps)``.
 
-RMSNorm classes matched by name are checked when the clipper attaches: the layer's
-output on a probe input must equal ``w ⊙ x̂`` or ``(1 + w) ⊙ x̂``, otherwise the layer
-is reported as unsupported rather than clipped with a wrong norm.
+Classes matched by name are checked when the clipper attaches: the layer's output on a
+probe input must equal ``w ⊙ x̂`` or ``(1 + w) ⊙ x̂`` with the RMS ``x̂``, otherwise the
+layer is reported as unsupported rather than clipped with a wrong norm (a custom,
+mean-subtracting ``*LayerNorm`` fails the probe and is refused).
 """
 from __future__ import annotations
 
@@ -97,7 +99,8 @@ def _check_rms_norm(layer: nn.Module) -> Optional[str]:
 
 
 def _is_rms_norm_class(cls: type) -> bool:
-    return cls.__name__.endswith("RMSNorm")
+    name = cls.__name__
+    return name.endswith("RMSNorm") or (name.endswith("LayerNorm") and not issubclass(cls, nn.LayerNorm))
 
 
 @register_rule(
@@ -108,5 +111,5 @@ def _is_rms_norm_class(cls: type) -> bool:
     class_name_predicate=_is_rms_norm_class,
 )
 def rms_norm_rule(layer: nn.Module, activations: Tensor, output_grads: Tensor) -> Dict[str, GradTerm]:
-    """RMSNorm (any `*RMSNorm` class): ∇w = Σ_t g_t ⊙ x̂_t (also for the `(1 + w)` form)."""
+    """RMSNorm (`*RMSNorm`, T5-style `*LayerNorm`): ∇w = Σ_t g_t ⊙ x̂_t (also for the `(1 + w)` form)."""
     return _affine_terms(layer, _rms_normalize(layer, activations), output_grads, _rms_dims(layer))

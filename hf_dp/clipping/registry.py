@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
@@ -63,6 +63,11 @@ class Rule:
         validate (`Callable`, *optional*): called with the layer at attach time; returns a
             reason string when this particular instance cannot be handled (e.g. an
             `nn.Embedding` with `max_norm`), else `None`.
+        function (`Callable`, *optional*): the torch function (`F.embedding`, `F.linear`)
+            whose call with the layer's `weight` the rule describes. A subclass of the
+            registered type that overrides `forward` (Gemma's scaled token embedding,
+            BART's and OPT's learned positions, which compute their own ids) is captured at
+            that call instead of at the module's input and output.
     """
 
     name: str
@@ -70,6 +75,7 @@ class Rule:
     params: Mapping[str, str]
     capture_input: bool = True
     validate: Optional[Callable[[nn.Module], Optional[str]]] = None
+    function: Optional[Callable] = None
 
 
 _RULES_BY_TYPE: Dict[type, Rule] = {}
@@ -83,6 +89,7 @@ def register_rule(
     capture_input: bool = True,
     validate: Optional[Callable[[nn.Module], Optional[str]]] = None,
     class_name_predicate: Optional[Callable[[type], bool]] = None,
+    function: Optional[Callable] = None,
 ):
     """Decorator registering a rule for layer types (and/or a class-name predicate).
 
@@ -96,10 +103,13 @@ def register_rule(
         validate (`Callable`, *optional*): per-instance check, see [`Rule`].
         class_name_predicate (`Callable[[type], bool]`, *optional*): also match classes
             for which this returns `True` (tried after exact type matches).
+        function (`Callable`, *optional*): the torch function the rule describes, see [`Rule`].
     """
 
     def decorator(fn: RuleFn) -> RuleFn:
-        rule = Rule(name=name, fn=fn, params=dict(params), capture_input=capture_input, validate=validate)
+        rule = Rule(
+            name=name, fn=fn, params=dict(params), capture_input=capture_input, validate=validate, function=function
+        )
         for layer_type in layer_types:
             _RULES_BY_TYPE[layer_type] = rule
         if class_name_predicate is not None:
@@ -111,18 +121,32 @@ def register_rule(
 
 def find_rule(layer: nn.Module) -> Optional[Rule]:
     """The rule for `layer`: first registered type along its MRO, then name predicates."""
+    return _lookup(layer)[0]
+
+
+def overrides_forward(layer: nn.Module) -> bool:
+    """Whether `layer`'s class overrides the `forward` of the type its rule is registered for.
+
+    `False` for layers matched by name (their own class is what the rule describes).
+    """
+    owner = _lookup(layer)[1]
+    return owner is not None and owner is not type(layer) and type(layer).forward is not owner.forward
+
+
+def _lookup(layer: nn.Module) -> Tuple[Optional[Rule], Optional[type]]:
+    """The rule, and the registered type it was found on (`None` for a match by name)."""
     mro = type(layer).__mro__
     for cls in mro:
         rule = _RULES_BY_TYPE.get(cls)
         if rule is not None:
-            return rule
+            return rule, cls
     for cls in mro:
         if cls in (nn.Module, object):
             break
         for predicate, rule in _RULES_BY_NAME:
             if predicate(cls):
-                return rule
-    return None
+                return rule, None
+    return None, None
 
 
 def registered_rules() -> Dict[str, Rule]:

@@ -59,7 +59,7 @@ CASES = [
     ("q1e-2-s1-T1e3", 0.01, 1.0, 1000, 1, 1e-5),
     ("q0.5-s5-T100", 0.5, 5.0, 100, 1, 1e-5),
     ("q0.2-s0.5-T20", 0.2, 0.5, 20, 1, 1e-5),
-    ("q1-s100-T1e6", 1.0, 100.0, 1_000_000, 1, 1e-5),
+    ("q1-s100-T1e4", 1.0, 100.0, 10_000, 1, 1e-5),
     ("q1-s2-T1", 1.0, 2.0, 1, 1, 1e-5),
     ("q1-s0.8-T10", 1.0, 0.8, 10, 1, 1e-5),
     ("q0.05-s0.7-T500", 0.05, 0.7, 500, 1, 1e-5),
@@ -81,31 +81,46 @@ CASES = [
     ("G8-q0.05-s3-T200-d1e-12", 0.05, 3.0, 200, 8, 1e-12),
 ]
 
+# Ledgers whose q, σ or G change mid-run: (name, [(q, σ, G, T), ...], δ).
+SEGMENT_CASES = [
+    ("segments-q-s-change", [(1e-4, 0.5, 1, 20_000), (2e-4, 0.4, 1, 10_000), (1e-4, 0.6, 1, 30_000)], 1e-5),
+    ("segments-G-change", [(1e-4, 0.6, 1, 5_000), (1e-4, 0.6, 4, 5_000)], 1e-5),
+]
 
-def stock_prv(q, sigma, steps, delta, eps_error=0.01):
+
+def stock_prv(segments, delta, eps_error=0.01):
     from prv_accountant import PRVAccountant
     from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
 
-    accountant = PRVAccountant([PoissonSubsampledGaussianMechanism(q, sigma)], eps_error=eps_error,
-                               delta_error=delta / 1000, max_self_compositions=[steps])
-    lower, estimate, upper = accountant.compute_epsilon(delta, [steps])
+    prvs = [PoissonSubsampledGaussianMechanism(q, sigma) for q, sigma, _, _ in segments]
+    counts = [steps for *_, steps in segments]
+    accountant = PRVAccountant(prvs, eps_error=eps_error, delta_error=delta / 1000, max_self_compositions=counts)
+    lower, estimate, upper = accountant.compute_epsilon(delta, counts)
     return {"lower": lower, "estimate": estimate, "upper": upper, "eps_error": eps_error}
 
 
-def pld(q, sigma, steps, group, delta, interval):
+def _pld_of(segments, interval):
     from dp_accounting.pld import privacy_loss_distribution as pld_module
 
-    k = np.arange(group + 1)
-    weights = binom.pmf(k, group, q)
-    keep = weights > 0
+    total = None
+    for q, sigma, group, steps in segments:
+        if group == 1:
+            dist = pld_module.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=interval)
+        else:
+            k = np.arange(group + 1)
+            weights = binom.pmf(k, group, q)
+            keep = weights > 0
+            dist = pld_module.from_mixture_gaussian_mechanism(
+                sigma, k[keep].astype(float).tolist(), weights[keep].tolist(), value_discretization_interval=interval)
+        dist = dist.self_compose(steps)
+        total = dist if total is None else total.compose(dist)
+    return total
+
+
+def pld(segments, delta, interval):
     out = {"interval": interval}
     for name, h in (("pessimistic", interval), ("pessimistic_2h", 2 * interval)):
-        if group == 1:
-            dist = pld_module.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=h)
-        else:
-            dist = pld_module.from_mixture_gaussian_mechanism(
-                sigma, k[keep].astype(float).tolist(), weights[keep].tolist(), value_discretization_interval=h)
-        out[name] = dist.self_compose(steps).get_epsilon_for_delta(delta)
+        out[name] = _pld_of(segments, h).get_epsilon_for_delta(delta)
     out["discretisation_error"] = abs(out["pessimistic_2h"] - out["pessimistic"])
     return out
 
@@ -115,20 +130,23 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="case names to (re)compute")
     args = parser.parse_args(argv)
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    for name, q, sigma, steps, group, delta in CASES:
+    cases = [(name, [(q, sigma, group, steps)], delta) for name, q, sigma, steps, group, delta in CASES]
+    for name, segments, delta in cases + SEGMENT_CASES:
         if args.only and name not in args.only or not args.only and name in results:
             continue
-        record = {"sample_rate": q, "noise_multiplier": sigma, "steps": steps, "group_size": group, "delta": delta}
+        record = {"segments": [dict(zip(("sample_rate", "noise_multiplier", "group_size", "steps"), s))
+                               for s in segments], "delta": delta}
         start = time.time()
-        if group == 1:
+        steps = sum(s[3] for s in segments)
+        if all(s[2] == 1 for s in segments):
             try:
-                record["prv_accountant"] = stock_prv(q, sigma, steps, delta)
+                record["prv_accountant"] = stock_prv(segments, delta)
             except Exception as error:  # noqa: BLE001 - recorded: the PLD reference is used instead
                 record["prv_accountant_error"] = f"{type(error).__name__}: {error}"
-        if group > 1 or "prv_accountant" not in record:
+        if "prv_accountant" not in record:
             interval = 1e-3 if steps <= 1000 else 1e-4 if steps <= 100_000 else 2e-4
             try:
-                record["dp_accounting"] = pld(q, sigma, steps, group, delta, interval)
+                record["dp_accounting"] = pld(segments, delta, interval)
             except Exception as error:  # noqa: BLE001
                 record["dp_accounting_error"] = f"{type(error).__name__}: {error}"
         record["seconds"] = round(time.time() - start, 1)

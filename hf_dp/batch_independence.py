@@ -1,0 +1,93 @@
+"""Refuse models in which one example's output depends on the other examples of its batch.
+
+DP-SGD bounds each unit's influence by clipping that unit's own gradient. A layer that mixes the
+examples of a batch (BatchNorm in train mode, a layer subtracting the batch mean) lets one user move
+every other example's loss, so the clipped sum moves by more than C and the noise no longer covers it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# In train mode these use, or record in their running statistics, statistics of the whole batch.
+_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)  # BatchNorm1d/2d/3d, SyncBatchNorm, lazy variants
+
+
+def check_batch_independence(model: nn.Module, features: dict | None = None) -> None:
+    """Raise `ValueError` when one example's output can depend on another's (call before any step).
+
+    Two checks: known batch-mixing layers by type, trainable or frozen (BatchNorm*, SyncBatchNorm, and
+    InstanceNorm with `track_running_stats`, whose running statistics are released with the model); then,
+    when `features` (a collated micro-batch, on the model's device) holds two distinct rows, a probe: two
+    forward passes under `no_grad` in train mode from the same RNG state (same dropout masks), the second
+    with row 0 replaced by another row. Every other row's output must be unchanged.
+
+    The probe trains nothing and releases nothing (its only outcome is refusing to train), so it spends
+    no privacy budget; RNG state, buffers and train/eval mode are restored afterwards.
+    """
+    for name, module in model.named_modules():
+        mixes = isinstance(module, _BATCH_NORMS) or (
+            isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats
+        )
+        if mixes:
+            raise ValueError(
+                f"Module {name!r} ({type(module).__name__}) uses batch statistics in train mode, so one example "
+                "changes every other example's output and the per-unit clip no longer bounds a user's influence: "
+                "replace it with GroupNorm or LayerNorm (frozen or not) before DP training."
+            )
+    if features:
+        _probe(model, {k: v for k, v in features.items() if k != "labels"})
+
+
+def _probe(model: nn.Module, features: dict) -> None:
+    rows = {k: v for k, v in features.items() if torch.is_tensor(v) and v.dim() > 0}
+    sizes = {v.shape[0] for v in rows.values()}
+    size = sizes.pop() if len(sizes) == 1 else 0
+    if size < 2:
+        return
+    other = next((j for j in range(1, size) if any(not torch.equal(v[0], v[j]) for v in rows.values())), None)
+    if other is None:
+        return  # all rows identical: nothing to perturb
+    altered = dict(features)
+    for key, value in rows.items():
+        altered[key] = value.clone()
+        altered[key][0] = value[other]
+    was_training = model.training
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            cpu_state = torch.get_rng_state()
+            cuda_state = torch.cuda.get_rng_state_all() if cuda else None
+            original = _output(model(**features))
+            torch.set_rng_state(cpu_state)
+            if cuda:
+                torch.cuda.set_rng_state_all(cuda_state)
+            changed = _output(model(**altered))
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    if original is None or changed is None or original.shape != changed.shape:
+        return
+    tolerance = 1e-4 if original.dtype in (torch.float32, torch.float64) else 2e-2  # half precision: looser
+    original, changed = original[1:].float(), changed[1:].float()
+    moved = (original - changed).abs().max().item()
+    if moved > tolerance * (1.0 + original.abs().max().item()):
+        raise ValueError(
+            f"Changing one example of a batch moved the other examples' outputs (by up to {moved:.3g}): a layer of "
+            f"this {type(model).__name__} mixes examples (e.g. batch statistics), which breaks DP-SGD's per-unit "
+            "sensitivity bound. Replace such layers with per-example ones (GroupNorm, LayerNorm) before DP training."
+        )
+
+
+def _output(output) -> torch.Tensor | None:
+    """The logits (or first output) of a forward pass."""
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)):
+        output = output[0] if output else None
+    return output if torch.is_tensor(output) else None

@@ -1,0 +1,93 @@
+"""Packed rows: several examples concatenated in one row of the batch.
+
+With packing (transformers' `DataCollatorWithFlattening`, or rows built by hand) a row holds
+several examples one after another, `position_ids` restarting at 0 at each, and no 2-D
+attention mask; transformers then masks attention block by block, so no example sees
+another. Every clipping rule is a sum over tokens, so an example's gradient is that of its
+own tokens: [`PackedRows`] regroups each layer's `(rows, T, ...)` activations and output
+gradients into `(examples, L, ...)` (L: the longest example, zero rows after the shorter
+ones, which contribute nothing) before the rules see them.
+
+Example:
+
+```python
+>>> import torch
+>>> from hf_dp.clipping.packing import examples_from_position_ids
+>>> examples_from_position_ids(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))
+tensor([[0, 0, 0, 1, 1],
+        [2, 2, 3, 3, 3]])
+
+```
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def examples_from_position_ids(position_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+    """`(B, T)` index of the example each token belongs to: a new example wherever the position
+    does not follow the previous one (transformers' rule for packed sequences), numbered row by
+    row from 0; `-1` where `attention_mask` is 0.
+
+    Args:
+        position_ids (`torch.LongTensor`): `(B, T)` positions restarting at each example.
+        attention_mask (`torch.Tensor`, *optional*): `(B, T)`, 0 for tokens of no example.
+    """
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must have shape (batch_size, seq_len), got {tuple(position_ids.shape)}")
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    within_row = (step != 1).cumsum(-1)  # (B, T) example index inside its row
+    row_offsets = torch.cumsum(within_row[:, -1] + 1, 0) - (within_row[:, -1] + 1)  # (B,)
+    example_ids = within_row + row_offsets[:, None]
+    if attention_mask is not None:
+        example_ids = example_ids.masked_fill(attention_mask == 0, -1)
+        kept = example_ids[example_ids >= 0]
+        if kept.numel():  # renumber consecutively once masked-only examples are gone
+            _, renumbered = torch.unique(kept, sorted=True, return_inverse=True)
+            example_ids = example_ids.masked_scatter(example_ids >= 0, renumbered)
+    return example_ids
+
+
+class PackedRows:
+    """Which tokens of which rows form each example.
+
+    Args:
+        example_ids (`torch.LongTensor`): `(B, T)`: the index in the per-example losses of the
+            example each token belongs to, `-1` for tokens of none (padding).
+        num_examples (`int`): the number of examples S (the length of the losses).
+    """
+
+    def __init__(self, example_ids: Tensor, num_examples: int):
+        if example_ids.dim() != 2:
+            raise ValueError(f"example_ids must have shape (rows, seq_len), got {tuple(example_ids.shape)}")
+        if example_ids.numel() and (int(example_ids.max()) >= num_examples or int(example_ids.min()) < -1):
+            raise ValueError(f"example_ids must lie in [-1, {num_examples}) for {num_examples} per-example losses")
+        self.example_ids = example_ids
+        self.rows, self.tokens = example_ids.shape
+        self.num_examples = num_examples
+        flat = example_ids.reshape(-1)
+        positions = torch.nonzero(flat >= 0).squeeze(1)  # token positions in the flattened rows
+        examples = flat[positions]
+        order = torch.argsort(examples, stable=True)
+        positions, examples = positions[order], examples[order]
+        counts = torch.bincount(examples, minlength=num_examples)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(len(examples), device=flat.device) - starts[examples]
+        longest = int(counts.max()) if num_examples and len(examples) else 1
+        padding = self.rows * self.tokens  # index of an all-zero row appended to the flattened tensor
+        self.index = torch.full((num_examples, longest), padding, dtype=torch.long, device=flat.device)  # (S, L)
+        self.index[examples, rank] = positions
+
+    def regroup(self, tensor: Tensor) -> Tensor:
+        """`(B, T, ...)` -> `(S, L, ...)`: each example's tokens in order, zeros after its end."""
+        flat = tensor.reshape((self.rows * self.tokens,) + tuple(tensor.shape[2:]))
+        flat = torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))])
+        return flat[self.index]
+
+    def token_weights(self, example_weights: Tensor) -> Tensor:
+        """`(S,)` -> `(B, T)`: each token gets its example's weight, 0 for tokens of none."""
+        padded = torch.cat([example_weights, example_weights.new_zeros(1)])
+        return padded[self.example_ids]  # -1 picks the appended 0
