@@ -145,7 +145,7 @@ def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float
         m(G)     = mean_u min(n_u, G)                examples a sampled user contributes
         M(G)     = units_per_step / m(G)             expected users per step (fixed compute)
         q(G)     = M(G) / users                      user sampling rate (must be ≤ 1)
-        σ(G)     = noise_multiplier(target_epsilon, δ, q(G), steps)  (ULS: Poisson-subsampled Gaussian)
+        σ(G)     = rdp_noise_multiplier(target_epsilon, δ, q(G), steps)  (RDP: cheap, ranks the G alike)
         noise(G) = σ(G) / (M(G) · √m(G))  =  σ(G) · √m(G) / units_per_step
 
     σ(G)/M(G) is the standard deviation of the privacy noise in the averaged update, in units of
@@ -189,9 +189,9 @@ def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float
         if sample_rate > 1:
             problems.append(f"G={group}: needs {users_per_step:.4g} users per step of {users}")
             continue
-        try:
-            sigma = accounting.noise_multiplier(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
-                                                steps=steps)
+        try:  # RDP's σ ranks the candidates in milliseconds (the exact σ of the choice is the caller's)
+            sigma = accounting.rdp_noise_multiplier(target_epsilon=target_epsilon, delta=delta,
+                                                    sample_rate=sample_rate, steps=steps)
         except ValueError as error:
             problems.append(f"G={group}: {error}")
             continue
@@ -483,14 +483,14 @@ def _row(mode, unit, group, units_per_step, population, examples_per_step, steps
                                             group_size=accounting_group)
         row["noise_multiplier"] = sigma
         row["noise_std"] = sigma / units_per_step
-    except ValueError as error:
+    except (ValueError, accounting.AccountingError) as error:
         problems.append(str(error))
     if sigma_fixed is not None:
         try:
             row["epsilon_at_fixed_noise"] = accounting.epsilon(
                 sample_rate=sample_rate, noise_multiplier=sigma_fixed, steps=steps, delta=delta,
                 group_size=accounting_group)
-        except (ValueError, RuntimeError) as error:
+        except (ValueError, RuntimeError, accounting.AccountingError) as error:
             problems.append(f"ε at σ={sigma_fixed:g}: {error}")
     row["note"] = "; ".join(p for p in (*problems, note) if p)
     return row

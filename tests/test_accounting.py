@@ -240,6 +240,9 @@ BAD_ARGUMENTS = [
     ({"steps": -1}, "steps"),
     ({"steps": 2.5}, "steps"),
     ({"group_size": 0}, "group_size"),
+    ({"group_size": 10**6}, "group_size"),   # beyond the tested domain: refused at once, not 7 TiB later
+    ({"steps": 10**9}, "steps"),             # refused at once, not after minutes
+    ({"delta": 1e-16}, "delta"),
 ]
 
 

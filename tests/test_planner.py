@@ -106,3 +106,34 @@ def test_plan_bad_input_says_what_to_change(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         planner.plan(**arguments)
     assert "\n" not in str(info.value)
+
+
+def test_huge_populations_allocate_nothing_per_user():
+    """10⁹ and 10¹² users: the planner keeps (count, users holding it), never an array of users
+    (a billion-user plan once took 19 GB)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows = planner.plan(users=10**12, examples_per_user=20, units_per_step=64, steps=1000, target_epsilon=8.0)
+    assert rows[1]["sample_rate"] == pytest.approx(64 / (20 * 10**12))  # ELS: examples
+    assert rows[0]["noise_multiplier"] is not None and rows[1]["noise_multiplier"] is not None
+    assert rows[2]["noise_multiplier"] is not None or "delta" in rows[2]["note"]  # δ = 5e-15: beyond precision
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2_000_000  # KiB: far below 10¹² of anything
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(users=10**9, examples_per_user=20), "steps=312500000 is above 10,000,000"),   # default: one pass
+    (dict(users=10**6, examples_per_user=20, steps=10**9), "steps=1000000000 is above"),
+    (dict(users=1000, examples_per_user=20, contribution_bound_els=10**6), "group_size=1000000 is above 256"),
+])
+def test_out_of_range_plans_answer_with_one_line_per_mode(kwargs, match):
+    rows = planner.plan(units_per_step=64, target_epsilon=8.0, **kwargs)
+    refused = [row for row in rows if match in row["note"]]
+    assert refused and all(row["noise_multiplier"] is None for row in refused)
+
+
+def test_rdp_noise_multiplier_is_conservative_and_close():
+    setting = dict(target_epsilon=4.0, delta=1e-6, sample_rate=1e-4, steps=30_000)
+    exact = accounting.noise_multiplier(**setting)
+    rough = accounting.rdp_noise_multiplier(**setting)
+    assert exact <= rough <= 1.3 * exact

@@ -23,7 +23,7 @@ a checked mean), `composition` (ε and its bounds), `calibration` (σ for a targ
 memo for all of it, `CACHE.clear()`).
 """
 from .cache import CACHE, AccountingCache
-from .calibration import noise_multiplier
+from .calibration import noise_multiplier, rdp_noise_multiplier
 from .checks import MAX_GROUP_SIZE, MAX_STEPS
 from .discretisation import AccountingError
 from .composition import describe_mechanism, epsilon, epsilon_bounds
@@ -44,4 +44,5 @@ __all__ = [
     "epsilon_bounds",
     "group_privacy_epsilon",
     "noise_multiplier",
+    "rdp_noise_multiplier",
 ]
