@@ -195,6 +195,13 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
             "`dp/noise_multiplier` and `dp/sample_rate` are the plan's values. The sampled batch size is "
             "never logged."
         )
+    bound_epsilon = report.get("contribution_bound_epsilon") or 0
+    if bound_epsilon > 0:
+        items.append(
+            f"**The contribution bound G = {report.get('contribution_bound')}**, chosen from the data with "
+            f"ε = {_fmt_up(bound_epsilon, 4)}: an ε-DP median of the rows per user (exponential mechanism on a "
+            "public grid), composed with the training ε above."
+        )
     items.append(
         "**This card's ε and δ**, computed from the ledger alone (no data), which is saved beside the card "
         f"(`{LEDGER_FILE}`); `hf-dp publish` recomputes ε from it before any upload."
@@ -215,12 +222,12 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
         "release recorded in the ledger.",
         "**Preprocessing decisions.** "
         + (
-            f"The contribution bound G = {bound}, "
-            if bound is not None
-            else "The contribution bound, "
+            "Filters, deduplication and tokenisation are not privatised (G was, see above): if they were "
+            if (report.get("contribution_bound_epsilon") or 0) > 0
+            else (f"The contribution bound G = {bound}, " if bound is not None else "The contribution bound, ")
+            + "filters, deduplication and tokenisation are not privatised: if they were "
         )
-        + "filters, deduplication and tokenisation are not privatised: if they were chosen "
-        "by looking at the private data (for example G from the median number of examples "
+        + "chosen by looking at the private data (for example G from the median number of examples "
         "per user), that choice itself reveals something about it.",
         "**Who a user is.** The unit is one value of the user-id column. A person who "
         "appears under several ids is protected only as that many units; ids shared by "

@@ -146,9 +146,22 @@ def _coarse_root(q: float, group: int, steps: int, delta: float, target: float):
             return math.inf  # ε beyond what the accountant resolves: far above any sane target
         return estimate + fine_error - target
 
-    # Bracket by doubling/halving from σ = 1, then Brent's method on log σ.
+    # G = 1: bracket just below the RDP σ (which meets the target: RDP bounds ε from above); else by
+    # doubling/halving from σ = 1; then Brent's method on log σ.
     lo = hi = 0.0
-    if predicted(lo) > 0:
+    start = None
+    if group == 1:  # (for the mixture of Gaussians RDP is cheap neither to compute nor tight)
+        try:
+            start = math.log(rdp_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=q, steps=steps))
+        except ValueError:
+            pass
+    if start is not None and predicted(start) <= 0:
+        hi, lo = start, start - math.log(1.25)
+        while predicted(lo) <= 0:
+            lo, hi = lo - math.log(1.25), lo
+            if lo < math.log(sigma_min):
+                return None, None
+    elif predicted(lo) > 0:
         while predicted(hi) > 0:
             lo, hi = hi, hi + math.log(2)
             if hi > math.log(sigma_max):
@@ -159,7 +172,7 @@ def _coarse_root(q: float, group: int, steps: int, delta: float, target: float):
             if lo < math.log(sigma_min):
                 return None, None
     try:
-        root = brentq(predicted, lo, hi, xtol=1e-4, rtol=1e-5, maxiter=60)
+        root = brentq(predicted, lo, hi, xtol=3e-4, rtol=1e-5, maxiter=60)
     except (ValueError, RuntimeError):
         return None, None
     step = math.log(1.02)
