@@ -130,8 +130,8 @@ class DPTrainingArguments(TrainingArguments):
     )
     contribution_bound: str | None = field(
         default="auto",
-        metadata={"help": "G, the most rows kept per user: an integer, or 'auto' (ELS: median rows per user; "
-                          "ULS: noise-prediction heuristic)."},
+        metadata={"help": "G, the most rows kept per user: an integer, or 'auto' (an ε-DP median of the rows per user "
+                          "on a public grid; ULS then applies the noise-prediction heuristic to it)."},
     )
     contribution_bound_epsilon: float = field(
         default=0.1,

@@ -16,28 +16,13 @@ from torch import nn
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp import DPTrainer
 from hf_dp.batch_independence import check_batch_independence
 from hf_dp.data import examples_per_user, partition_by_user
 from hf_dp.trainer import LOCK_NAME, _ledger_digest
 from tiny_models import VOCAB as BATCH_VOCAB
 from tiny_models import model_inputs, tiny_batch, tiny_model
-from trainer_fixtures import VOCAB, pad_collator, tiny_bert, tiny_llama, user_dataset
-
-
-def make_args(tmp_path, **overrides) -> DPTrainingArguments:
-    settings = dict(
-        output_dir=str(tmp_path / "out"), max_steps=4, expected_batch_size=8, per_device_train_batch_size=4,
-        learning_rate=1e-2, target_epsilon=8.0, noise_seed=1234, report_to=[], logging_steps=1, save_strategy="no",
-        use_cpu=True, disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return DPTrainingArguments(**settings)
-
-
-def make_trainer(tmp_path, model=None, dataset=None, **overrides) -> DPTrainer:
-    return DPTrainer(model=model if model is not None else tiny_bert(), args=make_args(tmp_path, **overrides),
-                     train_dataset=dataset if dataset is not None else user_dataset(), data_collator=pad_collator)
+from trainer_fixtures import VOCAB, make_args, make_trainer, pad_collator, tiny_bert, tiny_llama, user_dataset
 
 
 # ---- 6. layers that mix the examples of a batch -------------------------------------------------------------

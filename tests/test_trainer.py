@@ -14,26 +14,7 @@ from transformers import HfArgumentParser
 
 from hf_dp import DPTrainer, DPTrainingArguments, UnsupportedLayerError, accounting, planner
 from hf_dp.sampling import PoissonBatchSampler
-from trainer_fixtures import pad_collator, tiny_bert, tiny_llama, user_dataset
-
-
-def make_args(tmp_path, **overrides) -> DPTrainingArguments:
-    settings = dict(
-        output_dir=str(tmp_path / "out"), max_steps=4, expected_batch_size=8, per_device_train_batch_size=4,
-        learning_rate=1e-2, target_epsilon=8.0, noise_seed=1234, report_to=[], logging_steps=1, save_strategy="no",
-        use_cpu=True, disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return DPTrainingArguments(**settings)
-
-
-def make_trainer(tmp_path, model=None, dataset=None, **overrides) -> DPTrainer:
-    return DPTrainer(
-        model=model if model is not None else tiny_bert(),
-        args=make_args(tmp_path, **overrides),
-        train_dataset=dataset if dataset is not None else user_dataset(),
-        data_collator=pad_collator,
-    )
+from trainer_fixtures import make_args, make_trainer, pad_collator, tiny_bert, tiny_llama, user_dataset
 
 
 def fresh_epsilon(report: dict, group_size: int = 1) -> float:
