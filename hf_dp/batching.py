@@ -22,11 +22,14 @@ class MicroBatch:
         unit_ids: `(B,)` unit of each row within this micro-batch, or `None` when every row is its own unit.
         loss_weights: `(B,)` multiplier of each row's loss: `1 / n_u` for ULS, so a unit's gradient is the
             gradient of its rows' *mean* loss; `None` for weight 1.
+        num_examples: the dataset rows collated (B). A packing collator (`DataCollatorWithFlattening`) puts them
+            all in one row of `features`; the trainer then finds them again from `position_ids`.
     """
 
     features: dict
     unit_ids: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
+    num_examples: int | None = None
 
 
 @dataclass
@@ -62,7 +65,8 @@ class LogicalBatches(torch.utils.data.Dataset):
         if self.unit_rows is None:
             rows = [int(r) for r in sampled.units]
             for start in range(0, len(rows), self.micro_batch_size):
-                batch.micro_batches.append(MicroBatch(self._collate(rows[start : start + self.micro_batch_size])))
+                chunk = rows[start : start + self.micro_batch_size]
+                batch.micro_batches.append(MicroBatch(self._collate(chunk), num_examples=len(chunk)))
             return batch
         group: list = []
         for unit in sampled.units:
@@ -78,7 +82,7 @@ class LogicalBatches(torch.utils.data.Dataset):
         rows = [int(r) for user_rows in users for r in user_rows]
         unit_ids = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(users)])
         loss_weights = torch.cat([torch.full((len(r),), 1.0 / len(r)) for r in users])
-        return MicroBatch(self._collate(rows), unit_ids=unit_ids, loss_weights=loss_weights)
+        return MicroBatch(self._collate(rows), unit_ids=unit_ids, loss_weights=loss_weights, num_examples=len(rows))
 
     def _collate(self, rows: list) -> dict:
         columns = self.dataset[rows]

@@ -33,3 +33,28 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, *, causal_lm: b
     ).view(labels.shape)  # (B, T)
     counts = (labels != -100).sum(dim=1)
     return token_loss.sum(dim=1) / counts.clamp(min=1)
+
+
+def packed_per_example_loss(logits: torch.Tensor, labels: torch.Tensor, example_ids: torch.Tensor, num_examples: int,
+                            *, causal_lm: bool) -> torch.Tensor:
+    """Loss of each example of packed rows (several examples concatenated in a row), shape (S,), in float32.
+
+    `example_ids` `(rows, T)` gives the example of each token (-1: none), as from
+    [`~hf_dp.clipping.packing.examples_from_position_ids`]. As [`per_example_loss`] for token-level heads: the mean
+    cross-entropy over the example's labelled tokens; for causal LMs the next-token shift stays inside each example
+    (a token never predicts the first token of the next one, whatever its label). An example with no labelled token
+    has loss 0.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"packed rows need token-level logits (rows, T, vocab), got shape {tuple(logits.shape)}: a "
+                         "head that pools each row into one prediction cannot be split into the packed examples.")
+    owners = example_ids
+    if causal_lm:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+        owners = example_ids[:, 1:].masked_fill(example_ids[:, 1:] != example_ids[:, :-1], -1)
+    owners = owners.masked_fill(labels == -100, -1)
+    kept = owners >= 0
+    token_loss = F.cross_entropy(logits[kept].float(), labels[kept], reduction="none")  # (kept tokens,)
+    sums = token_loss.new_zeros(num_examples).index_add(0, owners[kept], token_loss)
+    counts = torch.bincount(owners[kept], minlength=num_examples)
+    return sums / counts.clamp(min=1)

@@ -29,7 +29,7 @@ except ImportError:  # Windows
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer
+from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -39,8 +39,9 @@ from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity
 from .clipping import GhostClipper
+from .clipping.packing import examples_from_position_ids
 from .data import examples_per_user, keyed_seed, partition_by_user
-from .losses import is_causal_lm, per_example_loss
+from .losses import is_causal_lm, packed_per_example_loss, per_example_loss
 from .noise import add_noise, add_scalar_noise, fresh_seed
 from .sampling import PoissonBatchSampler
 
@@ -103,6 +104,10 @@ class DPTrainer(Trainer):
     ledger beside it (`dp_ledger.json`). Logs hold ε, δ, σ, q and, with `private_logging` (the default), a noised
     `loss` and `dp/clipped_fraction` that the ledger accounts; nothing else computed from the data.
 
+    Packed (padding-free) batches: with a causal LM, `data_collator=DataCollatorWithFlattening()` packs each
+    micro-batch into one row (`position_ids` restarting at each example, no attention mask); every example keeps its
+    own loss, tokens and user, so clipping, noise and ε are exactly those of the padded run, without the padding.
+
     Args:
         model, args, train_dataset, ...: as for [`~transformers.Trainer`]; `args` must be [`DPTrainingArguments`].
         privacy_card_kwargs (`dict`, *optional*):
@@ -149,6 +154,9 @@ class DPTrainer(Trainer):
         if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
             raise ValueError("FSDP / DeepSpeed (from the accelerate config): sharded parameters are not supported by "
                              "the clipping engine yet; launch with a DDP config (recipes/configs/multi_gpu.yaml).")
+        self._causal_lm = is_causal_lm(self.model)
+        if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
+            raise ValueError(_PACKED_NEEDS_TOKEN_HEAD.format(model=type(_unwrapped(self.model)).__name__))
         check_batch_independence(self.model, self._probe_batch())
         self.clipper = GhostClipper(self.model)
         self.privacy_plan = self._plan_privacy()
@@ -158,7 +166,6 @@ class DPTrainer(Trainer):
             self.accountant.record_pure_dp("contribution_bound", _bound_epsilon(args))
         self.privacy_card_kwargs = dict(privacy_card_kwargs or {})
         self._seed = self._shared_seed()
-        self._causal_lm = is_causal_lm(self.model)
         self._epsilon_spent = 0.0
         self._window = {"clipped_fraction": 0.0, "steps": 0}  # noised per-step fractions since the last log
         self.add_callback(_PrivacyProgress(self))
@@ -235,8 +242,16 @@ class DPTrainer(Trainer):
     def _probe_batch(self) -> dict:
         """The first training rows collated like a micro-batch, for the batch-independence probe."""
         dataset = self._remove_unused_columns(self.partition.dataset, description="training")
-        rows = range(min(len(dataset), max(2, self.args.per_device_train_batch_size), 4))
-        return self._prepare_inputs(self.data_collator([dataset[i] for i in rows]))
+        examples = [dataset[i] for i in range(min(len(dataset), max(2, self.args.per_device_train_batch_size), 4))]
+        features = self.data_collator(examples)
+        if _packed_example_ids(features) is not None:
+            # Packed into one row: the probe perturbs one row and watches the others, so give it one example per
+            # row (each collated alone, cut to the shortest).
+            singles = [self.data_collator([example]) for example in examples]
+            width = min(single["position_ids"].shape[-1] for single in singles)
+            features = {key: torch.cat([single[key][:, :width] for single in singles])
+                        for key, value in singles[0].items() if torch.is_tensor(value) and value.dim() == 2}
+        return self._prepare_inputs(features)
 
     def _shared_seed(self) -> int:
         seed = self.args.noise_seed if self.args.noise_seed is not None else fresh_seed()
@@ -312,14 +327,30 @@ class DPTrainer(Trainer):
                 labels = features.pop("labels", None)
                 if labels is None:
                     raise ValueError("DP training batches need 'labels' (per-example losses are computed from them).")
+                # Packed rows (DataCollatorWithFlattening): several examples per row, positions restarting at each.
+                example_ids = _packed_example_ids(features)
+                if example_ids is not None:
+                    features["use_cache"] = False  # a cache turns off transformers' per-example attention masking
                 with self.compute_loss_context_manager():
                     logits = model(**features).logits
-                losses = per_example_loss(logits, labels, causal_lm=self._causal_lm)
+                if example_ids is None:
+                    losses = per_example_loss(logits, labels, causal_lm=self._causal_lm)
+                else:
+                    if logits.dim() != 3:
+                        raise ValueError(_PACKED_NEEDS_TOKEN_HEAD.format(model=type(_unwrapped(self.model)).__name__))
+                    num_examples = int(example_ids.max()) + 1
+                    if micro_batch.num_examples is not None and num_examples != micro_batch.num_examples:
+                        raise ValueError(_examples_lost(num_examples, micro_batch.num_examples))
+                    losses = packed_per_example_loss(logits, labels, example_ids, num_examples,
+                                                     causal_lm=self._causal_lm)
+                if micro_batch.num_examples is not None and losses.shape[0] != micro_batch.num_examples:
+                    raise ValueError(_examples_lost(losses.shape[0], micro_batch.num_examples))
                 if micro_batch.loss_weights is not None:  # ULS: a user's gradient is that of their mean loss
                     weighted, unit_ids = losses * micro_batch.loss_weights.to(losses.device), micro_batch.unit_ids.to(losses.device)
                 else:
                     weighted, unit_ids = losses, None
-                norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=args.max_grad_norm)
+                norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=args.max_grad_norm,
+                                              example_ids=example_ids)
                 unit_losses = weighted.detach().float()
                 if unit_ids is not None:  # ULS: the user's mean loss (units in sorted id order, as `norms`)
                     index = torch.unique(unit_ids, return_inverse=True)[1]
@@ -620,6 +651,50 @@ _MECHANISMS = {
            "per user, user-level guarantee by the mixture-of-Gaussians accountant",
     "example": "DP-SGD: Poisson-sampled examples, per-example clipping, Gaussian noise (example-level guarantee)",
 }
+
+
+_PACKED_NEEDS_TOKEN_HEAD = (
+    "Packed (padding-free) batches, e.g. from DataCollatorWithFlattening, put several examples in one row and are "
+    "supported for causal language models; {model} is not one: a sequence-classification head pools each row into "
+    "one prediction, which cannot be split into the row's examples (DP needs per-example losses and gradients). "
+    "Use a padding collator (DataCollatorWithPadding) for this model."
+)
+
+
+def _unwrapped(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _packed_example_ids(features: dict) -> torch.Tensor | None:
+    """For packed rows, the example of each token (`(rows, T)`, see
+    [`~hf_dp.clipping.packing.examples_from_position_ids`]); `None` for one example per row.
+
+    Rows are packed when `position_ids` restart inside a row (DataCollatorWithFlattening: one row, no
+    attention mask). With an attention mask transformers would let a row's examples attend to each other: refused.
+    """
+    position_ids = features.get("position_ids")
+    if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return None
+    mask = features.get("attention_mask")
+    real = mask.bool() if torch.is_tensor(mask) and mask.shape == position_ids.shape else \
+        torch.ones_like(position_ids, dtype=torch.bool)
+    # Padding (left or right) may carry any position: only restarts between two real tokens count.
+    restarts = (torch.diff(position_ids, dim=-1) != 1) & real[:, 1:] & real[:, :-1]
+    if not bool(restarts.any()):
+        return None
+    if mask is not None:
+        raise ValueError(
+            "Packed rows (position_ids restart inside a row) with an attention_mask: transformers then lets the "
+            "examples of a row attend to each other, so one example's gradient would depend on the others. Drop the "
+            "attention_mask (DataCollatorWithFlattening returns none) or pad one example per row."
+        )
+    return examples_from_position_ids(position_ids)
+
+
+def _examples_lost(found: int, sampled: int) -> str:
+    return (f"The data collator returned {found} examples for {sampled} sampled rows: a unit's rows must stay "
+            "distinct examples to be clipped as sampled. DataCollatorWithFlattening drops rows with no tokens: "
+            "filter them out of the training data.")
 
 
 def _partition(dataset, args: DPTrainingArguments, secret: str):
