@@ -345,9 +345,9 @@ class MixtureOfGaussiansMechanism(PrivacyRandomVariable):
         return w[keep] @ ndtr(z, out=z)
 
     def _tail_scalar(self, t: float) -> tuple[bool, float]:
-        """`tails` for one point in plain Python (prv-accountant integrates the CDF point by
-        point to match the discretisation's mean), memoised: the coarse and fine
-        discretisations of one mechanism ask for mostly the same points."""
+        """`tails` for one point in plain Python, memoised. hf_dp's own discretisation never asks
+        for single points; prv-accountant's stock `PRVAccountant` does (it integrates the CDF
+        point by point for its mean), which is how the tests cross-check this mechanism."""
         cached = self._scalar_cache.get(t)
         if cached is not None:
             return cached
