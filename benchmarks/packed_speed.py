@@ -1,14 +1,14 @@
 """DP step time with padded vs packed (padding-free) micro-batches, on Shakespeare-like lengths.
 
 Two [`~hf_dp.DPTrainer`]s on the same data, model initialisation and seeds (so the same Poisson samples and
-the same noise), one with a right-padding collator (`hf_dp.language_modeling.CausalLMCollator`), one with
+the same noise), one with a right-padding collator (`hf_dp.workflows.tasks.language_modeling.CausalLMCollator`), one with
 transformers' `DataCollatorWithFlattening` (each micro-batch packed into one row, `position_ids` restarting at
 each example). Each timed step is `DPTrainer.training_step` (forward, per-example losses, ghost clipping,
 noise) plus the optimizer step, with LoRA (the recipe's default) or full fine-tuning; the modes alternate step by
 step, so machine load hits both alike. Batches are collated before the clock starts. The median step time of each
 mode and their ratio are printed.
 
-Data: the Shakespeare speeches (`hf_dp.corpora.load_shakespeare`, users = roles) tokenized with the SmolLM2
+Data: the Shakespeare speeches (`hf_dp.workflows.corpora.load_shakespeare`, users = roles) tokenized with the SmolLM2
 tokenizer when both are available offline (median 19 tokens, 90th percentile 85, EOS included, truncated to
 `--max-length`); otherwise synthetic users whose lengths are log-normal with the same median and tail
 (`--synthetic` forces that). The model is a small Llama built from a config (random weights, no download).
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
-from hf_dp.language_modeling import CausalLMCollator, tokenize_causal_lm  # noqa: E402
+from hf_dp.workflows.tasks.language_modeling import CausalLMCollator, tokenize_causal_lm  # noqa: E402
 
 DEFAULT_TOKENIZER = Path.home() / ".cache" / "hf_dp" / "smollm2-135m-instruct"
 
@@ -48,7 +48,7 @@ def shakespeare_rows(tokenizer_path: Path, max_length: int, max_users: int, seed
     try:
         from transformers import AutoTokenizer
 
-        from hf_dp.corpora import load_shakespeare
+        from hf_dp.workflows.corpora import load_shakespeare
 
         if not (tokenizer_path / "tokenizer.json").is_file():
             return None, None

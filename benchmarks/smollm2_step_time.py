@@ -1,6 +1,6 @@
 """Step time of DP-SGD (hf_dp ghost clipping) against non-private training on a real pretrained LM.
 
-SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings; [`hf_dp.pretrained.smollm2_path`]) on a
+SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings; [`hf_dp.workflows.pretrained.smollm2_path`]) on a
 batch of real text (Shakespeare speeches, padded/truncated to `--seq-len` tokens), LoRA (r=8 on q/k/v/o) and
 full fine-tuning. The step of each mode is the one of `benchmarks/clipping_overhead.py`:
 
@@ -31,12 +31,12 @@ _spec = importlib.util.spec_from_file_location("clipping_overhead", ROOT / "benc
 clipping_overhead = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(clipping_overhead)
 
-from hf_dp.pretrained import smollm2_path  # noqa: E402
+from hf_dp.workflows.pretrained import smollm2_path  # noqa: E402
 
 
 def real_batch(tokenizer, batch_size: int, seq_len: int) -> dict:
     """`batch_size` Shakespeare speeches of at least `seq_len // 2` tokens, right-padded to `seq_len`."""
-    from hf_dp.corpora import load_shakespeare
+    from hf_dp.workflows.corpora import load_shakespeare
 
     texts = [t for t in load_shakespeare()["train"]["text"] if len(t) > 6 * seq_len][:batch_size]
     encoded = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")

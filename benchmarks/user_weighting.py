@@ -11,7 +11,7 @@ the embedded MiniLM (only the similarity head is trained, full batch, no noise, 
   the objective of ELS and example-level DP-SGD), and per role (every role weighted equally, the ULS
   objective), with at most G speeches per role as in the study.
 
-- with `--finetune`, the study's own non-private fine-tuning (LoRA + similarity head, `hf_dp.study`'s
+- with `--finetune`, the study's own non-private fine-tuning (LoRA + similarity head, `hf_dp.workflows.study`'s
   settings: 400 steps of 32 speeches) on the speeches a contribution bound G keeps, for each G: what a
   user-level DP run with that G could reach with no noise at all.
 
@@ -29,8 +29,8 @@ import tempfile
 import numpy as np
 import torch
 
-from hf_dp import study
-from hf_dp.classification import ClassificationConfig, build_model, load_classification_data, run_classification
+from hf_dp.workflows import study
+from hf_dp.workflows.tasks.classification import ClassificationConfig, build_model, load_classification_data, run_classification
 from hf_dp.data import partition_by_user
 
 

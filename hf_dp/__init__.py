@@ -1,6 +1,16 @@
 """hf_dp: user-level differentially private fine-tuning for the Hugging Face stack.
 
-Public objects are imported on first use, so `hf-dp plan` does not pay for torch and transformers.
+The core, in the order one DP step's data flows through it:
+
+- `arguments` (`DPTrainingArguments`) and `vocabulary` (one name per concept, one table of mechanisms);
+- `trainer` (`DPTrainer`), which runs: `data` (user partition, contribution bound) → `sampling` (Poisson)
+  → `batching` (logical batches into micro-batches) → `losses` and `clipping` (ghost clipping per unit)
+  → `noise` → `accounting` (the ledger, calibration, `accounting.planner`);
+- `card` (the privacy card) and `hub` (`hf-dp publish`); `audit` (an empirical lower bound on ε).
+
+`workflows` (corpora, tasks, the study behind `hf-dp demo`, the Gradio app) is built on the core, which imports
+nothing from it. Public objects are imported on first use, so `hf-dp plan` does not pay for torch and
+transformers.
 """
 
 import importlib

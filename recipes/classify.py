@@ -60,8 +60,8 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from hf_dp import DPTrainingArguments
-from hf_dp.classification import ClassificationConfig, run_classification
-from hf_dp.runs import RecipeArguments, finish_processes, recipe_run, summary_line
+from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
+from hf_dp.workflows.runs import RecipeArguments, finish_processes, recipe_run, summary_line
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

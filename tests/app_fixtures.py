@@ -1,6 +1,6 @@
 """A fabricated results folder for the app and publishing tests (tiny config-built models, built offline).
 
-`make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (schema of `hf_dp.classification`), saved
+`make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (schema of `hf_dp.workflows.tasks.classification`), saved
 models with tokenizers and privacy cards under `models/<run>/`, and `summary.json`; plus a causal-LM run. The
 numbers are invented; nothing here trains.
 """
@@ -19,8 +19,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from hf_dp.classification import EmbeddingClassifier
-from hf_dp.model_card import write_privacy_card
+from hf_dp.workflows.tasks.classification import EmbeddingClassifier
+from hf_dp.card import write_privacy_card
 
 LABELS = ["comedy", "history", "tragedy"]
 WORDS = (
@@ -53,7 +53,7 @@ def tiny_classifier(seed: int, vocab_size: int) -> BertForSequenceClassification
 
 
 def tiny_embedding_classifier(seed: int, vocab_size: int) -> EmbeddingClassifier:
-    """The similarity-head classifier `hf_dp.classification` fine-tunes by default (encoder + prototypes)."""
+    """The similarity-head classifier `hf_dp.workflows.tasks.classification` fine-tunes by default (encoder + prototypes)."""
     from transformers import BertModel
 
     encoder = BertModel(tiny_classifier(seed, vocab_size).config, add_pooling_layer=False)

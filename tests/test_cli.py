@@ -7,7 +7,8 @@ import sys
 import pandas as pd
 import pytest
 
-from hf_dp import cli, planner
+from hf_dp import cli
+from hf_dp.accounting import planner
 
 BASE = ["plan", "--units-per-step", "30", "--steps", "60", "--epsilon", "5"]
 
@@ -105,7 +106,8 @@ def test_console_script_is_installed():
 
 
 def test_demo_app_and_publish_are_subcommands():
-    from hf_dp import app, publish, study
+    from hf_dp import hub as publish
+    from hf_dp.workflows import app, study
     from hf_dp.cli import build_parser
 
     parser = build_parser()

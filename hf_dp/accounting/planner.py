@@ -1,0 +1,496 @@
+"""Budget planner: noise, ε and contribution bound for ULS, ELS and example-level DP-SGD.
+
+Pure functions with keyword arguments returning plain dicts, for the `hf-dp plan` command and
+the Gradio app. The three modes are compared at the same *compute budget*: the same expected
+number of examples processed per step (`units_per_step`) and the same number of steps, as in
+Charles et al. 2024 ("Fine-Tuning Large Language Models with User-Level Differential Privacy",
+arXiv 2407.07737):
+
+- **ULS** (user-level sampling, user-level guarantee): Poisson-sample users; a sampled user
+  contributes the clipped mean gradient of its ≤ G examples. With m(G) = mean_u min(n_u, G)
+  examples per user, a step processes `units_per_step` examples from M = units_per_step / m(G)
+  users on average, so q = M / users. Accounted as the Poisson-subsampled Gaussian.
+- **ELS** (example-level sampling, user-level guarantee): keep ≤ G examples per user,
+  Poisson-sample examples at q = units_per_step / (examples kept); the user-level ε comes from
+  the mixture-of-Gaussians accountant with contribution bound G.
+- **example-level** DP-SGD: Poisson-sample examples at q = units_per_step / examples. Its
+  guarantee protects single rows only: a user with many rows is not protected as a whole.
+
+Nothing here changes a guarantee by itself: it predicts what a run with these settings spends.
+
+Data-dependent choices are releases too. [`recommend_contribution_bound_els`],
+[`recommend_contribution_bound_uls`] and [`plan`] read the counts they are given exactly (the median, the
+largest count): give them public or assumed numbers. On private data, [`private_contribution_bound`] (what
+`DPTrainer` runs for `contribution_bound="auto"`) chooses G with ε-DP from the public grid
+`CONTRIBUTION_BOUND_GRID`, through a DP median ([`private_quantile`], the exponential mechanism); its ε joins
+the run's ledger.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hf_dp import accounting
+
+__all__ = [
+    "CONTRIBUTION_BOUND_GRID",
+    "plan",
+    "private_contribution_bound",
+    "private_quantile",
+    "quantile_probabilities",
+    "recommend_contribution_bound_els",
+    "recommend_contribution_bound_uls",
+]
+
+DEFAULT_TARGET_EPSILON = 8.0
+# Public candidates for a privately chosen contribution bound G (never a value read from the data).
+CONTRIBUTION_BOUND_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MODE_LABELS = {"uls": "ULS", "els": "ELS (MoG)", "example": "example-level"}
+
+
+def _counts(examples_per_user) -> np.ndarray:
+    """Validated examples-per-user counts (users with no examples are dropped)."""
+    try:
+        counts = np.asarray(list(examples_per_user) if not isinstance(examples_per_user, np.ndarray)
+                            else examples_per_user)
+    except TypeError as error:
+        raise ValueError("examples_per_user must be a list of non-negative integer counts, one per user.") from error
+    if counts.ndim != 1 or counts.size == 0:
+        raise ValueError("examples_per_user must be a non-empty list of counts, one per user.")
+    if not np.issubdtype(counts.dtype, np.number) or np.any(counts != np.round(counts)):
+        raise ValueError("examples_per_user must hold whole numbers (examples per user).")
+    if np.any(counts < 0):
+        raise ValueError(f"examples_per_user has a negative count ({int(counts.min())}): counts must be ≥ 0.")
+    counts = counts.astype(np.int64)
+    counts = counts[counts > 0]
+    if counts.size == 0:
+        raise ValueError("every user has 0 examples: there is nothing to train on.")
+    return counts
+
+
+@dataclass(frozen=True)
+class _Population:
+    """Examples per user as (distinct count, users holding it): its size never grows with the users."""
+
+    values: np.ndarray  # distinct counts, increasing
+    users_with: np.ndarray  # users holding each
+
+    @classmethod
+    def of(cls, examples_per_user) -> "_Population":
+        if isinstance(examples_per_user, _Population):
+            return examples_per_user
+        values, users_with = np.unique(_counts(examples_per_user), return_counts=True)
+        return cls(values, users_with)
+
+    @classmethod
+    def uniform(cls, users: int, count: int) -> "_Population":
+        return cls(np.array([count], dtype=np.int64), np.array([users], dtype=np.int64))
+
+    @property
+    def users(self) -> int:
+        return int(self.users_with.sum())
+
+    @property
+    def examples(self) -> int:
+        return int((self.values * self.users_with).sum())
+
+    @property
+    def largest(self) -> int:
+        return int(self.values[-1])
+
+    def kept(self, group: int) -> int:
+        """Examples left when every user keeps at most `group`."""
+        return int((np.minimum(self.values, group) * self.users_with).sum())
+
+    def median(self) -> int:
+        """The lower median count (`statistics.median_low`)."""
+        return int(self.values[np.searchsorted(np.cumsum(self.users_with), (self.users - 1) // 2, side="right")])
+
+
+def recommend_contribution_bound_els(examples_per_user) -> int:
+    """G for ELS: the median number of examples per user (Charles et al. 2024), at least 1.
+
+    The lower median (an actual count) of the users' example counts.
+
+    Raises:
+        ValueError: the counts are empty or negative.
+
+    Example:
+        >>> recommend_contribution_bound_els([1, 3, 8, 20])
+        3
+    """
+    return max(1, _Population.of(examples_per_user).median())
+
+
+def _uls_candidates(population: _Population) -> list[int]:
+    top = population.largest
+    candidates = {1, top, max(1, population.median())}
+    g = 2
+    while g < top:
+        candidates.add(g)
+        g *= 2
+    return sorted(candidates)
+
+
+def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float, steps: int | None = None,
+                                     target_epsilon: float = DEFAULT_TARGET_EPSILON,
+                                     delta: float | None = None) -> int:
+    """G for ULS by noise prediction under a fixed compute budget (after Charles et al. 2024).
+
+    For each candidate G (1, powers of two, the median and the largest count), predict the noise
+    of the averaged update relative to its signal and return the G that minimises it:
+
+        m(G)     = mean_u min(n_u, G)                examples a sampled user contributes
+        M(G)     = units_per_step / m(G)             expected users per step (fixed compute)
+        q(G)     = M(G) / users                      user sampling rate (must be ≤ 1)
+        σ(G)     = rdp_noise_multiplier(target_epsilon, δ, q(G), steps)  (RDP: cheap, ranks the G alike)
+        noise(G) = σ(G) / (M(G) · √m(G))  =  σ(G) · √m(G) / units_per_step
+
+    σ(G)/M(G) is the standard deviation of the privacy noise in the averaged update, in units of
+    the clipping norm C. The factor 1/√m(G) is the signal: in the regime DP fine-tuning runs in
+    (a small C that clips every user's gradient, Li et al. 2021) each user contributes the
+    direction of its mean gradient, and when per-example gradient noise dominates, the component
+    of that direction along the true gradient grows like √m with the m examples averaged. More
+    examples per user thus buy signal, fewer users per step cost noise, and the privacy cost
+    decides the balance through σ(q). (Without the √m factor the prediction always favours G = 1,
+    which discards all but one example per user.) Ties go to the larger G.
+
+    Args:
+        examples_per_user (`Sequence[int]`): examples of each user (zeros are ignored).
+        units_per_step (`float`): the compute budget, expected examples processed per step.
+        steps (`int`, *optional*): T; defaults to one expected pass over the examples,
+            ⌈examples / units_per_step⌉.
+        target_epsilon (`float`, *optional*, defaults to `8.0`): ε the run must meet.
+        delta (`float`, *optional*): δ; defaults to 1/(10·users).
+
+    Returns:
+        `int`: the recommended contribution bound G ≥ 1.
+
+    Raises:
+        ValueError: bad counts or budget, or no candidate G can meet the target.
+
+    Example:
+        >>> recommend_contribution_bound_uls([2, 5, 9, 40] * 250, units_per_step=256, steps=200)
+        4
+    """
+    population = _Population.of(examples_per_user)
+    users = population.users
+    budget = _positive(units_per_step, "units_per_step")
+    target_epsilon = _positive(target_epsilon, "target_epsilon")
+    steps = _default_steps(steps, population, budget)
+    delta = _user_delta(delta, users)
+    best, best_noise, problems = None, math.inf, []
+    for group in _uls_candidates(population):
+        per_user = population.kept(group) / users
+        users_per_step = budget / per_user
+        sample_rate = users_per_step / users
+        if sample_rate > 1:
+            problems.append(f"G={group}: needs {users_per_step:.4g} users per step of {users}")
+            continue
+        try:  # RDP's σ ranks the candidates in milliseconds (the exact σ of the choice is the caller's)
+            sigma = accounting.rdp_noise_multiplier(target_epsilon=target_epsilon, delta=delta,
+                                                    sample_rate=sample_rate, steps=steps)
+        except ValueError as error:
+            problems.append(f"G={group}: {error}")
+            continue
+        noise = sigma / (users_per_step * math.sqrt(per_user))
+        if noise <= best_noise * (1 + 1e-9):
+            best, best_noise = group, noise
+    if best is None:
+        raise ValueError("No contribution bound G fits this budget for ULS (" + "; ".join(problems[:2]) + ").")
+    return best
+
+
+def quantile_probabilities(examples_per_user, *, epsilon: float, quantile: float = 0.5,
+                           grid=CONTRIBUTION_BOUND_GRID) -> np.ndarray:
+    """Probabilities with which [`private_quantile`] releases each value of the public `grid`.
+
+    The exponential mechanism (McSherry & Talwar 2007) for a quantile of the examples per user. Each user's
+    count is rounded up to the grid (counts above its top to the top), and a grid value g has utility
+
+        u(g) = −distance(quantile · users, [#users below g, #users at g or below])
+
+    (0 when g is the quantile). Adding or removing one user moves every u(g) by at most 1, so releasing g with
+    probability ∝ exp(ε·u(g)/2) is ε-DP: between neighbouring datasets every probability changes by a factor
+    of at most e^ε.
+
+    Args:
+        examples_per_user (`Sequence[int]`): examples of each user (zeros are ignored).
+        epsilon (`float`): ε of the release (affects accounting: record it in the ledger).
+        quantile (`float`, *optional*, defaults to `0.5`): which quantile, in [0, 1].
+        grid (`Sequence[int]`, *optional*, defaults to `CONTRIBUTION_BOUND_GRID`): the public candidates,
+            increasing positive integers.
+
+    Returns:
+        `np.ndarray`: the probability of each grid value.
+
+    Raises:
+        ValueError: bad counts, ε, quantile or grid.
+
+    Example:
+        >>> p = quantile_probabilities([3] * 1000, epsilon=0.1)
+        >>> CONTRIBUTION_BOUND_GRID[p.argmax()], bool(p.max() > 0.99)
+        (3, True)
+    """
+    counts = np.sort(_counts(examples_per_user))
+    epsilon = _positive(epsilon, "epsilon")
+    if isinstance(quantile, bool) or not isinstance(quantile, (int, float, np.number)) or not 0 <= quantile <= 1:
+        raise ValueError(f"quantile={quantile!r} must be in [0, 1].")
+    grid = np.asarray(grid)
+    if grid.ndim != 1 or grid.size == 0 or not np.issubdtype(grid.dtype, np.integer) or grid[0] < 1 \
+            or np.any(np.diff(grid) <= 0):
+        raise ValueError("grid must be a non-empty increasing sequence of positive integers.")
+    at_most = np.searchsorted(counts, grid, side="right")
+    at_most[-1] = counts.size  # the top of the grid stands for every larger count
+    below = np.concatenate(([0], at_most[:-1]))
+    rank = quantile * counts.size
+    distance = np.maximum(0.0, np.maximum(below - rank, rank - at_most))
+    logits = -epsilon * distance / 2
+    weights = np.exp(logits - logits.max())
+    return weights / weights.sum()
+
+
+def private_quantile(examples_per_user, *, epsilon: float, rng: np.random.Generator | None = None,
+                     quantile: float = 0.5, grid=CONTRIBUTION_BOUND_GRID) -> int:
+    """An ε-DP `quantile` of the examples per user: one grid value drawn from [`quantile_probabilities`].
+
+    Affects accounting: the release costs `epsilon` (pure ε-DP), whatever value it returns.
+
+    Args:
+        examples_per_user, epsilon, quantile, grid: as in [`quantile_probabilities`].
+        rng (`numpy.random.Generator`, *optional*): the draw's randomness; default: fresh OS entropy.
+
+    Returns:
+        `int`: a value of `grid`.
+
+    Example:
+        >>> private_quantile([2, 3, 3, 5] * 500, epsilon=0.5)
+        3
+    """
+    probabilities = quantile_probabilities(examples_per_user, epsilon=epsilon, quantile=quantile, grid=grid)
+    rng = np.random.default_rng() if rng is None else rng
+    return int(np.asarray(grid)[rng.choice(len(probabilities), p=probabilities)])
+
+
+def private_contribution_bound(examples_per_user, *, sampling: str, epsilon: float, expected_batch_size: int,
+                               steps: int, target_epsilon: float, delta: float | None = None,
+                               rng: np.random.Generator | None = None) -> int:
+    """G chosen with ε-DP, from the public grid: what `DPTrainer` runs for `contribution_bound="auto"`.
+
+    ELS: an ε-DP median of the examples per user ([`private_quantile`]). ULS: the noise-prediction heuristic
+    of [`recommend_contribution_bound_uls`] run on that DP median alone (every user assumed to hold it, a
+    compute budget of `expected_batch_size` users × the median examples per step), so its candidates are
+    grid values: 1, the powers of two below the median, and the median. Beyond the DP median it reads only
+    the number of users (public, as in the sample rate). When no candidate fits the budget it returns the
+    median (the trainer's plan then says what to change). Affects accounting: costs `epsilon`.
+
+    Args:
+        examples_per_user (`Sequence[int]`): examples of each user.
+        sampling (`str`): `"uls"` or `"els"`.
+        epsilon (`float`): ε of the DP median (recorded in the run's ledger).
+        expected_batch_size (`int`): users per step (ULS).
+        steps (`int`): planned steps (ULS heuristic).
+        target_epsilon (`float`): ε left for DP-SGD (ULS heuristic).
+        delta (`float`, *optional*): δ; defaults to 1/(10·users).
+        rng (`numpy.random.Generator`, *optional*): the draw's randomness; default: fresh OS entropy.
+
+    Returns:
+        `int`: G, a value of `CONTRIBUTION_BOUND_GRID`.
+
+    Example:
+        >>> private_contribution_bound([1, 4, 4, 9] * 500, sampling="els", epsilon=0.5, expected_batch_size=64,
+        ...                            steps=100, target_epsilon=8.0)
+        4
+    """
+    if sampling not in ("uls", "els"):
+        raise ValueError(f"sampling={sampling!r}: use 'uls' or 'els'.")
+    counts = _counts(examples_per_user)
+    median = private_quantile(counts, epsilon=epsilon, rng=rng)
+    if sampling == "els" or expected_batch_size > counts.size:
+        return median
+    try:
+        return recommend_contribution_bound_uls(_Population.uniform(counts.size, median), units_per_step=expected_batch_size
+                                                * median, steps=steps, target_epsilon=target_epsilon, delta=delta)
+    except ValueError:
+        return median
+
+
+def _positive(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (
+            value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}={value!r} must be a positive number.")
+    return float(value)
+
+
+def _default_steps(steps, population: _Population, budget: float) -> int:
+    if steps is None:
+        return max(1, math.ceil(population.examples / budget))
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be an integer ≥ 1.")
+    return int(steps)
+
+
+def _user_delta(delta, users: int) -> float:
+    if delta is None:
+        return 1.0 / (10 * users)
+    if isinstance(delta, bool) or not isinstance(delta, (int, float, np.number)) or not 0 < delta < 1:
+        raise ValueError(f"delta={delta!r} must be in (0, 1); the default is 1/(10·users).")
+    if delta >= 1.0 / users:
+        raise ValueError(f"delta={delta:g} is not below 1/users = 1/{users}: such a δ allows releasing a whole "
+                         f"user's data; lower delta (default 1/(10·users) = {1 / (10 * users):.3g}).")
+    return float(delta)
+
+
+def _population(users, examples_per_user) -> _Population:
+    """Counts per user from either (users, examples per user) or a list of counts."""
+    if examples_per_user is None:
+        raise ValueError("give examples_per_user: one count for all users (with users), or a count per user.")
+    if isinstance(examples_per_user, (int, np.integer)) and not isinstance(examples_per_user, bool):
+        if users is None:
+            raise ValueError("give users (the number of users) with a single examples_per_user count.")
+        if isinstance(users, bool) or not isinstance(users, (int, np.integer)) or users < 1:
+            raise ValueError(f"users={users!r} must be an integer ≥ 1.")
+        if examples_per_user < 1:
+            raise ValueError(f"examples_per_user={examples_per_user}: must be ≥ 1.")
+        return _Population.uniform(int(users), int(examples_per_user))
+    population = _Population.of(examples_per_user)
+    if users is not None and users != population.users:
+        raise ValueError(f"users={users} but examples_per_user lists {population.users} users with examples: "
+                         "give one of them, or make them agree.")
+    return population
+
+
+def plan(*, users: int | None = None, examples_per_user=None, units_per_step: float = 64,
+         steps: int | None = None, target_epsilon: float = DEFAULT_TARGET_EPSILON, delta: float | None = None,
+         noise_multiplier: float | None = None, contribution_bound_els: int | None = None,
+         contribution_bound_uls: int | None = None) -> list[dict]:
+    """Plan a DP fine-tuning run: σ needed for (ε, δ), ε at a fixed σ, G, q and steps per mode.
+
+    Args:
+        users (`int`, *optional*): number of users; needed when `examples_per_user` is one number.
+        examples_per_user (`int` or `Sequence[int]`): examples of every user, or one count per user: public
+            or assumed numbers, read exactly (the default G's are their median and a heuristic over them). For
+            private data plan on a DP statistic instead, as `hf-dp plan --data` does ([`private_quantile`]).
+        units_per_step (`float`, *optional*, defaults to `64`): the compute budget, expected examples
+            processed per step, the same for every mode (ULS turns it into users per step).
+        steps (`int`, *optional*): T; defaults to one expected pass over the examples.
+        target_epsilon (`float`, *optional*, defaults to `8.0`): ε to meet.
+        delta (`float`, *optional*): δ; defaults to 1/(10·users) for the user-level rows and
+            1/(10·examples) for the example-level row. Must be below 1/users.
+        noise_multiplier (`float`, *optional*): a fixed σ at which to report each mode's ε.
+        contribution_bound_els (`int`, *optional*): G for ELS (default: the median count).
+        contribution_bound_uls (`int`, *optional*): G for ULS (default: the noise-prediction
+            heuristic of [`recommend_contribution_bound_uls`]).
+
+    Returns:
+        `list[dict]`: one row per mode (`"uls"`, `"els"`, `"example"`) with keys `mode`, `label`,
+        `privacy_unit`, `contribution_bound`, `sample_rate`, `units_per_step` (users for ULS,
+        examples otherwise), `examples_per_step`, `steps`, `delta`, `target_epsilon`,
+        `noise_multiplier` (σ for the target, None when unreachable), `noise_std` (σ / units
+        per step: the noise in the averaged update, in units of C), `fixed_noise_multiplier`,
+        `epsilon_at_fixed_noise`, `examples_used` and `note` (why a value is missing, or a caveat).
+
+    Raises:
+        ValueError: a one-line message saying what to change (ε ≤ 0, δ ≥ 1/users, a sample rate
+            above 1, negative counts, ...).
+
+    Example:
+        >>> rows = plan(users=1000, examples_per_user=20, units_per_step=64, steps=300, target_epsilon=4.0)
+        >>> [row["mode"] for row in rows]
+        ['uls', 'els', 'example']
+    """
+    population = _population(users, examples_per_user)
+    users = population.users
+    examples = population.examples
+    budget = _positive(units_per_step, "units_per_step")
+    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float, np.number)) or not (
+            target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(f"target_epsilon={target_epsilon!r} must be a positive number (e.g. 8).")
+    target = float(target_epsilon)
+    user_delta = _user_delta(delta, users)
+    example_delta = user_delta if delta is not None else 1.0 / (10 * examples)
+    if budget > examples:
+        raise ValueError(f"units_per_step={budget:g} exceeds the {examples} examples (sample rate > 1): "
+                         "lower units_per_step.")
+    steps = _default_steps(steps, population, budget)
+    sigma_fixed = None if noise_multiplier is None else _positive(noise_multiplier, "noise_multiplier")
+    for name, value in (("contribution_bound_els", contribution_bound_els),
+                        ("contribution_bound_uls", contribution_bound_uls)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name}={value!r} must be an integer ≥ 1.")
+
+    rows = []
+    # ULS
+    group = contribution_bound_uls
+    note = ""
+    if group is None:
+        try:
+            group = recommend_contribution_bound_uls(population, units_per_step=budget, steps=steps,
+                                                     target_epsilon=target, delta=user_delta)
+        except ValueError as error:
+            group, note = recommend_contribution_bound_els(population), str(error)
+    per_user = population.kept(group) / users
+    rows.append(_row("uls", "user", group, budget / per_user, users, budget, steps, user_delta, target,
+                     sigma_fixed, 1, population.kept(group), note))
+    # ELS
+    group = contribution_bound_els or recommend_contribution_bound_els(population)
+    kept = population.kept(group)
+    rows.append(_row("els", "user", group, budget, kept, budget, steps, user_delta, target, sigma_fixed, group,
+                     kept, ""))
+    # example-level
+    note = "protects single rows only: a user with many rows is not protected as a whole"
+    if example_delta >= 1.0 / examples:
+        rows.append(_row("example", "example", None, budget, examples, budget, steps, example_delta, target, None,
+                         1, examples, f"delta={example_delta:g} is not below 1/examples; {note}", skip=True))
+    else:
+        rows.append(_row("example", "example", None, budget, examples, budget, steps, example_delta, target,
+                         sigma_fixed, 1, examples, note))
+    return rows
+
+
+def _row(mode, unit, group, units_per_step, population, examples_per_step, steps, delta, target, sigma_fixed,
+         accounting_group, examples_used, note, skip=False) -> dict:
+    sample_rate = units_per_step / population
+    row = {
+        "mode": mode,
+        "label": MODE_LABELS[mode],
+        "privacy_unit": unit,
+        "contribution_bound": None if group is None else int(group),
+        "sample_rate": sample_rate,
+        "units_per_step": units_per_step,
+        "examples_per_step": examples_per_step,
+        "steps": steps,
+        "delta": delta,
+        "target_epsilon": target,
+        "noise_multiplier": None,
+        "noise_std": None,
+        "fixed_noise_multiplier": sigma_fixed,
+        "epsilon_at_fixed_noise": None,
+        "examples_used": examples_used,
+        "note": note,
+    }
+    if skip:
+        return row
+    if sample_rate > 1:
+        row["note"] = (f"needs {units_per_step:.4g} {unit}s per step of {population}: lower units_per_step"
+                       + (f"; {note}" if note else ""))
+        return row
+    problems = []
+    try:
+        sigma = accounting.noise_multiplier(target_epsilon=target, delta=delta, sample_rate=sample_rate, steps=steps,
+                                            group_size=accounting_group)
+        row["noise_multiplier"] = sigma
+        row["noise_std"] = sigma / units_per_step
+    except (ValueError, accounting.AccountingError) as error:
+        problems.append(str(error))
+    if sigma_fixed is not None:
+        try:
+            row["epsilon_at_fixed_noise"] = accounting.epsilon(
+                sample_rate=sample_rate, noise_multiplier=sigma_fixed, steps=steps, delta=delta,
+                group_size=accounting_group)
+        except (ValueError, RuntimeError, accounting.AccountingError) as error:
+            problems.append(f"ε at σ={sigma_fixed:g}: {error}")
+    row["note"] = "; ".join(p for p in (*problems, note) if p)
+    return row

@@ -1,0 +1,386 @@
+"""Publish a trained model to the Hub with its privacy card as the repo README (`hf-dp publish`).
+
+[`publish`] uploads a saved model folder (weights, config, tokenizer, `README.md`) through huggingface_hub's
+standard APIs, [`~huggingface_hub.HfApi.create_repo`] then [`~huggingface_hub.HfApi.upload_folder`], after
+checks that run *before anything is uploaded*:
+
+1. [`check_privacy_card`]: the folder has a `README.md` whose YAML front matter parses with
+   [`~huggingface_hub.ModelCard`] and [`~huggingface_hub.repocard.metadata_load`] and carries the `privacy:`
+   block that [`hf_dp.card`] writes (ε, δ, privacy unit, sampling), and what it states is what the ledger
+   saved beside it (`dp_ledger.json`) accounts: ε is recomputed from the ledger and a card claiming less (in
+   its front matter or its text), another δ, unit or mechanism, or no ledger at all is refused. A non-private
+   run's card is refused unless `allow_non_private=True`: its data has no protection.
+2. the folder holds a model (`config.json` and weights);
+3. [`ensure_hub_reachable`]: not in offline mode (`HF_HUB_OFFLINE=1`) and the Hub endpoint answers; otherwise
+   one clear line ([`HubUnreachableError`]). [`~hf_dp.DPTrainer`]'s `push_to_hub` runs the same check.
+
+Publishing is post-processing: it changes nothing about the guarantee the card states.
+
+Example:
+
+```bash
+hf-dp publish results/models/uls-eps8 --repo-id alice/minilm-shakespeare-uls-eps8
+hf-dp publish results/uls-eps8.json --repo-id alice/minilm-shakespeare-uls-eps8 --public
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Mapping
+
+__all__ = [
+    "HubUnreachableError",
+    "PrivacyCardError",
+    "check_privacy_card",
+    "ensure_hub_reachable",
+    "main",
+    "publish",
+    "resolve_model_dir",
+    "run",
+]
+
+# What never goes to the Hub: checkpoints (they hold optimizer state and the ledger), trainer internals.
+IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", "_*", "*.tmp", "training_args.bin", "dp_state.json"]
+# The privacy block must state at least the guarantee itself.
+_CARD_KEYS = ("epsilon", "delta", "privacy_unit", "sampling")
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+_HOW_TO_CARD = (
+    "train with hf_dp.DPTrainer (it writes the card at the end of train()), call trainer.write_privacy_card(dir), "
+    "or hf_dp.card.write_privacy_card(report, dir, ledger=trainer.privacy_ledger(), base_model=...)"
+)
+# Relative slack for ε recomputed from the ledger (floating point), never for rounding down.
+_EPSILON_RTOL = 1e-6
+# The guarantee as the card's text states it: the headline and the ε and δ rows of the parameter table.
+_HEADLINE = re.compile(r"\*\*\(([^,()*]+), ([^,()*]+)\)-differential privacy")
+_EPSILON_ROW = re.compile(r"^\| ε \(`epsilon`[^|]*\| *([^|]*?) *\|", re.MULTILINE)
+_DELTA_ROW = re.compile(r"^\| δ \(`delta`\) \| *([^|]*?) *\|", re.MULTILINE)
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+class HubUnreachableError(RuntimeError):
+    """The Hub cannot be reached (offline mode, or the endpoint does not answer); nothing was uploaded."""
+
+
+class PrivacyCardError(ValueError):
+    """The folder has no usable privacy card (`README.md` with a `privacy:` block in its front matter)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks (all before any upload)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_dir(run_dir_or_model_dir: str | os.PathLike) -> Path:
+    """The model folder to publish: the folder itself, or the `model_dir` of a result JSON (`results/<run>.json`).
+
+    Raises:
+        FileNotFoundError: nothing at that path, or a result without a saved model (the public-only baseline).
+    """
+    path = Path(run_dir_or_model_dir)
+    if path.is_file() and path.suffix == ".json":
+        try:
+            result = json.loads(path.read_text())
+        except ValueError as error:
+            raise FileNotFoundError(f"{path} is not a result JSON ({error}).") from error
+        model_dir = result.get("model_dir") if isinstance(result, Mapping) else None
+        if not model_dir:
+            raise FileNotFoundError(
+                f"{path} has no saved model (model_dir is empty: a public-only baseline is the base model itself)."
+            )
+        path = path.parent / model_dir
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a folder: pass a saved model folder or a results/<run>.json.")
+    return path
+
+
+def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool = False) -> dict:
+    """Check `model_dir/README.md` is a privacy card the Hub can read; return its `privacy:` block.
+
+    Args:
+        model_dir (`str` or `os.PathLike`): the saved model folder.
+        allow_non_private (`bool`, *optional*, defaults to `False`): accept the card of a run trained
+            without DP (`privacy: {non_private: true}`).
+
+    Raises:
+        PrivacyCardError: no README, front matter that does not parse, no `privacy:` block, a block without
+            ε/δ/unit/sampling, or a non-private card when not allowed; for a DP card, an ε that is not a finite
+            number ≥ 0 or a δ outside (0, 1), no ledger (`dp_ledger.json`) beside it, or a card that states a
+            smaller ε than the ledger accounts (front matter or text), another δ, unit, sampling or step count.
+            One line, saying how to make a card.
+    """
+    from huggingface_hub import ModelCard
+    from huggingface_hub.repocard import metadata_load
+
+    readme = Path(model_dir) / "README.md"
+    if not readme.is_file():
+        raise PrivacyCardError(f"{readme} does not exist: no privacy card to publish. To make one, {_HOW_TO_CARD}.")
+    try:
+        card = ModelCard.load(readme)
+        metadata = metadata_load(readme)
+    except Exception as error:  # yaml errors, ValueError: any unreadable front matter
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PrivacyCardError(
+            f"{readme}: its YAML front matter does not parse ({message}). Regenerate it: {_HOW_TO_CARD}."
+        ) from error
+    privacy = (metadata or {}).get("privacy")
+    if not isinstance(privacy, Mapping):
+        raise PrivacyCardError(
+            f"{readme} is not a privacy card: its front matter has no 'privacy:' block. To make one, {_HOW_TO_CARD}."
+        )
+    if privacy.get("non_private"):
+        if not allow_non_private:
+            raise PrivacyCardError(
+                f"{readme} describes a model trained WITHOUT differential privacy: refusing to publish it "
+                "(pass allow_non_private=True / --allow-non-private if its training data is not private)."
+            )
+        return dict(privacy)
+    missing = [key for key in _CARD_KEYS if privacy.get(key) is None]
+    if missing:
+        raise PrivacyCardError(
+            f"{readme}: the 'privacy:' block lacks {missing}. Regenerate the card: {_HOW_TO_CARD}."
+        )
+    _check_against_ledger(readme, privacy, card.text)
+    return dict(privacy)
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
+    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger accounts (ε recomputed from it)."""
+    from .accounting import PrivacyAccountant
+    from .card import LEDGER_FILE
+
+    epsilon, delta = _number(privacy["epsilon"]), _number(privacy["delta"])
+    if epsilon is None or not (math.isfinite(epsilon) and epsilon >= 0):
+        raise PrivacyCardError(f"{readme}: ε = {privacy['epsilon']!r} is not a finite number ≥ 0. "
+                               f"Regenerate the card: {_HOW_TO_CARD}.")
+    if delta is None or not 0 < delta < 1:
+        raise PrivacyCardError(f"{readme}: δ = {privacy['delta']!r} is not in (0, 1). Regenerate the card: "
+                               f"{_HOW_TO_CARD}.")
+    path = readme.parent / LEDGER_FILE
+    if not path.is_file():
+        raise PrivacyCardError(f"{path} does not exist: without the ledger the card's ε cannot be checked. "
+                               f"Regenerate card and ledger: {_HOW_TO_CARD}.")
+    try:
+        ledger = json.loads(path.read_text(encoding="utf-8"))
+        accountant = PrivacyAccountant()
+        accountant.load_state_dict(ledger["accountant"])
+        ledger_delta = _number(ledger["delta"])
+        if ledger_delta is None or not 0 < ledger_delta < 1:
+            raise ValueError(f"its delta {ledger['delta']!r} is not in (0, 1)")
+        accounted = accountant.epsilon(ledger_delta)
+    except (ValueError, KeyError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PrivacyCardError(f"{path} is not a ledger written by hf_dp ({reason}).") from error
+    checks = [(key, privacy.get(key), ledger.get(key)) for key in ("privacy_unit", "sampling")]
+    checks.append(("steps", privacy.get("steps"), accountant.steps))
+    for key, stated, recorded in checks:
+        if stated != recorded:
+            raise PrivacyCardError(f"{readme}: the card says {key} = {stated!r} but its ledger ({LEDGER_FILE}) "
+                                   f"records {recorded!r}. Regenerate the card: {_HOW_TO_CARD}.")
+    if not math.isclose(delta, ledger_delta, rel_tol=1e-9):
+        raise PrivacyCardError(f"{readme}: the card says δ = {delta:g} but its ledger was accounted at "
+                               f"δ = {ledger_delta:g}. Regenerate the card: {_HOW_TO_CARD}.")
+    floor = accounted * (1 - _EPSILON_RTOL)
+    if epsilon < floor:
+        raise PrivacyCardError(f"{readme}: the card claims ε = {epsilon:g} but its ledger accounts ε = "
+                               f"{accounted:.6g} at δ = {ledger_delta:g}: refusing to publish an understated "
+                               f"guarantee. Regenerate the card: {_HOW_TO_CARD}.")
+    stated = [(e, d) for e, d in _HEADLINE.findall(text)]
+    stated += [(e, None) for e in _EPSILON_ROW.findall(text)] + [(None, d) for d in _DELTA_ROW.findall(text)]
+    if not any(e is not None and d is not None for e, d in stated):
+        raise PrivacyCardError(f"{readme}: its text does not state the (ε, δ) guarantee. Regenerate the card: "
+                               f"{_HOW_TO_CARD}.")
+    for text_epsilon, text_delta in stated:
+        if (text_epsilon is not None and not _at_least(text_epsilon, floor)) or \
+                (text_delta is not None and not _at_least(text_delta, ledger_delta * (1 - 1e-9))):
+            raise PrivacyCardError(f"{readme}: its text states ({text_epsilon or 'ε'}, {text_delta or 'δ'}), less "
+                                   f"than the ledger's (ε = {accounted:.6g}, δ = {ledger_delta:g}). Regenerate "
+                                   f"the card: {_HOW_TO_CARD}.")
+
+
+def _at_least(shown: str, bound: float) -> bool:
+    """Whether a number as the card's text shows it ("7.98", "1e-05", "∞") is at least `bound`."""
+    if shown.strip() == "∞":
+        return True
+    try:
+        return float(shown) >= bound
+    except ValueError:
+        return False
+
+
+def _check_model_files(model_dir: Path) -> None:
+    if not (model_dir / "config.json").is_file() and not (model_dir / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"{model_dir} has no config.json: not a saved model (save it with model.save_pretrained(dir))."
+        )
+    if not any(any(model_dir.glob(pattern)) for pattern in _WEIGHTS):
+        raise FileNotFoundError(f"{model_dir} has no weights (*.safetensors / *.bin): save the model first.")
+
+
+def _env_offline() -> bool:
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return env.upper() in _TRUE or constants.is_offline_mode()
+
+
+def ensure_hub_reachable(endpoint: str | None = None, *, timeout: float = 5.0) -> None:
+    """Raise [`HubUnreachableError`] (one line) unless the Hub can be reached; uploads nothing.
+
+    Offline mode (`HF_HUB_OFFLINE=1` or `TRANSFORMERS_OFFLINE=1`) fails without touching the network; otherwise one
+    `HEAD` request to the endpoint (through huggingface_hub's HTTP session, so proxies apply) must get any answer.
+
+    Args:
+        endpoint (`str`, *optional*): defaults to huggingface_hub's endpoint (`HF_ENDPOINT` or the public Hub).
+        timeout (`float`, *optional*, defaults to `5.0`): seconds to wait for the answer.
+
+    Raises:
+        HubUnreachableError: offline mode, or the endpoint did not answer.
+    """
+    from huggingface_hub import constants
+
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    if _env_offline():
+        raise HubUnreachableError(
+            "Cannot publish: Hugging Face Hub offline mode is on (HF_HUB_OFFLINE=1); nothing was uploaded. "
+            "Unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) on a machine that can reach the Hub."
+        )
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=timeout, follow_redirects=False)
+    except Exception as error:  # connection refused, DNS failure, timeout, proxy error
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise HubUnreachableError(
+            f"Cannot publish: the Hub endpoint {endpoint} is unreachable ({reason}); nothing was uploaded. "
+            "Check the network, a proxy, or HF_ENDPOINT."
+        ) from error
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Publishing
+# ----------------------------------------------------------------------------------------------------------
+
+
+def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str | None = None,
+            private: bool = True, allow_non_private: bool = False, commit_message: str | None = None) -> str:
+    """Upload a saved model, its tokenizer and its privacy card (`README.md`) to a Hub model repo.
+
+    Args:
+        run_dir_or_model_dir (`str` or `os.PathLike`): a saved model folder (e.g. `results/models/uls-eps8`,
+            a `DPTrainer` `output_dir`) or a result JSON (`results/uls-eps8.json`).
+        repo_id (`str`): `"user/name"` or `"org/name"`; created if missing.
+        token (`str`, *optional*): a write token; defaults to the stored login or `HF_TOKEN`.
+        private (`bool`, *optional*, defaults to `True`): create the repo private (no effect if it exists).
+        allow_non_private (`bool`, *optional*, defaults to `False`): publish a run trained without DP.
+        commit_message (`str`, *optional*): defaults to one stating ε, δ and the unit.
+
+    Returns:
+        `str`: the repo's URL.
+
+    Raises:
+        PrivacyCardError: no usable privacy card (see [`check_privacy_card`]).
+        FileNotFoundError: not a saved model folder.
+        ValueError: a malformed `repo_id`, or no token.
+        HubUnreachableError: offline mode or the Hub does not answer.
+        All of these are raised before anything is uploaded.
+
+    Example:
+
+    ```python
+    >>> from hf_dp.hub import publish
+    >>> url = publish("results/models/uls-eps8", "alice/minilm-shakespeare-uls-eps8")  # the repo's URL
+    ```
+    """
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    model_dir = resolve_model_dir(run_dir_or_model_dir)
+    privacy = check_privacy_card(model_dir, allow_non_private=allow_non_private)
+    _check_model_files(model_dir)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"--repo-id {repo_id!r}: {error}") from error
+    if "/" not in repo_id:
+        raise ValueError(f"--repo-id {repo_id!r}: use USER/NAME or ORG/NAME.")
+
+    api = HfApi(token=token)
+    ensure_hub_reachable(api.endpoint)
+    if token is None and get_token() is None:
+        raise ValueError("Not logged in to the Hub: run `hf auth login`, set HF_TOKEN, or pass --token.")
+
+    if commit_message is None:
+        if privacy.get("non_private"):
+            commit_message = "Upload model fine-tuned without differential privacy (hf_dp)"
+        else:
+            from .card import _fmt_sig, _fmt_up
+
+            commit_message = (f"Upload DP model: ({_fmt_up(privacy['epsilon'], 2)}, "
+                              f"{_fmt_sig(privacy['delta'], 3, up=True)})-DP at the {privacy['privacy_unit']} "
+                              "level (hf_dp)")
+    repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True)
+    api.upload_folder(repo_id=repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id, folder_path=model_dir,
+                      commit_message=commit_message, token=token, ignore_patterns=IGNORE_PATTERNS)
+    return str(repo_url)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The `hf-dp publish` flags (pass a subparser to add them to it)."""
+    parser = parser or argparse.ArgumentParser(
+        prog="hf-dp publish",
+        description="Upload a saved model, its tokenizer and its privacy card (README.md) to the Hub. Checks the "
+                    "card and that the Hub is reachable before uploading anything.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="Saved model folder (e.g. results/models/uls-eps8) or a result JSON (results/<run>.json).")
+    parser.add_argument("--repo-id", required=True, help="Hub repo USER/NAME (created if missing).")
+    parser.add_argument("--token", default=None, help="Write token (default: the stored login or HF_TOKEN).")
+    parser.add_argument("--public", action="store_true", help="Create the repo public (default: private).")
+    parser.add_argument("--allow-non-private", action="store_true",
+                        help="Publish a run trained without DP (its training data has no protection).")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of `python -m hf_dp.hub` (`hf-dp publish` calls [`run`])."""
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Publish with parsed [`build_parser`] flags: prints the repo URL, or one line saying what failed (exit 1)."""
+    try:
+        url = publish(args.run_dir, args.repo_id, token=args.token, private=not args.public,
+                      allow_non_private=args.allow_non_private)
+    except (HubUnreachableError, PrivacyCardError, FileNotFoundError, ValueError) as error:
+        print(f"hf-dp publish: error: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # HfHubHTTPError (401, 403...) and friends: one line, not a traceback
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"hf-dp publish: error: upload failed ({type(error).__name__}: {first})", file=sys.stderr)
+        return 1
+    print(f"Published to {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

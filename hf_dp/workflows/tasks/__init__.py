@@ -1,0 +1,1 @@
+"""The two tasks the study and recipes run: sequence classification and causal language modeling."""

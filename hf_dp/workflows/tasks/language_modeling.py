@@ -1,0 +1,303 @@
+"""Causal language modelling on user-partitioned text: tokenization, the public-only baseline, one run.
+
+The same shape as [`hf_dp.workflows.tasks.classification`], for next-token fine-tuning of any causal LM (a local path or a
+Hub id; LoRA or full):
+
+1. [`load_text_data`]: the Shakespeare speeches or the user's own file, split so that no test user is ever
+   trained on.
+2. [`tokenize_causal_lm`]: `input_ids` (EOS appended, truncated to `max_length`) with `labels = input_ids`;
+   [`CausalLMCollator`] pads `input_ids` with the pad token and `labels` with -100, so padding never counts
+   in the loss or in the per-example gradients DP-SGD clips.
+3. [`perplexity`]: exp of the mean next-token negative log-likelihood over all labelled test tokens.
+   The **public-only baseline** is the perplexity of the untouched pretrained model on the same test rows.
+4. [`run_language_modeling`]: baseline, fine-tuning ([`~hf_dp.DPTrainer`] or [`~transformers.Trainer`]),
+   test perplexity, model + tokenizer (LoRA merged) and privacy card in `results_dir/models/<run>/`, and
+   `results_dir/<run>.json` with the schema of [`hf_dp.workflows.tasks.classification`], except that `"task"` is
+   `"causal-lm"` and `"metric_name"` is `"perplexity"` (lower is better).
+
+Evaluation, cards and results are post-processing: they do not change ε.
+
+Example:
+
+```python
+>>> from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, run_language_modeling
+>>> config = LanguageModelingConfig(run="gpt2-uls", model_name_or_path="gpt2", target_epsilon=8.0)
+>>> result = run_language_modeling(config)
+>>> result["metric"], result["baseline_metric"]  # perplexity after DP fine-tuning, and before
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hf_dp.workflows.runs import (
+    RunConfig,
+    fit,
+    load_splits,
+    method_of,
+    result_record,
+    save_result,
+    save_run,
+    subsample_rows,
+    subsample_users,
+)
+
+__all__ = [
+    "CausalLMCollator",
+    "LanguageModelingConfig",
+    "build_model",
+    "load_text_data",
+    "perplexity",
+    "run_language_modeling",
+    "tokenize_causal_lm",
+]
+
+
+@dataclass
+class LanguageModelingConfig(RunConfig):
+    r"""
+    One causal-LM run: the fields of [`~hf_dp.workflows.runs.RunConfig`] with LM defaults.
+
+    Args:
+        model_name_or_path (`str`): the causal LM (local path or Hub id). Required unless a model object is
+            passed to [`run_language_modeling`], in which case it only names the base model in the card.
+        tokenizer_name_or_path (`str`, *optional*): defaults to `model_name_or_path`.
+        max_length (`int`, *optional*, defaults to `64`): tokens per text, EOS included.
+    """
+
+    max_length: int = 64
+    learning_rate: float = 1e-3
+    nonprivate_learning_rate: float = 2e-4
+    tokenizer_name_or_path: str | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TextData:
+    """Train and test rows (user and text columns) and the data set's name."""
+
+    train: object  # datasets.Dataset
+    test: object  # datasets.Dataset
+    dataset_name: str
+
+
+def load_text_data(config: LanguageModelingConfig) -> TextData:
+    """Load the texts, split by user (or read `eval_dataset`), subsample as configured.
+
+    Raises:
+        ValueError: a missing column, or a test split sharing users with train.
+    """
+    train, test = load_splits(config)
+    name = "shakespeare-speeches" if config.dataset == "shakespeare" else str(config.dataset)
+    train = subsample_users(train, config.user_column, config.max_train_users, config.seed)
+    test = subsample_rows(test, config.max_eval_examples, config.seed)
+    if len(train) == 0 or len(test) == 0:
+        raise ValueError("No training or no test rows left: check the data, max_train_users and max_eval_examples.")
+    return TextData(train=train, test=test, dataset_name=name)
+
+
+def tokenize_causal_lm(dataset, tokenizer, *, text_column: str = "text", max_length: int = 64,
+                       keep_columns: Sequence[str] = ("user_id",)):
+    """`input_ids` (EOS appended when the tokenizer has one, truncated to `max_length`) and `labels = input_ids`.
+
+    Keeps `keep_columns` (the user column for [`~hf_dp.DPTrainer`]); drops every other column. Rows that
+    tokenize to fewer than two tokens carry no next-token target and are dropped.
+    """
+    eos = tokenizer.eos_token_id
+    keep = set(keep_columns)
+    drop = [c for c in dataset.column_names if c not in keep]
+
+    def encode(batch):
+        ids = tokenizer(batch[text_column], add_special_tokens=True, truncation=True,
+                        max_length=max_length if eos is None else max_length - 1)["input_ids"]
+        if eos is not None:
+            ids = [row if row and row[-1] == eos else row + [eos] for row in ids]
+        return {"input_ids": ids, "labels": [list(row) for row in ids]}
+
+    tokenized = dataset.map(encode, batched=True, remove_columns=drop, desc="Tokenizing")
+    return tokenized.filter(lambda ids: [len(row) >= 2 for row in ids], input_columns="input_ids", batched=True)
+
+
+class CausalLMCollator:
+    """Right-pads `input_ids` with `pad_token_id` (attention mask 0) and `labels` with -100.
+
+    Args:
+        pad_token_id (`int`): the tokenizer's pad token (its EOS when it has no pad token: the mask and the
+            -100 labels keep padding out of the loss either way).
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = int(pad_token_id)
+
+    def __call__(self, examples: list[dict]) -> dict:
+        width = max(len(e["input_ids"]) for e in examples)
+        input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros(len(examples), width, dtype=torch.long)
+        labels = torch.full((len(examples), width), -100, dtype=torch.long)
+        for row, example in enumerate(examples):
+            n = len(example["input_ids"])
+            input_ids[row, :n] = torch.as_tensor(example["input_ids"])
+            attention_mask[row, :n] = 1
+            labels[row, :n] = torch.as_tensor(example.get("labels", example["input_ids"]))
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metric
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def perplexity(model, dataset, collator: CausalLMCollator, *, batch_size: int = 32, progress: bool = False) -> float:
+    """exp(total next-token NLL / number of labelled target tokens) over a tokenized dataset.
+
+    Every labelled token after the first of each row is a target (the shift of causal LMs); padding
+    (-100) is ignored. Length-sorted batches keep padding small.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    all_ids, all_labels = dataset["input_ids"], dataset["labels"]
+    lengths = [len(ids) for ids in all_ids]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    total_nll, total_tokens = 0.0, 0
+    starts = range(0, len(order), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="Perplexity", leave=False)
+    for start in starts:
+        rows = order[start : start + batch_size]
+        batch = collator([{"input_ids": all_ids[i], "labels": all_labels[i]} for i in rows])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits, targets = logits[:, :-1].float(), batch["labels"][:, 1:]
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                              reduction="sum")
+        total_nll += float(nll)
+        total_tokens += int((targets != -100).sum())
+    if total_tokens == 0:
+        raise ValueError("perplexity needs at least one labelled target token.")
+    return math.exp(total_nll / total_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_model(config: LanguageModelingConfig):
+    """`AutoModelForCausalLM.from_pretrained(config.model_name_or_path)`, see [`wrap_lora`]."""
+    from transformers import AutoModelForCausalLM
+
+    if config.model_name_or_path is None:
+        raise ValueError("Causal LM runs need --model_name_or_path (a local path or a Hub id).")
+    return wrap_lora(AutoModelForCausalLM.from_pretrained(config.model_name_or_path), config)
+
+
+def wrap_lora(model, config: LanguageModelingConfig):
+    """Wrap with LoRA adapters (peft `CAUSAL_LM`) when `config.use_lora`; the model unchanged otherwise."""
+    if not config.use_lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(task_type="CAUSAL_LM", r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                      target_modules=config.lora_target_modules, layers_to_transform=config.lora_layers)
+    return get_peft_model(model, lora)
+
+
+def _load_tokenizer(config: LanguageModelingConfig):
+    from transformers import AutoTokenizer
+
+    name = config.tokenizer_name_or_path or config.model_name_or_path
+    if name is None:
+        raise ValueError("Pass a tokenizer, or set model_name_or_path / tokenizer_name_or_path.")
+    return AutoTokenizer.from_pretrained(name)
+
+
+def run_language_modeling(config: LanguageModelingConfig, training_args=None, *, model=None, tokenizer=None,
+                          data: TextData | None = None, callbacks=None) -> dict:
+    """Baseline perplexity, fine-tuning, test perplexity; save model, tokenizer, card and JSON.
+
+    Args:
+        config ([`LanguageModelingConfig`]): data, model and method (and hyperparameters when
+            `training_args` is `None`).
+        training_args ([`~hf_dp.DPTrainingArguments`] or [`~transformers.TrainingArguments`], *optional*):
+            used instead of `config.training_arguments()`; plain `TrainingArguments` mean non-private.
+        model (`PreTrainedModel`, *optional*): a causal LM object (e.g. built from a config in tests), used
+            instead of loading `config.model_name_or_path`; LoRA is applied to it when `config.use_lora`.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): used instead of loading one.
+        data ([`TextData`], *optional*): already loaded data.
+        callbacks (`list[TrainerCallback]`, *optional*): added to the trainer (progress reporting).
+
+    Returns:
+        `dict`: the result (schema of [`hf_dp.workflows.tasks.classification`], `metric_name="perplexity"`), also written to
+        `results_dir/<run>.json`.
+
+    Raises:
+        ValueError: no model name and no model, no tokenizer, or a bad configuration.
+    """
+    from transformers import set_seed
+
+    if training_args is None:
+        training_args = config.training_arguments()
+    method = method_of(training_args)
+    if method != config.method:
+        config = dataclasses.replace(config, method=method)
+    data = data if data is not None else load_text_data(config)
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("The tokenizer has neither a pad nor an EOS token: set tokenizer.pad_token.")
+        tokenizer.pad_token = tokenizer.eos_token
+    set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
+    model = wrap_lora(model, config) if model is not None else build_model(config)
+    collator = CausalLMCollator(tokenizer.pad_token_id)
+    keep = (config.user_column,) if method != "non-private" else ()
+    train = tokenize_causal_lm(data.train, tokenizer, text_column=config.text_column, max_length=config.max_length,
+                               keep_columns=keep)
+    test = tokenize_causal_lm(data.test, tokenizer, text_column=config.text_column, max_length=config.max_length,
+                              keep_columns=())
+
+    baseline_metric = config.baseline_metric
+    if baseline_metric is None:  # the untouched model (LoRA's B matrices start at zero: same function)
+        baseline_metric = perplexity(model, test, collator, batch_size=config.eval_batch_size,
+                                     progress=config.progress)
+    base_model = config.model_name_or_path or _model_name(model)
+    card = dict(dataset_name=data.dataset_name, metric_name="perplexity", baseline_result=baseline_metric,
+                base_model=base_model, task="text-generation")
+    trainer, train_seconds = fit(model, training_args, train, data_collator=collator, tokenizer=tokenizer,
+                                 card=card, callbacks=callbacks)
+
+    start = time.perf_counter()
+    metric = perplexity(trainer.model, test, collator, batch_size=config.eval_batch_size, progress=config.progress)
+    eval_seconds = time.perf_counter() - start
+
+    model_dir = Path(training_args.output_dir)
+    privacy = save_run(trainer, tokenizer, model_dir, eval_result=metric, card=card)
+    result = result_record(
+        config, method=method, training_args=training_args, privacy=privacy, task="causal-lm",
+        metric_name="perplexity", metric=metric, baseline_metric=baseline_metric, model_dir=model_dir,
+        base_model=base_model, train_seconds=train_seconds, eval_seconds=eval_seconds,
+        num_eval_examples=len(test), num_train_users=len(data.train.unique(config.user_column)),
+        num_train_examples=len(data.train), steps=int(trainer.state.global_step),
+    )
+    save_result(result, config.results_dir)
+    return result
+
+
+def _model_name(model) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base.config, "_name_or_path", None) or type(base).__name__

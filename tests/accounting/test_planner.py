@@ -1,0 +1,140 @@
+"""hf_dp.accounting.planner: contribution-bound heuristics and the three-mode budget plan."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from hf_dp import accounting
+from hf_dp.accounting import planner
+
+# A small population keeps every calibration fast: 200 users with 1..8 examples, 100 steps.
+COUNTS = [1, 2, 3, 4, 5, 6, 7, 8] * 25
+SETTING = dict(units_per_step=40, steps=100, target_epsilon=4.0)
+
+
+def test_els_bound_is_the_median():
+    assert planner.recommend_contribution_bound_els([5]) == 5
+    assert planner.recommend_contribution_bound_els([1, 3, 8, 20]) == 3  # lower median: an actual count
+    assert planner.recommend_contribution_bound_els(np.array([1, 1, 1, 50])) == 1
+    assert planner.recommend_contribution_bound_els([0, 0, 7]) == 7  # users without examples do not count
+    for bad in ([], [-1, 3], [0, 0], ["a"], [1.5]):
+        with pytest.raises(ValueError, match="examples_per_user|0 examples"):
+            planner.recommend_contribution_bound_els(bad)
+
+
+def _predicted_noise(counts, group, units_per_step, steps, target_epsilon, delta):
+    counts = np.asarray(counts)
+    per_user = np.minimum(counts, group).mean()
+    users_per_step = units_per_step / per_user
+    sigma = accounting.noise_multiplier(target_epsilon=target_epsilon, delta=delta,
+                                        sample_rate=users_per_step / counts.size, steps=steps)
+    return sigma / (users_per_step * math.sqrt(per_user))
+
+
+def test_uls_bound_minimises_the_predicted_noise():
+    delta = 1 / (10 * len(COUNTS))
+    chosen = planner.recommend_contribution_bound_uls(COUNTS, **SETTING)
+    noise = {g: _predicted_noise(COUNTS, g, delta=delta, **SETTING) for g in (1, 2, 4, 8)}
+    assert chosen in noise
+    assert noise[chosen] == min(noise.values())
+    assert chosen > 1  # the prediction values each user's extra examples
+
+
+def test_uls_bound_errors():
+    with pytest.raises(ValueError, match="units_per_step"):
+        planner.recommend_contribution_bound_uls(COUNTS, units_per_step=0)
+    with pytest.raises(ValueError, match="examples_per_user"):
+        planner.recommend_contribution_bound_uls([3, -2], units_per_step=2)
+    with pytest.raises(ValueError, match="delta"):
+        planner.recommend_contribution_bound_uls(COUNTS, units_per_step=40, delta=0.5)
+    with pytest.raises(ValueError, match="No contribution bound"):  # more users per step than users at any G
+        planner.recommend_contribution_bound_uls([1] * 10, units_per_step=20)
+
+
+def test_plan_rows_meet_the_target_and_are_plain_data():
+    rows = planner.plan(examples_per_user=COUNTS, noise_multiplier=1.0, **SETTING)
+    json.dumps(rows)  # plain dicts: the Gradio app and the CLI print them
+    assert [row["mode"] for row in rows] == ["uls", "els", "example"]
+    users, examples = len(COUNTS), sum(COUNTS)
+    uls, els, example = rows
+    assert els["contribution_bound"] == planner.recommend_contribution_bound_els(COUNTS)
+    assert example["contribution_bound"] is None
+    assert uls["privacy_unit"] == els["privacy_unit"] == "user" and example["privacy_unit"] == "example"
+    # the same compute for every mode
+    per_user = np.minimum(COUNTS, uls["contribution_bound"]).mean()
+    assert uls["units_per_step"] == pytest.approx(40 / per_user)
+    assert uls["sample_rate"] == pytest.approx(40 / per_user / users)
+    assert els["sample_rate"] == pytest.approx(40 / np.minimum(COUNTS, els["contribution_bound"]).sum())
+    assert example["sample_rate"] == pytest.approx(40 / examples)
+    assert uls["delta"] == els["delta"] == pytest.approx(1 / (10 * users))
+    assert example["delta"] == pytest.approx(1 / (10 * examples))
+    assert "not protected as a whole" in example["note"]
+    for row, group in zip(rows, (1, els["contribution_bound"], 1)):
+        assert row["steps"] == 100 and row["examples_per_step"] == 40
+        spent = accounting.epsilon(sample_rate=row["sample_rate"], noise_multiplier=row["noise_multiplier"],
+                                   steps=100, delta=row["delta"], group_size=group)
+        assert spent <= 4.0
+        assert row["noise_std"] == pytest.approx(row["noise_multiplier"] / row["units_per_step"])
+        assert row["epsilon_at_fixed_noise"] == accounting.epsilon(
+            sample_rate=row["sample_rate"], noise_multiplier=1.0, steps=100, delta=row["delta"], group_size=group)
+
+
+def test_plan_from_users_and_a_count_and_defaults():
+    rows = planner.plan(users=300, examples_per_user=4, units_per_step=30, target_epsilon=6.0,
+                        contribution_bound_uls=2)
+    assert rows[0]["contribution_bound"] == 2
+    assert rows[1]["contribution_bound"] == 4
+    assert rows[0]["steps"] == math.ceil(1200 / 30)  # default: one expected pass over the examples
+    assert all(row["epsilon_at_fixed_noise"] is None for row in rows)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(target_epsilon=0.0), "target_epsilon"),
+    (dict(target_epsilon=-2.0), "target_epsilon"),
+    (dict(delta=1 / 200), "delta"),   # = 1/users
+    (dict(delta=0.5), "delta"),
+    (dict(units_per_step=10_000), "units_per_step"),  # sample rate > 1
+    (dict(units_per_step=-1), "units_per_step"),
+    (dict(examples_per_user=[3, -1]), "negative"),
+    (dict(users=5), "users"),  # disagrees with the list
+    (dict(steps=0), "steps"),
+    (dict(noise_multiplier=0.0), "noise_multiplier"),
+])
+def test_plan_bad_input_says_what_to_change(kwargs, match):
+    arguments = dict(examples_per_user=COUNTS, **SETTING)
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=match) as info:
+        planner.plan(**arguments)
+    assert "\n" not in str(info.value)
+
+
+def test_huge_populations_allocate_nothing_per_user():
+    """10⁹ and 10¹² users: the planner keeps (count, users holding it), never an array of users
+    (a billion-user plan once took 19 GB)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows = planner.plan(users=10**12, examples_per_user=20, units_per_step=64, steps=1000, target_epsilon=8.0)
+    assert rows[1]["sample_rate"] == pytest.approx(64 / (20 * 10**12))  # ELS: examples
+    assert rows[0]["noise_multiplier"] is not None and rows[1]["noise_multiplier"] is not None
+    assert rows[2]["noise_multiplier"] is not None or "delta" in rows[2]["note"]  # δ = 5e-15: beyond precision
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2_000_000  # KiB: far below 10¹² of anything
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(users=10**9, examples_per_user=20), "steps=312500000 is above 10,000,000"),   # default: one pass
+    (dict(users=10**6, examples_per_user=20, steps=10**9), "steps=1000000000 is above"),
+    (dict(users=1000, examples_per_user=20, contribution_bound_els=10**6), "group_size=1000000 is above 256"),
+])
+def test_out_of_range_plans_answer_with_one_line_per_mode(kwargs, match):
+    rows = planner.plan(units_per_step=64, target_epsilon=8.0, **kwargs)
+    refused = [row for row in rows if match in row["note"]]
+    assert refused and all(row["noise_multiplier"] is None for row in refused)
+
+
+def test_rdp_noise_multiplier_is_conservative_and_close():
+    setting = dict(target_epsilon=4.0, delta=1e-6, sample_rate=1e-4, steps=30_000)
+    exact = accounting.noise_multiplier(**setting)
+    rough = accounting.rdp_noise_multiplier(**setting)
+    assert exact <= rough <= 1.3 * exact

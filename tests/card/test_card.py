@@ -1,0 +1,221 @@
+"""hf_dp.card: golden cards, Hub-readable front matter, what each kind of run must say.
+
+Regenerate the golden files after a deliberate template change with
+`HF_DP_REGENERATE_GOLDEN=1 pytest tests/card/test_card.py`, and review the diff.
+"""
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from huggingface_hub import ModelCard
+from huggingface_hub.repocard import metadata_load
+
+from hf_dp.card import render_privacy_card, write_privacy_card
+
+GOLDEN = Path(__file__).parent / "golden"
+REGENERATE = os.environ.get("HF_DP_REGENERATE_GOLDEN") == "1"
+
+ULS_REPORT = {
+    "epsilon": 7.9731,
+    "epsilon_lower": 7.9105,
+    "epsilon_estimate": 7.9422,
+    "delta": 1e-05,
+    "target_epsilon": 8.0,
+    "privacy_unit": "user",
+    "sampling": "uls",
+    "noise_multiplier": 0.8125,
+    "logging_noise_multiplier": 8.125,
+    "max_loss": 5.0,
+    "effective_noise_multiplier": 0.80449,
+    "sample_rate": 0.0625,
+    "expected_batch_size": 68.8,
+    "steps": 300,
+    "max_grad_norm": 1.0,
+    "contribution_bound": 16,
+    "num_users": 1101,
+    "num_examples": 14920,
+    "accountant": "prv-accountant (PRV, Gopi et al. 2021); mixture-of-Gaussians for ELS",
+    "mechanism": "DP-SGD with user-level sampling (ULS), per-user clipping of the mean gradient",
+    "epsilon_group_privacy": None,
+    "noise_seed": "os-entropy",
+}
+ELS_REPORT = dict(
+    ULS_REPORT,
+    sampling="els",
+    epsilon=2.9874,
+    target_epsilon=3.0,
+    expected_batch_size=25.6,
+    epsilon_lower=2.9611,
+    epsilon_estimate=2.9745,
+    noise_multiplier=1.25,
+    logging_noise_multiplier=12.5,
+    effective_noise_multiplier=1.23768,
+    sample_rate=0.004,
+    contribution_bound=7,
+    num_examples=6412,
+    mechanism="DP-SGD with example-level sampling (ELS), per-example clipping",
+    epsilon_group_privacy=58.316,
+)
+EXAMPLE_REPORT = dict(
+    ULS_REPORT,
+    privacy_unit="example",
+    sampling="example",
+    contribution_bound=None,
+    num_examples=24217,
+    sample_rate=0.01,
+    expected_batch_size=242.2,
+    mechanism="DP-SGD with example-level sampling, per-example clipping",
+    noise_seed="fixed seed for testing: 1234",
+    logging_noise_multiplier=None,  # private_logging=False
+    max_loss=None,
+    effective_noise_multiplier=0.8125,
+)
+NON_PRIVATE_REPORT = {"non_private": True, "steps": 300, "num_users": 1101, "num_examples": 24217}
+
+COMMON = {"base_model": "sentence-transformers/all-MiniLM-L6-v2", "dataset_name": "shakespeare"}
+CASES = {
+    "uls": (ULS_REPORT, dict(COMMON, eval_result=0.6125, baseline_result=0.4437, nonprivate_result=0.7016)),
+    "els": (ELS_REPORT, dict(COMMON, eval_result=0.5874, baseline_result=0.4437)),
+    "example": (EXAMPLE_REPORT, dict(COMMON, eval_result=0.6402)),
+    "non_private": (NON_PRIVATE_REPORT, dict(COMMON, eval_result=0.7016, baseline_result=0.4437)),
+    "causal_lm_no_eval": (
+        ULS_REPORT,
+        {"base_model": "gpt2", "task": "text-generation", "metric_name": "perplexity",
+         "library_name": "peft", "extra_not_covered": ["**Generated text.** Sampling settings are not part of the guarantee."]},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_card(name):
+    report, kwargs = CASES[name]
+    rendered = str(render_privacy_card(report, **kwargs))
+    golden = GOLDEN / f"privacy_card_{name}.md"
+    if REGENERATE:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(rendered, encoding="utf-8")
+    assert golden.exists(), f"{golden} missing: run with HF_DP_REGENERATE_GOLDEN=1"
+    assert rendered == golden.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_front_matter_is_hub_metadata_and_privacy_block_round_trips(name, tmp_path):
+    report, kwargs = CASES[name]
+    path = write_privacy_card(report, tmp_path / "out", **kwargs)
+    assert path == tmp_path / "out" / "README.md"
+
+    metadata = metadata_load(path)
+    assert metadata["privacy"] == report  # field for field, same values
+    assert list(metadata["privacy"]) != [] and metadata["base_model"] == kwargs["base_model"]
+    assert metadata["library_name"] == kwargs.get("library_name", "transformers")
+    assert metadata["pipeline_tag"] == kwargs.get("task", "text-classification")
+
+    data = ModelCard.load(path).data  # parses model-index back into EvalResults
+    assert data.base_model == kwargs["base_model"]
+    if "eval_result" in kwargs:
+        (result,) = data.eval_results
+        assert result.metric_value == kwargs["eval_result"]
+        assert result.metric_type == kwargs.get("metric_name", "accuracy")
+        assert metadata["dp_evaluation"]["model"] == kwargs["eval_result"]
+    else:
+        assert data.eval_results is None and "model-index" not in metadata
+
+
+def test_tags_name_the_unit():
+    def tags(report):
+        return render_privacy_card(report, base_model="m").data.tags
+
+    assert {"differential-privacy", "dp-sgd", "user-level-dp", "dp-uls"} <= set(tags(ULS_REPORT))
+    assert {"differential-privacy", "user-level-dp", "dp-els"} <= set(tags(ELS_REPORT))
+    assert "example-level-dp" in tags(EXAMPLE_REPORT) and "user-level-dp" not in tags(EXAMPLE_REPORT)
+    assert "differential-privacy" not in tags(NON_PRIVATE_REPORT)
+    assert "non-private" in tags(NON_PRIVATE_REPORT)
+
+
+def test_user_level_card_states_the_guarantee():
+    text = render_privacy_card(ULS_REPORT, base_model="m", baseline_result=0.4, eval_result=0.6).text
+    assert "**(7.98, 1e-05)-differential privacy at the level of users**" in text
+    assert "whole contribution —\nall of their rows, at most G = 16 examples" in text
+    assert "between\n7.910 (lower bound) and 7.974 (upper bound)" in text
+    assert "| Public-only baseline (pretrained, no private data) | 0.4 |" in text
+    assert "What the guarantee covers" in text
+    for topic in ("pretraining data", "Hyperparameter search", "Preprocessing decisions",
+                  "public-only baseline comparison", "noise seed"):
+        assert topic in text
+
+
+def test_trainer_report_extras_are_kept_and_shown(tmp_path):
+    report = dict(ULS_REPORT, target_epsilon=8.0, expected_batch_size=64)
+    path = write_privacy_card(report, tmp_path, base_model="m")
+    assert metadata_load(path)["privacy"] == report
+    assert "| Target ε (`target_epsilon`) | 8 |" in path.read_text(encoding="utf-8")
+
+
+def test_epsilon_is_never_rounded_down():
+    text = render_privacy_card(dict(ULS_REPORT, epsilon=7.9801), base_model="m").text
+    assert "(7.99, 1e-05)" in text and "(7.98, " not in text
+
+
+def test_els_card_shows_group_privacy_beside_mog():
+    text = render_privacy_card(ELS_REPORT, base_model="m").text
+    assert "mixture-of-Gaussians accountant" in text
+    assert "gives only **ε = 58.32** (`epsilon_group_privacy`)" in text
+    assert "(2.99, 1e-05)-differential privacy at the level of users" in text
+
+
+def test_example_level_card_warns_users_are_not_protected():
+    text = render_privacy_card(EXAMPLE_REPORT, base_model="m").text
+    assert "at the level of single\nexamples (rows)" in text
+    assert "Example-level only: users are not protected as a whole." in text
+    assert "Users with many rows." in text
+    assert "at the level of users" not in text
+
+
+def test_fixed_noise_seed_voids_the_guarantee_in_the_card():
+    text = render_privacy_card(EXAMPLE_REPORT, base_model="m").text
+    assert "fixed seed for testing: 1234" in text
+    assert "with a fixed seed this model has no effective privacy guarantee" in text
+
+
+def test_non_private_card_says_there_is_no_guarantee():
+    text = render_privacy_card(NON_PRIVATE_REPORT, base_model="m", eval_result=0.7).text
+    assert "No privacy guarantee." in text and "NO formal protection" in text
+    assert "differential privacy at the level" not in text
+    assert "What the guarantee covers" not in text
+
+
+def test_numpy_values_become_plain_yaml(tmp_path):
+    report = dict(ULS_REPORT, epsilon=np.float64(7.5), steps=np.int64(300), sample_rate=np.float32(0.0625))
+    path = write_privacy_card(report, tmp_path, base_model="m")
+    privacy = metadata_load(path)["privacy"]
+    assert privacy["epsilon"] == 7.5 and privacy["steps"] == 300 and privacy["sample_rate"] == 0.0625
+    assert "!!python" not in path.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"epsilon": None}, "missing \\['epsilon'\\]"),
+        ({"privacy_unit": "row"}, "privacy_unit must be"),
+        ({"sampling": "example"}, "does not go with privacy_unit 'user'"),
+        ({"sampling": "els", "contribution_bound": None}, "ELS needs contribution_bound"),
+    ],
+)
+def test_bad_reports_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        render_privacy_card(dict(ULS_REPORT, **change), base_model="m")
+
+
+def test_model_cards_folder_links_the_packaged_template():
+    link = Path(__file__).parents[2] / "model_cards" / "privacy_card_template.md"
+    packaged = Path(__file__).parents[2] / "hf_dp" / "templates" / "privacy_card.md"
+    assert link.is_symlink() and link.resolve() == packaged.resolve()
+    assert link.read_text(encoding="utf-8").startswith("---\n{{ card_data }}\n---\n")
+
+
+def test_golden_front_matter_is_valid_yaml():
+    for golden in sorted(GOLDEN.glob("privacy_card_*.md")):
+        front = golden.read_text(encoding="utf-8").split("---\n")[1]
+        assert isinstance(yaml.safe_load(front), dict), golden

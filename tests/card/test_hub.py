@@ -1,0 +1,212 @@
+"""hf_dp.hub: card checks, offline / unreachable Hub fail before any upload, the upload calls themselves.
+
+HfApi is replaced by a recorder: no test reaches the network (the "unreachable" case talks to a closed local port).
+"""
+from __future__ import annotations
+
+import socket
+
+import huggingface_hub
+import pytest
+from huggingface_hub import constants
+
+from app_fixtures import make_tokenizer, privacy_ledger, privacy_report, tiny_classifier
+from hf_dp import hub as publish_module
+from hf_dp.card import write_privacy_card
+from hf_dp.hub import (
+    HubUnreachableError,
+    PrivacyCardError,
+    check_privacy_card,
+    ensure_hub_reachable,
+    publish,
+)
+
+
+class RecordingHfApi:
+    """Stands in for huggingface_hub.HfApi: records calls, uploads nothing."""
+
+    calls: list = []
+    endpoint_for_tests = "http://127.0.0.1:9"
+
+    def __init__(self, token=None, endpoint=None, **kwargs):
+        self.token = token
+        self.endpoint = endpoint or self.endpoint_for_tests
+
+    def create_repo(self, repo_id, **kwargs):
+        RecordingHfApi.calls.append(("create_repo", repo_id, kwargs))
+        return huggingface_hub.RepoUrl(f"https://hub.test/{repo_id}", endpoint="https://hub.test")
+
+    def upload_folder(self, **kwargs):
+        RecordingHfApi.calls.append(("upload_folder", kwargs["repo_id"], kwargs))
+        return "commit"
+
+
+@pytest.fixture
+def api(monkeypatch):
+    RecordingHfApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
+    return RecordingHfApi
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    folder = tmp_path / "models" / "uls-eps8"
+    tokenizer = make_tokenizer()
+    tiny_classifier(0, len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    report = privacy_report("uls", 7.9, 8.0)
+    write_privacy_card(report, folder, ledger=privacy_ledger(report), base_model="test/tiny", eval_result=0.7,
+                       baseline_result=0.4)
+    (folder / "checkpoint-5").mkdir()
+    (folder / "checkpoint-5" / "dp_state.json").write_text("{}")
+    return folder
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """Pretend offline mode is off (the endpoint is still a local address, never the real Hub)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(RecordingHfApi, "endpoint_for_tests", f"http://127.0.0.1:{closed_port()}")
+
+
+def test_offline_fails_with_one_clear_line_before_any_upload(model_dir, api, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnreachableError) as error:
+        publish(model_dir, "alice/model", token="hf_test")
+    message = str(error.value)
+    assert "\n" not in message and "HF_HUB_OFFLINE" in message and "nothing was uploaded" in message
+    assert api.calls == []
+
+
+def test_unreachable_endpoint_fails_before_any_upload(model_dir, api, online):
+    with pytest.raises(HubUnreachableError, match="unreachable") as error:
+        publish(model_dir, "alice/model", token="hf_test")
+    assert "\n" not in str(error.value)
+    assert api.calls == []
+
+
+def test_ensure_hub_reachable_offline_env_is_read_at_call_time(monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnreachableError, match="offline mode"):
+        ensure_hub_reachable("http://127.0.0.1:9")
+
+
+def test_publish_uploads_model_tokenizer_and_card(model_dir, api, monkeypatch):
+    monkeypatch.setattr(publish_module, "ensure_hub_reachable", lambda endpoint=None, **kw: None)
+    url = publish(model_dir, "alice/minilm-uls", token="hf_test")
+    assert url == "https://hub.test/alice/minilm-uls"
+    (create, repo, create_kwargs), (upload, repo2, upload_kwargs) = api.calls
+    assert (create, repo, upload, repo2) == ("create_repo", "alice/minilm-uls", "upload_folder", "alice/minilm-uls")
+    assert create_kwargs["private"] is True and create_kwargs["exist_ok"] is True
+    assert upload_kwargs["folder_path"] == model_dir
+    assert "checkpoint-*" in upload_kwargs["ignore_patterns"]
+    assert "7.9" in upload_kwargs["commit_message"] and "user" in upload_kwargs["commit_message"]
+    uploaded = {p.name for p in model_dir.iterdir()}
+    assert {"README.md", "dp_ledger.json", "config.json", "model.safetensors", "tokenizer.json"} <= uploaded
+    assert "dp_ledger.json" not in upload_kwargs["ignore_patterns"]  # published: anyone can recompute ε
+
+
+def test_publish_accepts_a_result_json(model_dir, api, monkeypatch):
+    monkeypatch.setattr(publish_module, "ensure_hub_reachable", lambda endpoint=None, **kw: None)
+    result = model_dir.parent.parent / "uls-eps8.json"
+    result.write_text('{"run": "uls-eps8", "model_dir": "models/uls-eps8"}')
+    publish(result, "alice/m", token="t", private=False)
+    assert api.calls[0][2]["private"] is False
+    assert api.calls[1][2]["folder_path"].resolve() == model_dir.resolve()
+
+
+def test_card_checks(model_dir, tmp_path):
+    privacy = check_privacy_card(model_dir)
+    assert privacy["epsilon"] == pytest.approx(7.9) and privacy["privacy_unit"] == "user"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PrivacyCardError, match="write_privacy_card"):
+        check_privacy_card(empty)
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "README.md").write_text("---\nlicense: mit\n---\n# A model\n")
+    with pytest.raises(PrivacyCardError, match="no 'privacy:' block"):
+        check_privacy_card(plain)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "README.md").write_text("---\nprivacy: [unclosed\n---\n# A model\n")
+    with pytest.raises(PrivacyCardError, match="does not parse"):
+        check_privacy_card(broken)
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "README.md").write_text("---\nprivacy:\n  epsilon: 3.0\n---\n# A model\n")
+    with pytest.raises(PrivacyCardError, match="lacks"):
+        check_privacy_card(partial)
+
+    nonprivate = tmp_path / "nonprivate"
+    write_privacy_card({"non_private": True}, nonprivate, base_model="test/tiny", eval_result=0.8)
+    with pytest.raises(PrivacyCardError, match="WITHOUT differential privacy"):
+        check_privacy_card(nonprivate)
+    assert check_privacy_card(nonprivate, allow_non_private=True)["non_private"] is True
+
+
+def test_missing_card_is_refused_before_reachability(tmp_path, api, monkeypatch):
+    called = []
+    monkeypatch.setattr(publish_module, "ensure_hub_reachable", lambda *a, **k: called.append(1))
+    folder = tmp_path / "model"
+    tiny_classifier(0, 20).save_pretrained(folder)
+    with pytest.raises(PrivacyCardError, match="does not exist"):
+        publish(folder, "alice/m", token="t")
+    assert called == [] and api.calls == []
+
+
+def test_bad_repo_id_and_no_weights(model_dir, tmp_path, api):
+    with pytest.raises(ValueError, match="repo-id"):
+        publish(model_dir, "not a repo id", token="t")
+    cardonly = tmp_path / "cardonly"
+    report = privacy_report("uls", 7.9, 8.0)
+    write_privacy_card(report, cardonly, ledger=privacy_ledger(report), base_model="test/tiny")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        publish(cardonly, "alice/m", token="t")
+    assert api.calls == []
+
+
+def test_cli_prints_one_line_and_exits_1_offline(model_dir, api, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = publish_module.main([str(model_dir), "--repo-id", "alice/model"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err and "offline" in err
+    assert api.calls == []
+
+
+def _dptrainer_checks_hub() -> bool:
+    from hf_dp import DPTrainer
+    from transformers import Trainer
+
+    return DPTrainer.init_hf_repo is not Trainer.init_hf_repo or DPTrainer.push_to_hub is not Trainer.push_to_hub
+
+
+@pytest.mark.skipif(not _dptrainer_checks_hub(),
+                    reason="DPTrainer does not yet call hf_dp.hub.ensure_hub_reachable (issue 6 asks the lead)")
+def test_dptrainer_push_to_hub_offline_fails_clearly(tmp_path, api, monkeypatch):
+    from hf_dp import DPTrainer, DPTrainingArguments
+    from trainer_fixtures import pad_collator, tiny_bert, user_dataset
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = DPTrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, expected_batch_size=8,
+                               per_device_train_batch_size=4, noise_multiplier=1.0, noise_seed=1, report_to=[],
+                               save_strategy="no", use_cpu=True, disable_tqdm=True, hub_model_id="alice/m")
+    trainer = DPTrainer(model=tiny_bert(), args=args, train_dataset=user_dataset(), data_collator=pad_collator)
+    with pytest.raises(HubUnreachableError, match="offline"):
+        trainer.push_to_hub()
+    assert api.calls == []

@@ -1,0 +1,222 @@
+"""hf_dp.workflows.app: the page builds; the budget, compare, results and train wiring works on a fabricated results folder.
+
+The browser-level checks are in test_app_browser.py; here the functions behind each tab are called directly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from app_fixtures import LABELS, make_results_dir, make_tokenizer, tiny_classifier
+from hf_dp.workflows import app
+
+SMALL = dict(num_users=200, examples_per_user=2, units_per_step=40, steps=20)  # fast planner calls
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return make_results_dir(tmp_path_factory.mktemp("fabricated"))
+
+
+def sigma_of(headline: str) -> float:
+    match = re.search(r"σ = ([0-9.]+)\*\*", headline)
+    assert match, headline
+    return float(match.group(1))
+
+
+def budget(results, epsilon, delta=1e-4, unit="user", sampling="ULS", fixed=1.0, **overrides):
+    settings = {**SMALL, **overrides}
+    return app.budget_view(results, epsilon, delta, unit, sampling, settings["num_users"],
+                           settings["examples_per_user"], settings["units_per_step"], settings["steps"], fixed)
+
+
+def test_build_app_constructs(results, tmp_path):
+    import gradio as gr
+
+    assert isinstance(app.build_app(results), gr.Blocks)
+    assert isinstance(app.build_app(tmp_path / "does-not-exist"), gr.Blocks)
+
+
+def test_budget_shows_the_planners_numbers(results):
+    from hf_dp.accounting import planner
+
+    headline, table = budget(results, 8.0)
+    rows = planner.plan(users=200, examples_per_user=2, units_per_step=40, steps=20, target_epsilon=8.0, delta=1e-4,
+                        noise_multiplier=1.0)
+    uls = next(r for r in rows if r["mode"] == "uls")
+    assert sigma_of(headline) == pytest.approx(uls["noise_multiplier"], rel=1e-3)
+    assert f"G = {uls['contribution_bound']}" in headline
+    assert "ULS" in table and "ELS" in table and "example-level" in table  # one row per mechanism
+    # more privacy needs more noise; ELS is planned too
+    assert sigma_of(budget(results, 1.0)[0]) > sigma_of(headline)
+    els_headline, _ = budget(results, 8.0, sampling="ELS")
+    els = next(r for r in rows if r["mode"] == "els")
+    assert sigma_of(els_headline) == pytest.approx(els["noise_multiplier"], rel=1e-3)
+    example_headline, _ = budget(results, 8.0, unit="example")
+    assert "not protected as a whole" in example_headline
+
+
+def test_budget_reads_the_accuracy_cost_from_finished_runs(results, tmp_path):
+    headline, _ = budget(results, 8.0)
+    assert "Expected accuracy at ε = 8" in headline and "0.700" in headline  # the uls-eps8 run (target 8)
+    assert "Cost of privacy" in headline and "0.800" in headline  # against the non-private run
+    empty, _ = budget(tmp_path, 8.0)
+    assert "no finished DP runs" in empty and "hf-dp demo" in empty
+    assert "σ =" in empty  # the planner's numbers do not need runs
+
+
+def test_expected_accuracy_cost_interpolates_in_log_epsilon(results):
+    runs = app.list_runs(results)
+    cost = app.expected_accuracy_cost(runs, math.sqrt(8.0), "uls")  # halfway between ε=1 and ε=8 in log ε
+    assert cost["metric"] == pytest.approx(0.60)
+    assert not cost["extrapolated"] and cost["method_used"] == "uls"
+    assert cost["cost"] == pytest.approx(0.20) and cost["baseline"] == pytest.approx(0.40)
+    low = app.expected_accuracy_cost(runs, 0.5, "uls")
+    assert low["extrapolated"] and low["metric"] == pytest.approx(0.50)
+    assert app.expected_accuracy_cost(runs, 8.0, "example")["method_used"] == "any DP method"
+    assert app.expected_accuracy_cost([], 8.0, "uls") is None
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (dict(delta=0.5), "delta"),
+    (dict(epsilon=-1.0), "target_epsilon"),
+    (dict(examples_per_user=2.5), "whole number"),
+    (dict(units_per_step=10_000), "units_per_step"),
+])
+def test_budget_errors_are_one_line_of_text(results, settings, expected):
+    settings = dict(settings)
+    epsilon = settings.pop("epsilon", 8.0)
+    headline, table = budget(results, epsilon, **settings)
+    assert headline.startswith("**⚠️") and expected in headline
+    assert "\n" not in headline and "Traceback" not in headline and table == ""
+
+
+def test_compare_defaults_to_the_first_dp_run(results):
+    assert "uls-eps1" in app.compare_view(results, None, "some text")["header"]
+
+
+def test_compare_classification_run(results):
+    out = app.compare_view(results, "uls-eps8", "Once more unto the breach, dear friends")
+    assert out["error"] == "" and not out["causal_lm"]
+    for side in ("baseline", "dp"):
+        assert set(out[side]) == set(LABELS)
+        assert sum(out[side].values()) == pytest.approx(1.0, abs=1e-5)
+    assert "uls-eps8" in out["header"] and "DP" in out["header"]
+
+
+def test_compare_causal_lm_run_generates_side_by_side(results):
+    out = app.compare_view(results, "lm-uls-eps8", "once more unto the")
+    assert out["error"] == "" and out["causal_lm"]
+    assert isinstance(out["baseline_text"], str) and isinstance(out["dp_text"], str)
+    assert 0 < sum(out["dp"].values()) <= 1.0 + 1e-6  # top next-token probabilities
+
+
+@pytest.mark.parametrize("run, text, expected", [
+    ("baseline", "some text", "public-only baseline"),
+    ("uls-eps8", "   ", "Type or pick a text"),
+    ("no-such-run", "text", "No run named"),
+])
+def test_compare_errors_are_text(results, run, text, expected):
+    out = app.compare_view(results, run, text)
+    assert out["error"].startswith("**⚠️") and expected in out["error"] and "\n" not in out["error"]
+
+
+def test_no_results_yet_is_said_in_the_page(tmp_path):
+    assert "No finished runs" in app.compare_view(tmp_path, "uls-eps8", "text")["error"]
+    assert "No finished runs" in app.results_overview_markdown(tmp_path)
+    assert "No finished runs" in app.privacy_card_markdown(tmp_path, None)
+    assert app.privacy_utility_figure(app.list_runs(tmp_path)) is None
+
+
+def test_results_tab_plot_and_card(results):
+    runs = app.list_runs(results)
+    assert {r.name for r in runs} >= {"baseline", "non-private", "uls-eps1", "uls-eps8", "els-eps8", "lm-uls-eps8"}
+    figure = app.privacy_utility_figure(runs)
+    labels = [line.get_label() for line in figure.axes[0].get_lines()]
+    assert any("ULS" in label for label in labels) and any("baseline" in label for label in labels)
+    assert any("non-private" in label for label in labels)
+    card = app.privacy_card_markdown(results, "uls-eps8")
+    assert not card.startswith("---") and "Privacy guarantee" in card and "7.90" in card
+    assert "no privacy card" in app.privacy_card_markdown(results, "baseline")
+    overview = app.results_overview_markdown(results)
+    assert "uls-eps8" in overview and "∞" in overview
+
+
+def test_training_job_reports_progress_and_epsilon():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    def fake_run(settings, results_dir, callbacks):
+        state, control = TrainerState(max_steps=settings.max_steps), TrainerControl()
+        args = TrainingArguments("unused", report_to=[])
+        for callback in callbacks:
+            callback.on_train_begin(args, state, control)
+        for step in range(1, settings.max_steps + 1):
+            state.global_step = step
+            for callback in callbacks:
+                callback.on_step_end(args, state, control)
+                callback.on_log(args, state, control, logs={"loss": 1.0 / step, "dp/epsilon": 0.5 * step})
+        return {"run": "fake", "epsilon": 2.0, "delta": 1e-5, "metric": 0.6, "baseline_metric": 0.4,
+                "metric_name": "accuracy"}
+
+    job = app.TrainingJob(run_fn=fake_run)
+    job.start(app.TrainingSettings(method="uls", target_epsilon=8.0, max_steps=4), "unused")
+    job.thread.join(timeout=10)
+    state = job.poll()
+    assert state["status"] == "done" and state["step"] == 4 and state["epsilon"] == pytest.approx(2.0)
+    html = app.progress_html(state)
+    assert "step 4/4" in html and "ε spent 2 of 8" in html
+    assert "fake" in app._job_status_markdown(state)
+
+    def failing_run(settings, results_dir, callbacks):
+        raise ValueError("target_epsilon=0.01 cannot be reached\nwith these settings")
+
+    job = app.TrainingJob(run_fn=failing_run)
+    job.start(app.TrainingSettings(), "unused")
+    job.thread.join(timeout=10)
+    message = app._job_status_markdown(job.poll())
+    assert message.startswith("**⚠️ Training failed") and "\n" not in message
+
+
+@pytest.mark.slow
+def test_training_with_callbacks_end_to_end(tmp_path):
+    """The Train tab's callback on a real run (tiny model, tiny user data set): steps and ε arrive in the queue."""
+    import queue
+
+    from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
+
+    tokenizer = make_tokenizer()
+    base = tmp_path / "base"
+    tiny_classifier(0, len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    words = ["king crown england war", "love lady jest music", "death blood spot damned"]
+    rows = [{"user_id": f"u{u}", "text": f"{words[u % 3]} {'the ' * (i % 3)}", "label": LABELS[u % 3]}
+            for u in range(40) for i in range(1 + u % 3)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    config = ClassificationConfig(
+        run="tiny-uls", method="uls", results_dir=str(tmp_path / "results"), dataset=str(data),
+        model_name_or_path=str(base), target_epsilon=8.0, max_steps=2, expected_batch_size=8, use_lora=False,
+        contribution_bound=2, per_device_train_batch_size=16, max_length=16, progress=False, noise_seed=0,
+    )
+    training_args = config.training_arguments()
+    training_args.logging_steps = 1
+    events: queue.Queue = queue.Queue()
+    result = run_classification(config, training_args, callbacks=[app._queue_callback_class()(events)])
+    seen = []
+    while not events.empty():
+        seen.append(events.get())
+    epsilons = [fields["epsilon"] for event, fields in seen if "epsilon" in fields]
+    assert epsilons and epsilons[-1] == pytest.approx(result["epsilon"], rel=0.05)
+    assert max(fields["step"] for _, fields in seen) == 2
+    runs = app.list_runs(tmp_path / "results")
+    assert "tiny-uls" in {r.name for r in runs}
+    out = app.compare_view(tmp_path / "results", "tiny-uls", "king crown")
+    assert out["error"] == "" and set(out["dp"]) == set(LABELS)
+
+
+def test_cli_parser_defaults():
+    args = app.build_parser().parse_args([])
+    assert (args.results_dir, args.port, args.host, args.share) == ("results", 7860, "127.0.0.1", False)

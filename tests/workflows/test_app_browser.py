@@ -1,0 +1,167 @@
+"""The Gradio app in a real browser: Debian's chromium, headless, driven by Playwright, against 127.0.0.1.
+
+Checks that the page loads, that moving the budget controls changes the planner's numbers (and that a bad budget
+is said in the page), that a comparison renders on a fabricated run, and that the Results tab shows the plot and
+the privacy card. Screenshots go to the test's tmp dir (and to `$HF_DP_SCREENSHOT_DIR` when set). Requests to
+anything but the local server are blocked and recorded: the page must not need the network.
+
+Needs `/usr/bin/chromium` (`apt-get install chromium chromium-driver`; `.ci/run` installs it). Without it the
+test fails, it does not skip.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from app_fixtures import make_results_dir
+from hf_dp.workflows import app
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = os.environ.get("HF_DP_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+TIMEOUT_MS = 60_000  # the planner takes about a second per update on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    results = make_results_dir(tmp_path_factory.mktemp("browser-results"))
+    port = free_port()
+    demo = app.serve(results, host="127.0.0.1", port=port, block=False)
+    yield f"http://127.0.0.1:{port}/", results
+    demo.close()
+
+
+@pytest.fixture
+def page(server):
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.fail(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium chromium-driver) "
+                    "or set HF_DP_CHROMIUM to a Chromium binary. The browser test does not skip.")
+    from playwright.sync_api import sync_playwright
+
+    blocked = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1280, "height": 1000})
+
+        def only_local(route):
+            if urlparse(route.request.url).hostname in ("127.0.0.1", "localhost"):
+                return route.continue_()
+            blocked.append(route.request.url)
+            return route.abort()
+
+        context.route("**/*", only_local)
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.blocked_requests = blocked
+        yield page
+        context.close()
+        browser.close()
+
+
+def screenshot(page, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    extra = os.environ.get("HF_DP_SCREENSHOT_DIR")
+    if extra:
+        Path(extra).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(extra) / path.name)
+    return path
+
+
+def sigma_text(page) -> str:
+    text = page.locator("#budget-result").inner_text()
+    match = re.search(r"σ = ([0-9.]+)", text)
+    return match.group(1) if match else ""
+
+
+def wait_for_sigma_change(page, old: str) -> str:
+    page.wait_for_function(
+        """old => { const t = document.querySelector('#budget-result')?.innerText || '';
+                    const m = t.match(/σ = ([0-9.]+)/); return m && m[1] !== old; }""", arg=old)
+    return sigma_text(page)
+
+
+def wait_for_text(page, selector: str, text: str) -> None:
+    page.wait_for_function("([sel, text]) => (document.querySelector(sel)?.innerText || '').includes(text)",
+                           arg=[selector, text])
+
+
+def pick_run(page, name: str) -> None:
+    page.locator("#compare-run input").click()
+    page.get_by_role("option", name=re.compile(re.escape(name) + " ")).click()
+
+
+def test_app_in_headless_chromium(server, page, tmp_path):
+    url, results = server
+    page.goto(url)
+    page.get_by_text("user-level differentially private fine-tuning").first.wait_for()
+
+    # --- Budget: the planner's numbers appear and follow the controls ---------------------------
+    page.wait_for_function("() => /σ = [0-9.]+/.test(document.querySelector('#budget-result')?.innerText || '')")
+    sigma_8 = sigma_text(page)
+    assert "Expected accuracy at ε = 8" in page.locator("#budget-result").inner_text()
+    assert "ELS (MoG)" in page.locator("#budget-table").inner_text()
+
+    page.locator("#eps-log2 input[type=range]").fill("0")  # slider to log₂ ε = 0, i.e. ε = 1
+    sigma_1 = wait_for_sigma_change(page, sigma_8)
+    assert float(sigma_1) > float(sigma_8)  # more privacy, more noise
+    assert page.locator("#epsilon input").input_value() in ("1", "1.0")
+
+    page.locator("#sampling").get_by_text("ELS").click()
+    sigma_els = wait_for_sigma_change(page, sigma_1)
+    assert "ELS (example-level sampling" in page.locator("#budget-result").inner_text()
+    screenshot(page, tmp_path, "budget")
+
+    page.locator("#delta input").fill("0.5")
+    page.locator("#delta input").press("Tab")
+    wait_for_text(page, "#budget-result", "⚠️")
+    error_text = page.locator("#budget-result").inner_text()
+    assert "delta" in error_text and "Traceback" not in page.content()
+    screenshot(page, tmp_path, "budget-error")
+    page.locator("#delta input").fill("0.0001")
+    page.locator("#delta input").press("Tab")
+    assert wait_for_sigma_change(page, "")  # numbers are back
+    assert sigma_els
+
+    # --- Compare: baseline and DP model side by side on a fabricated run ------------------------
+    page.get_by_role("tab", name="Compare").click()
+    pick_run(page, "els-eps8")
+    page.locator("#compare-text textarea").fill("Once more unto the breach, dear friends")
+    page.locator("#compare-button").click()
+    wait_for_text(page, "#compare-header", "els-eps8")
+    for side in ("#baseline-label", "#dp-label"):
+        text = page.locator(side).inner_text()
+        assert all(label in text for label in ("comedy", "history", "tragedy")), text
+        assert "%" in text
+    page.wait_for_timeout(1000)  # let the output fade-in finish before the screenshot
+    screenshot(page, tmp_path, "compare")
+
+    pick_run(page, "lm-uls-eps8")  # a causal LM: generations side by side
+    page.locator("#compare-button").click()
+    wait_for_text(page, "#compare-header", "lm-uls-eps8")
+    page.locator("#dp-text textarea").wait_for()
+    assert page.locator("#baseline-text textarea").is_visible()
+
+    # --- Results: the plot and the rendered privacy card -----------------------------------------
+    page.get_by_role("tab", name="Results").click()
+    page.locator("#privacy-utility-plot img, #privacy-utility-plot svg").first.wait_for()
+    page.wait_for_timeout(1000)
+    wait_for_text(page, "#privacy-card", "Privacy guarantee")
+    assert "uls-eps8" in page.locator("#results-overview").inner_text()
+    screenshot(page, tmp_path, "results")
+
+    assert page.blocked_requests == [], f"the page tried to reach the network: {page.blocked_requests}"
