@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-PRIVACY_UNITS = ("user", "example")
-SAMPLING_SCHEMES = ("uls", "els")
+from .vocabulary import PRIVACY_UNITS, SAMPLING_SCHEMES, mechanism_of
 
 
 @dataclass
@@ -231,9 +230,9 @@ class DPTrainingArguments(TrainingArguments):
         self.expected_batch_size = int(self.expected_batch_size)
 
     @property
-    def accounting_mode(self) -> str:
-        """`"uls"`, `"els"` or `"example"`: the mechanism the accountant composes."""
-        return "example" if self.privacy_unit == "example" else self.sampling
+    def mechanism(self) -> str:
+        """`"uls"`, `"els"` or `"example"`: the key of [`~hf_dp.vocabulary.MECHANISMS`] these arguments select."""
+        return mechanism_of(self.privacy_unit, self.sampling)
 
 
 def _positive_finite(value) -> bool:

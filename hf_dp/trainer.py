@@ -176,7 +176,7 @@ class DPTrainer(Trainer):
 
     def _plan_privacy(self) -> PrivacyPlan:
         args, part = self.args, self.partition
-        mode = args.accounting_mode
+        mode = args.mechanism
         num_units = part.num_users if mode == "uls" else part.num_examples
         num_privacy_units = part.num_examples if mode == "example" else part.num_users
         unit_name = "users" if args.privacy_unit == "user" else "examples"
@@ -705,7 +705,7 @@ def _partition(dataset, args: DPTrainingArguments, secret: str):
 
 def _bound_epsilon(args: DPTrainingArguments) -> float:
     """ε spent choosing G from the data: `contribution_bound_epsilon` for "auto" at user level, else 0."""
-    auto = args.contribution_bound == "auto" and args.accounting_mode != "example"
+    auto = args.contribution_bound == "auto" and args.mechanism != "example"
     return float(args.contribution_bound_epsilon) if auto else 0.0
 
 
@@ -717,7 +717,7 @@ def _contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int 
     rows), for the run's steps and the ε left to DP-SGD. The draw is keyed by `secret` (OS entropy, or
     `noise_seed` for tests); its ε is recorded in the ledger by the trainer.
     """
-    if args.contribution_bound is None or (args.accounting_mode == "example" and args.contribution_bound == "auto"):
+    if args.contribution_bound is None or (args.mechanism == "example" and args.contribution_bound == "auto"):
         return None  # no bound: every row is kept
     if args.contribution_bound != "auto":
         return int(args.contribution_bound)
@@ -727,7 +727,7 @@ def _contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int 
     sample_rate = min(1.0, args.expected_batch_size / len(counts))  # above 1: the plan raises the clear error
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
     return planner.private_contribution_bound(
-        counts, sampling=args.accounting_mode, epsilon=args.contribution_bound_epsilon,
+        counts, sampling=args.mechanism, epsilon=args.contribution_bound_epsilon,
         expected_batch_size=args.expected_batch_size, steps=steps,
         target_epsilon=(args.target_epsilon or planner.DEFAULT_TARGET_EPSILON) - _bound_epsilon(args),
         delta=args.target_delta, rng=np.random.default_rng(keyed_seed(secret, "contribution_bound", "bound")),

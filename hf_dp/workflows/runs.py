@@ -204,7 +204,7 @@ def method_of(training_args) -> str:
 
     if not isinstance(training_args, DPTrainingArguments):
         return "non-private"
-    return training_args.accounting_mode
+    return training_args.mechanism
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_training_arguments_follow_the_method(tmp_path):
     els = ClassificationConfig(run="e", method="els", results_dir=str(tmp_path)).training_arguments()
     assert isinstance(els, DPTrainingArguments) and (els.privacy_unit, els.sampling) == ("user", "els")
     example = ClassificationConfig(run="x", method="example", results_dir=str(tmp_path)).training_arguments()
-    assert example.accounting_mode == "example"
+    assert example.mechanism == "example"
     plain = ClassificationConfig(run="n", method="non-private", results_dir=str(tmp_path)).training_arguments()
     assert type(plain) is TrainingArguments
     assert Path(plain.output_dir) == tmp_path / "models" / "n"
