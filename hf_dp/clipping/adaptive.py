@@ -1,0 +1,349 @@
+"""Private adaptive clipping: the clipping norm follows a quantile of the per-unit gradient norms.
+
+Andrew, Thakkar, McMahan & Ramaswamy 2021, "Differentially private learning with adaptive clipping"
+(NeurIPS 2021, arXiv 1905.03871). A fixed `max_grad_norm` C has no good default: the norm distribution
+depends on the model, the loss, the learning rate, the number of examples per user, and it drifts as training
+goes. The paper instead clips at the γ-quantile of the per-unit norms (γ = 0.5 in its experiments) and estimates
+that quantile online, privately, for a negligible share of the budget.
+
+Per DP-SGD step, over the same Poisson sample of units (users for ULS, examples for ELS and example-level):
+
+1. clip every unit's gradient to the current norm C_t and release the noised sum (sensitivity C_t, noise σ_Δ·C_t);
+2. release the noised *centred* count of unclipped units
+   R_t = Σ_i (1[‖g_i‖ ≤ C_t] − 1/2) + N(0, σ_b²)      ([`centered_unclipped_count`] plus the noise);
+3. b̃_t = R_t / m + 1/2 (m the *expected* batch size, never the sampled one: that one is private) estimates the
+   fraction of units left unclipped, and the geometric update (Section 2 of the paper)
+   C_{t+1} = C_t · exp(−η_C · (b̃_t − γ))                      ([`QuantileTracker.update`])
+   moves C towards the γ-quantile: up when too many units are clipped, down when too few.
+
+Why the count is centred: adding or removing one unit moves Σ_i 1[·] by 1, but moves Σ_i (1[·] − 1/2) by
+exactly 1/2, so the count's sensitivity is 1/2 and its noise multiplier is σ_b / (1/2) = 2σ_b.
+
+Privacy (Section 3, Theorem 1 of the paper): both sums are Gaussian releases on the *same* Poisson sample. Scaled
+by their noise, one unit shifts the pair (gradient sum / (σ_Δ C_t), count / σ_b) by a vector of norm at most
+(σ_Δ⁻² + (2σ_b)⁻²)^(1/2), and an isotropic Gaussian is rotation invariant, so the step is exactly one
+Poisson-subsampled Gaussian mechanism with noise multiplier
+
+    σ_eff = (σ_Δ⁻² + (2σ_b)⁻²)^(-1/2).
+
+C_t depends only on earlier releases (post-processing), so the T steps are an adaptive composition of such
+mechanisms and the ledger composes them exactly as it composes fixed-norm DP-SGD with σ_eff. For ELS a user
+with k sampled examples shifts every component by at most k times its sensitivity, so the mixture-of-Gaussians
+accountant applies with the same σ_eff. The trainer calibrates σ_eff to the target ε and derives σ_Δ with
+[`gradient_noise_multiplier`]; ε does not depend on C, so the data-driven C costs nothing beyond the count.
+
+Logging: with private logging the fixed-norm trainer releases the clipped losses (noise σ_log = r·σ) *and* the
+count of clipped units (noise σ_log). With adaptive clipping the count release is REPLACED by R_t: it is already
+a noised count of the units clipped at C_t, so the logged `dp/clipped_fraction` is 1 − b̃_t = 1/2 − R_t/m
+([`QuantileTracker.clipped_fraction`]), an unbiased estimate of E[#clipped]/m (the same mean as the old
+release; it differs from #clipped/m by the zero-mean sampling term (n − m)/(2m)). Releasing a second count would
+spend budget on a number already published. Only the loss term remains from logging, so
+
+    σ_eff⁻² = σ_Δ⁻² + (2σ_b)⁻² + (r·σ_Δ)⁻²        (r = `logging_noise_ratio`, the loss term only with r given).
+
+Units and defaults: σ_b is in count units (absolute), not a multiplier; the paper's default is σ_b = m/20
+([`default_count_noise`]): the noise on b̃ then has std 0.05, and for any practical DP-SGD batch 2σ_b = m/10 ≫ σ_eff,
+so the count costs little (m = 64, σ_eff = 0.8: σ_Δ = 0.806, +0.8 % gradient noise). The paper's other defaults:
+γ = 0.5, η_C = 0.2, C_0 = 0.1 (Section 5); with the geometric update C_0 a factor 100 off costs only tens to a few
+hundred steps (rate ≤ η_C·max(γ, 1 − γ) in log C per step).
+
+```python
+from hf_dp.clipping.adaptive import AdaptiveClipping, centered_unclipped_count
+
+config = AdaptiveClipping(target_quantile=0.5)               # σ_b = m/20 by default
+sigma = config.gradient_noise_multiplier(sigma_eff, expected_batch_size=m, logging_noise_ratio=10.0)
+tracker = config.tracker(expected_batch_size=m)
+# per step: clip at tracker.norm, noise the gradient sum with sigma * tracker.norm, and
+count = centered_unclipped_count(norms, tracker.norm)        # on device, summed over micro-batches and ranks
+released = float(count) + noise_with_std(tracker.count_noise)  # noised once, after the all-reduce
+logged_clipped_fraction = tracker.clipped_fraction(released, m)
+tracker.update(released, m)                                  # C for the next step
+```
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "COUNT_SENSITIVITY",
+    "DEFAULT_COUNT_NOISE_FRACTION",
+    "AdaptiveClipping",
+    "QuantileTracker",
+    "centered_unclipped_count",
+    "default_count_noise",
+    "effective_noise_multiplier",
+    "gradient_noise_multiplier",
+]
+
+COUNT_SENSITIVITY = 0.5  # one unit moves Σ (1[‖g‖ ≤ C] − 1/2) by exactly 1/2
+DEFAULT_COUNT_NOISE_FRACTION = 1.0 / 20.0  # the paper's σ_b = m/20
+
+
+def _positive_finite(name: str, value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}.") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+    return value
+
+
+def default_count_noise(expected_batch_size: float) -> float:
+    """The paper's count noise σ_b = m/20 (Andrew et al. 2021, Section 5), m the expected units per step.
+
+    Why m/20: b̃ = R/m + 1/2 then carries noise of std 0.05, small next to the sampling noise of a fraction
+    (≈ 0.5/√m), while the count's noise multiplier 2σ_b = m/10 is far above any practical σ_eff, so the count
+    takes a negligible share of the budget.
+
+    Raises:
+        ValueError: `expected_batch_size` is not a positive finite number.
+    """
+    m = _positive_finite("expected_batch_size", expected_batch_size)
+    return DEFAULT_COUNT_NOISE_FRACTION * m
+
+
+def _resolve_count_noise(count_noise, expected_batch_size) -> float:
+    if count_noise is None:
+        if expected_batch_size is None:
+            raise ValueError("count_noise=None means the default σ_b = m/20: pass expected_batch_size (m).")
+        return default_count_noise(expected_batch_size)
+    if expected_batch_size is not None:
+        _positive_finite("expected_batch_size", expected_batch_size)
+    return _positive_finite("count_noise", count_noise)
+
+
+def _logging_ratio(logging_noise_ratio) -> float | None:
+    if logging_noise_ratio is None:
+        return None
+    return _positive_finite("logging_noise_ratio", logging_noise_ratio)
+
+
+def gradient_noise_multiplier(effective_noise_multiplier: float, count_noise: float | None = None,
+                              expected_batch_size: float | None = None,
+                              logging_noise_ratio: float | None = None) -> float:
+    """σ_Δ, the gradient noise multiplier that leaves the whole step at the accounted σ_eff.
+
+    Solves σ_eff⁻² = σ_Δ⁻² + (2σ_b)⁻² [+ (r·σ_Δ)⁻²] (Andrew et al. 2021, Section 3, Theorem 1, plus the
+    loss-logging release when `logging_noise_ratio` r is given): σ_Δ = √(1 + r⁻²) / √(σ_eff⁻² − (2σ_b)⁻²).
+    The clipped-count logging release is not in the sum: the adaptive count replaces it (see the module
+    docstring), so with r given this differs from the fixed-norm trainer's σ = σ_eff·√(1 + 2r⁻²).
+
+    Args:
+        effective_noise_multiplier (`float`): σ_eff > 0, what the accountant composes (calibrated to the target ε).
+        count_noise (`float`, *optional*): σ_b > 0, std of the noise on the centred count, in count units;
+            `None` for the paper's default m/20 (needs `expected_batch_size`).
+        expected_batch_size (`float`, *optional*): m = q × number of units; only needed when `count_noise` is None.
+        logging_noise_ratio (`float`, *optional*): r > 0 when the clipped losses are released with noise
+            multiplier r·σ_Δ (private logging); `None` when nothing else is released.
+
+    Returns:
+        `float`: σ_Δ ≥ σ_eff.
+
+    Raises:
+        ValueError: an argument is not positive and finite, or σ_b ≤ σ_eff/2. Then the count alone, whose noise
+            multiplier is 2σ_b, already spends at least the whole budget, and no σ_Δ exists; the message says
+            what to change (more count noise, a larger expected batch size for the m/20 default, or a larger σ_eff,
+            i.e. a larger target ε).
+    """
+    sigma_eff = _positive_finite("effective_noise_multiplier", effective_noise_multiplier)
+    sigma_b = _resolve_count_noise(count_noise, expected_batch_size)
+    ratio = _logging_ratio(logging_noise_ratio)
+    count_multiplier = sigma_b / COUNT_SENSITIVITY
+    remaining = sigma_eff ** -2 - count_multiplier ** -2  # the precision left for the gradient (and loss)
+    if not remaining > 0.0 or not math.isfinite(1.0 / remaining):
+        default = ("" if count_noise is not None
+                   else f" (the default m/20 with expected_batch_size={expected_batch_size:g})")
+        raise ValueError(
+            f"count_noise σ_b={sigma_b:g}{default} gives the clipped-count release a noise multiplier "
+            f"2σ_b={count_multiplier:g}, not above the effective noise multiplier σ_eff={sigma_eff:g} that the whole "
+            f"step may spend: the count alone would exceed the budget and no gradient noise multiplier exists. "
+            f"Raise count_noise above {sigma_eff / 2:g} (a few times that keeps the gradient noise close to σ_eff), "
+            f"raise the expected batch size, or raise the target ε (a smaller σ_eff)."
+        )
+    gradient_precision = remaining / (1.0 + ratio ** -2) if ratio is not None else remaining
+    return 1.0 / math.sqrt(gradient_precision)
+
+
+def effective_noise_multiplier(noise_multiplier: float, count_noise: float | None = None,
+                               expected_batch_size: float | None = None,
+                               logging_noise_ratio: float | None = None) -> float:
+    """σ_eff = (σ_Δ⁻² + (2σ_b)⁻² [+ (r·σ_Δ)⁻²])^(-1/2): the one Gaussian mechanism a step amounts to.
+
+    The inverse of [`gradient_noise_multiplier`] (Andrew et al. 2021, Section 3, Theorem 1): use it to account a
+    run given its gradient noise multiplier σ_Δ (`noise_multiplier`), e.g. when the user fixes σ instead of ε.
+    Same arguments as there, with σ_Δ in place of σ_eff.
+
+    Raises:
+        ValueError: an argument is not positive and finite (or `count_noise` and `expected_batch_size` are both None).
+    """
+    sigma = _positive_finite("noise_multiplier", noise_multiplier)
+    sigma_b = _resolve_count_noise(count_noise, expected_batch_size)
+    ratio = _logging_ratio(logging_noise_ratio)
+    precision = sigma ** -2 + (sigma_b / COUNT_SENSITIVITY) ** -2
+    if ratio is not None:
+        precision += (ratio * sigma) ** -2
+    return 1.0 / math.sqrt(precision)
+
+
+def centered_unclipped_count(norms: torch.Tensor, max_grad_norm) -> torch.Tensor:
+    """Σ_i (1[norms_i ≤ C] − 1/2): the centred count of units left unclipped at C, before noise.
+
+    A unit with norm exactly C is unclipped (its clip factor min(1, C/‖g‖) is 1). Centring makes the sensitivity
+    1/2 instead of 1 (Andrew et al. 2021, Section 3), which halves the noise the count needs. Partial counts over
+    micro-batches and ranks add up to the count over the whole logical batch, so sum them (all-reduce) and noise
+    the total once. Stays on the tensor's device with no host sync: the comparison and sum are device ops and the
+    number of units comes from the shape.
+
+    Args:
+        norms (`torch.Tensor`): 1-D per-unit gradient norms (only the units in the sample; no padding units).
+        max_grad_norm (`float` or 0-dim `torch.Tensor`): the clipping norm C used this step.
+
+    Returns:
+        `torch.Tensor`: 0-dim float32 on `norms.device` (exact: half-integers up to 2²³ units).
+
+    Raises:
+        ValueError: `norms` is not 1-D.
+    """
+    if norms.dim() != 1:
+        raise ValueError(f"norms must be 1-D (one norm per unit), got shape {tuple(norms.shape)}.")
+    if isinstance(max_grad_norm, torch.Tensor):
+        max_grad_norm = max_grad_norm.to(device=norms.device, dtype=norms.dtype)
+    unclipped = (norms <= max_grad_norm).sum(dtype=torch.float32)
+    return unclipped - COUNT_SENSITIVITY * norms.shape[0]
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """Configuration of private quantile-tracking clipping (Andrew et al. 2021); immutable.
+
+    Args:
+        target_quantile (`float`, defaults to 0.5): γ ∈ (0, 1), the quantile of the per-unit norms to clip at.
+            The paper's experiments clip at the median.
+        learning_rate (`float`, defaults to 0.2): η_C > 0 of the geometric update C ← C·exp(−η_C(b̃ − γ)); the paper's
+            value. log C moves by at most η_C·max(γ, 1 − γ) per step.
+        initial_norm (`float`, defaults to 0.1): C_0 > 0, the paper's initial clip; the geometric update recovers
+            from a C_0 that is orders of magnitude off in tens to hundreds of steps.
+        count_noise (`float`, *optional*): σ_b > 0, the std of the noise on the centred count in count units;
+            `None` for the paper's m/20 once the expected batch size m is known.
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    initial_norm: float = 0.1
+    count_noise: float | None = None
+
+    def __post_init__(self):
+        quantile = self.target_quantile
+        if not (isinstance(quantile, (int, float)) and 0.0 < quantile < 1.0):
+            raise ValueError(f"target_quantile must lie strictly between 0 and 1, got {quantile!r} "
+                             "(0.5 clips at the median norm).")
+        object.__setattr__(self, "target_quantile", float(quantile))
+        object.__setattr__(self, "learning_rate", _positive_finite("learning_rate", self.learning_rate))
+        object.__setattr__(self, "initial_norm", _positive_finite("initial_norm", self.initial_norm))
+        if self.count_noise is not None:
+            object.__setattr__(self, "count_noise", _positive_finite("count_noise", self.count_noise))
+
+    def count_noise_for(self, expected_batch_size: float) -> float:
+        """σ_b for expected batch size m: `count_noise`, or m/20 when it is None."""
+        return _resolve_count_noise(self.count_noise, expected_batch_size)
+
+    def gradient_noise_multiplier(self, effective_noise_multiplier: float, expected_batch_size: float,
+                                  logging_noise_ratio: float | None = None) -> float:
+        """[`gradient_noise_multiplier`] with this config's σ_b."""
+        return gradient_noise_multiplier(effective_noise_multiplier, self.count_noise_for(expected_batch_size),
+                                         expected_batch_size, logging_noise_ratio)
+
+    def effective_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float,
+                                   logging_noise_ratio: float | None = None) -> float:
+        """[`effective_noise_multiplier`] with this config's σ_b."""
+        return effective_noise_multiplier(noise_multiplier, self.count_noise_for(expected_batch_size),
+                                          expected_batch_size, logging_noise_ratio)
+
+    def tracker(self, expected_batch_size: float) -> QuantileTracker:
+        """A fresh [`QuantileTracker`] at C_0 with σ_b resolved for expected batch size m."""
+        return QuantileTracker(target_quantile=self.target_quantile, learning_rate=self.learning_rate,
+                               count_noise=self.count_noise_for(expected_batch_size), norm=self.initial_norm)
+
+
+@dataclass
+class QuantileTracker:
+    """The running clipping norm C of private quantile tracking: the state a checkpoint must carry.
+
+    `norm` is the C to clip at in the next step; `update` applies one step's released count. `to_dict` /
+    `from_dict` round-trip it through JSON (resume must continue from the same C, or the run differs from an
+    uninterrupted one; ε does not depend on C). `count_noise` σ_b is part of the state because the ledger's σ_eff
+    was derived with it: a resumed run must noise the count the same way.
+    """
+
+    target_quantile: float
+    learning_rate: float
+    count_noise: float
+    norm: float
+    steps: int = field(default=0)
+
+    def __post_init__(self):
+        config = AdaptiveClipping(self.target_quantile, self.learning_rate, 1.0, self.count_noise)  # validates
+        self.target_quantile = config.target_quantile
+        self.learning_rate = config.learning_rate
+        self.count_noise = _positive_finite("count_noise", self.count_noise)
+        self.norm = _positive_finite("norm", self.norm)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}.")
+
+    @staticmethod
+    def unclipped_fraction(noised_centered_count: float, expected_batch_size: float) -> float:
+        """b̃ = R/m + 1/2: the released estimate of the fraction of units with norm ≤ C, unclamped.
+
+        Divided by the expected batch size m, not the sampled size (which is private and not released); for
+        Poisson sampling E[b̃] = E[#unclipped]/m exactly.
+        """
+        released = float(noised_centered_count)
+        if not math.isfinite(released):
+            raise ValueError(f"noised_centered_count must be finite, got {released!r}.")
+        return released / _positive_finite("expected_batch_size", expected_batch_size) + 0.5
+
+    @classmethod
+    def clipped_fraction(cls, noised_centered_count: float, expected_batch_size: float) -> float:
+        """1 − b̃ = 1/2 − R/m: the logged `dp/clipped_fraction` (replaces the fixed-norm clipped-count release).
+
+        Unclamped, so that its average over a logging window stays unbiased for E[#clipped]/m.
+        """
+        return 1.0 - cls.unclipped_fraction(noised_centered_count, expected_batch_size)
+
+    def update(self, noised_centered_count: float, expected_batch_size: float) -> float:
+        """One geometric step C ← C·exp(−η_C·(b̃ − γ)) (Andrew et al. 2021, Section 2); returns the new C.
+
+        `noised_centered_count` is R = [`centered_unclipped_count`] at the current C, summed over the whole logical
+        batch, plus N(0, σ_b²) drawn once. b̃ = R/m + 1/2 is clamped to [0, 1] before the step (post-processing,
+        as in the paper's TensorFlow Privacy implementation): noise cannot push it outside the range a fraction
+        can take, so C moves by at most a factor exp(η_C·max(γ, 1 − γ)) per step.
+
+        Raises:
+            ValueError: the count is not finite or `expected_batch_size` is not positive and finite.
+        """
+        fraction = min(1.0, max(0.0, self.unclipped_fraction(noised_centered_count, expected_batch_size)))
+        norm = self.norm * math.exp(-self.learning_rate * (fraction - self.target_quantile))
+        if not (math.isfinite(norm) and norm > 0.0):  # only after ~10⁴ steps all one way: say so, do not clip at 0/inf
+            raise ValueError(f"the tracked clipping norm left the floating-point range ({norm!r}) after "
+                             f"{self.steps} steps: the per-unit norms are 0 or infinite.")
+        self.norm = norm
+        self.steps += 1
+        return norm
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable state for checkpoints."""
+        return {"target_quantile": self.target_quantile, "learning_rate": self.learning_rate,
+                "count_noise": self.count_noise, "norm": self.norm, "steps": self.steps}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> QuantileTracker:
+        """The tracker saved by [`to_dict`]; raises ValueError on missing or unknown keys or invalid values."""
+        expected = {"target_quantile", "learning_rate", "count_noise", "norm", "steps"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a QuantileTracker state: expected keys {sorted(expected)}, got {got}.")
+        return cls(**state)
