@@ -8,13 +8,19 @@ that `vmap` cannot trace (BERT's mask creation branches on values) take the same
 on a batch of one, one example at a time. All three are independent of the engine's hooks.
 
 Every comparison is in float64, to a relative error of `REL_TOL`.
+
+This is the only reference implementation of per-unit clipping in the tests: the files of
+`tests/clipping/` (one per module of `hf_dp/clipping/`: `test_engine.py`, `test_registry.py`,
+`test_terms.py`, `test_linear.py`, `test_embedding.py`, `test_norm.py`,
+`test_position_bias.py`, `test_packing.py`, `test_checkpointing.py`, plus the model tables
+`test_architectures.py` and `test_clipping_families.py`) all check the engine against it.
 """
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-from tiny_models import trainable_parameters
+from tiny_models import per_example_loss, trainable_parameters
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -71,10 +77,36 @@ def oracle_unit_grads(
     }
 
 
+def hf_loss(head: str) -> Callable[[object, torch.Tensor], torch.Tensor]:
+    """Per-example losses `(B,)` from a transformers output's logits (`tiny_models.per_example_loss`)."""
+    return lambda output, labels: per_example_loss(output.logits, labels, head)
+
+
+def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-example losses `(B,)` of the small hand-built models: squared error summed over all but the
+    batch axis (`(T, d)` for token outputs)."""
+    return ((output - target) ** 2).sum(dim=tuple(range(1, output.dim())))
+
+
 def clip_by_oracle(unit_grads: Dict[str, torch.Tensor], max_grad_norm: float) -> Tuple[torch.Tensor, Dict]:
     norms = torch.sqrt(sum(g.pow(2).flatten(1).sum(1) for g in unit_grads.values()))
     weights = (max_grad_norm / norms).clamp(max=1.0)
     return norms, {name: torch.tensordot(weights, g, dims=1) for name, g in unit_grads.items()}
+
+
+def oracle_clip(model, inputs, labels, loss_fn, unit_ids, max_grad_norm: float) -> Tuple[torch.Tensor, Dict]:
+    """The oracle's pre-clip per-unit norms `(U,)` and clipped sums {name: tensor} at `max_grad_norm`."""
+    return clip_by_oracle(oracle_unit_grads(model, inputs, labels, loss_fn, unit_ids), max_grad_norm)
+
+
+def oracle_clip_micro_batches(model, micro_batches, loss_fn, max_grad_norm: float) -> Dict[str, torch.Tensor]:
+    """The clipped sums accumulated over micro-batches `[(inputs, labels, unit_ids), ...]`, each
+    micro-batch's units clipped on their own (what repeated `GhostClipper.backward` calls add to `.grad`)."""
+    expected: Dict[str, torch.Tensor] = {}
+    for inputs, labels, unit_ids in micro_batches:
+        for name, clipped in oracle_clip(model, inputs, labels, loss_fn, unit_ids, max_grad_norm)[1].items():
+            expected[name] = expected.get(name, 0) + clipped
+    return expected
 
 
 def clip_by_engine(model, inputs, labels, loss_fn, unit_ids, max_grad_norm, strategy="auto", clipper=None):

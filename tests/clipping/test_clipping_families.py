@@ -9,7 +9,8 @@ conditional generators (BART and T5 families, with padded decoder inputs as long
 batch is large, so that T5's shared `(T, T)` relative-bias lookup could be mistaken for
 batch rows).
 
-What each family exercises beyond GPT-2 / Llama / BERT / Qwen2 (`test_clipping.py`):
+What each family exercises beyond GPT-2 / Llama / BERT / Qwen2 (`test_architectures.py`; each rule on its
+own: `test_linear.py`, `test_embedding.py`, `test_norm.py`, `test_position_bias.py`):
 rows flattened to `(B·T, d)` (OPT's feed-forward block), embeddings that scale their
 output or compute their own position ids (Gemma, BART, mBART, OPT), T5's relative
 attention bias, `*LayerNorm`-named RMS norms (T5), fused and parallel attention
@@ -27,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from clipping_oracle import UNIT_IDS, assert_rel_close, check_against_oracle, clip_by_oracle, oracle_unit_grads
+from clipping_oracle import UNIT_IDS, assert_rel_close, check_against_oracle, oracle_clip
 from tiny_models import PAD, VOCAB, per_example_loss, tiny_batch
 
 from hf_dp.clipping import GhostClipper, UnsupportedLayerError
@@ -204,8 +205,7 @@ def test_family_with_gradient_checkpointing_matches_oracle(name, lora):
     model = family_model(name, lora)
     head = FAMILIES[name].head
     inputs, labels = family_batch(head, seed=1)
-    unit_grads = oracle_unit_grads(model, inputs, labels, family_loss(head), UNIT_IDS)
-    norms_oracle, clipped_oracle = clip_by_oracle(unit_grads, 0.5)
+    norms_oracle, clipped_oracle = oracle_clip(model, inputs, labels, family_loss(head), UNIT_IDS, 0.5)
     model.activation_checkpointing_enable()
     with GhostClipper(model) as clipper:
         norms = clipper.backward(family_loss(head)(model(**inputs), labels), unit_ids=UNIT_IDS, max_grad_norm=0.5)

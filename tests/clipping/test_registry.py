@@ -1,0 +1,134 @@
+"""`hf_dp/clipping/registry.py`: rule lookup by layer type (MRO) and class name, custom rules
+registered with `register_rule` (checked against the shared oracle, `clipping_oracle.py`), and
+trainable layers no rule covers, refused before any step with `UnsupportedLayerError`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from clipping_oracle import UNIT_IDS, check_against_oracle, squared_error
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
+from transformers.pytorch_utils import Conv1D
+
+from hf_dp.clipping import (
+    EXAMPLE,
+    ExampleGrad,
+    GhostClipper,
+    UnsupportedLayerError,
+    find_rule,
+    register_rule,
+    registered_rules,
+)
+
+# ---------------------------------------------------------------------------------------
+# Lookup
+
+
+class _LinearSubclass(nn.Linear):
+    """Inherits `nn.Linear`'s rule through the MRO (as peft's LoRA `lora_A`/`lora_B` do)."""
+
+
+@pytest.mark.parametrize(
+    "layer,name",
+    [
+        (nn.Linear(3, 2), "linear"),
+        (_LinearSubclass(3, 2), "linear"),
+        (Conv1D(2, 3), "conv1d"),
+        (nn.Embedding(5, 3), "embedding"),
+        (nn.LayerNorm(4), "layer_norm"),
+        (nn.RMSNorm(4), "rms_norm"),
+        (LlamaRMSNorm(4), "rms_norm"),  # matched by class name
+        (T5LayerNorm(4), "rms_norm"),  # an RMSNorm named *LayerNorm, not an nn.LayerNorm
+        (nn.Conv2d(1, 1, 1), None),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, nn.Module) else str(value),
+)
+def test_find_rule_by_type_mro_and_class_name(layer, name):
+    rule = find_rule(layer)
+    assert (rule.name if rule is not None else None) == name
+    if name is not None:
+        assert registered_rules()[name] is rule
+
+
+# ---------------------------------------------------------------------------------------
+# A registered custom rule, alone and sharing a parameter with a built-in rule
+
+
+class _Scale(nn.Module):
+    """A custom elementwise layer for the registry tests: y = x * weight."""
+
+    def __init__(self, *shape):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(*shape))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+@register_rule(_Scale, name="test_scale", params={"weight": EXAMPLE})
+def _scale_rule(layer, activations, output_grads):
+    batch_size = output_grads.shape[0]
+    per_token = (output_grads * activations).reshape((batch_size, -1) + layer.weight.shape)
+    return {"weight": ExampleGrad(per_token.sum(1))}
+
+
+def test_registered_custom_rule_is_used_and_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _Scale(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    inputs = {"input": torch.randn(6, 5, 3, dtype=torch.float64)}
+    labels = torch.randn(6, 5, 2, dtype=torch.float64)
+    check_against_oracle(model, inputs, labels, squared_error, UNIT_IDS)
+    assert GhostClipper(model).layers == {"0": "linear", "1": "test_scale", "3": "linear"}
+
+
+def test_parameter_shared_by_same_kind_rules_is_exact():
+    """A Linear bias reused as a custom elementwise weight: both per-example terms, summed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _Scale(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[1].weight = model[0].bias
+    inputs = {"input": torch.randn(6, 5, 3, dtype=torch.float64)}
+    labels = torch.randn(6, 5, 2, dtype=torch.float64)
+    check_against_oracle(model, inputs, labels, squared_error, UNIT_IDS)
+
+
+def test_parameter_shared_by_incompatible_rules_raises():
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), _Scale(4))
+    model[1].weight = model[0].weight  # a linear weight also used elementwise: no joint rule
+    with pytest.raises(UnsupportedLayerError, match=r"shared by 0\.weight, 1\.weight.*freeze"):
+        GhostClipper(model)
+
+
+# ---------------------------------------------------------------------------------------
+# Coverage: trainable layers without a rule, before any step
+
+
+class _RawParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def test_unknown_trainable_layers_raise_naming_each():
+    model = nn.Sequential(nn.Linear(4, 4), _RawParameter(), nn.Conv2d(1, 1, 1))
+    with pytest.raises(UnsupportedLayerError) as raised:
+        GhostClipper(model)
+    message = str(raised.value)
+    assert "1 (" in message and "_RawParameter" in message and "gain" in message
+    assert "2 (" in message and "Conv2d" in message
+    # Nothing was attached: a plain forward and backward still work.
+    model[0](torch.randn(2, 4)).sum().backward()
+
+
+def test_frozen_unknown_layers_are_fine_and_get_nothing():
+    model = nn.Sequential(nn.Linear(4, 4), _RawParameter())
+    model[1].requires_grad_(False)
+    with GhostClipper(model) as clipper:
+        losses = model(torch.randn(3, 4)).sum(dim=1)
+        clipper.backward(losses, max_grad_norm=1.0)
+    assert model[1].gain.grad is None
+    assert model[0].weight.grad is not None
