@@ -1,7 +1,7 @@
-"""Launcher for the hf_dp Gradio app: `python app/app.py --results-dir results` (same as `hf-dp app`).
+"""Launcher for the hf_dp Gradio app: `python app/app.py --results_dir results` (same as `hf-dp app`).
 
 The implementation lives in the package ([`hf_dp.workflows.app`]) so that the installed `hf-dp app` works without this
-folder; see its docstring for what the four tabs show.
+folder; see its docstring for what the four tabs show and which module does what.
 """
 
 import sys

@@ -1,8 +1,8 @@
 """A fabricated results folder for the app and publishing tests (tiny config-built models, built offline).
 
-`make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (schema of `hf_dp.workflows.tasks.classification`), saved
-models with tokenizers and privacy cards under `models/<run>/`, and `summary.json`; plus a causal-LM run. The
-numbers are invented; nothing here trains.
+`make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (keys of `hf_dp.workflows.runs.RESULT_KEYS`,
+mechanisms named by `hf_dp.vocabulary.MECHANISMS`), saved models with tokenizers and privacy cards under
+`models/<run>/`, and `summary.json`; plus a causal-LM run. The numbers are invented; nothing here trains.
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from hf_dp.workflows.tasks.classification import EmbeddingClassifier
 from hf_dp.card import write_privacy_card
+from hf_dp.vocabulary import MECHANISMS
+from hf_dp.workflows.tasks.classification import EmbeddingClassifier
 
 LABELS = ["comedy", "history", "tragedy"]
 WORDS = (
@@ -53,7 +54,8 @@ def tiny_classifier(seed: int, vocab_size: int) -> BertForSequenceClassification
 
 
 def tiny_embedding_classifier(seed: int, vocab_size: int) -> EmbeddingClassifier:
-    """The similarity-head classifier `hf_dp.workflows.tasks.classification` fine-tunes by default (encoder + prototypes)."""
+    """The similarity-head classifier `hf_dp.workflows.tasks.classification` fine-tunes by default (encoder +
+    prototypes)."""
     from transformers import BertModel
 
     encoder = BertModel(tiny_classifier(seed, vocab_size).config, add_pooling_layer=False)
@@ -67,37 +69,43 @@ def tiny_lm(seed: int, vocab_size: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def privacy_report(method: str, epsilon: float, target: float) -> dict:
-    unit = "example" if method == "example" else "user"
+def privacy_report(mechanism: str, epsilon: float, target: float) -> dict:
+    """What `DPTrainer.privacy_report()` returns for a run of `mechanism` (a DP key of `MECHANISMS`): `mechanism` is
+    the key, `mechanism_description` its sentence, `sampling` the argument (None at the example level)."""
+    entry = MECHANISMS[mechanism]
     return {
         "epsilon": epsilon, "epsilon_lower": epsilon * 0.98, "epsilon_estimate": epsilon * 0.99, "delta": 1e-5,
-        "target_epsilon": target, "privacy_unit": unit, "sampling": method, "noise_multiplier": 1.1,
+        "target_epsilon": target, "privacy_unit": entry.privacy_unit, "sampling": entry.sampling,
+        "mechanism": mechanism, "mechanism_description": entry.description, "noise_multiplier": 1.1,
         "sample_rate": 0.08, "expected_batch_size": 96, "steps": 40, "max_grad_norm": 1.0,
-        "contribution_bound": 2 if method != "example" else None, "num_users": 1101, "num_examples": 2000,
-        "accountant": "prv-accountant (test)", "mechanism": f"{method} (test)",
-        "epsilon_group_privacy": 40.0 if method == "els" else None, "noise_seed": "os-entropy",
+        "contribution_bound": 2 if mechanism != "example" else None, "num_users": 1101, "num_examples": 2000,
+        "accountant": "prv-accountant (test)",
+        "epsilon_group_privacy": 40.0 if mechanism == "els" else None, "noise_seed": "os-entropy",
     }
 
 
 def privacy_ledger(report: dict) -> dict:
-    """The ledger `DPTrainer.privacy_ledger()` would write for `report` (its q, σ, steps, G): what publishing checks."""
+    """The ledger `DPTrainer.privacy_ledger()` would write for `report` (its q, σ, steps, G): what publishing
+    checks."""
     from hf_dp.accounting import PrivacyAccountant
 
     accountant = PrivacyAccountant()
     accountant.step(sample_rate=report["sample_rate"], noise_multiplier=report["noise_multiplier"],
-                    group_size=report["contribution_bound"] if report["sampling"] == "els" else 1,
+                    group_size=report["contribution_bound"] if report["mechanism"] == "els" else 1,
                     steps=report["steps"])
     return {"format": 1, "delta": report["delta"], "privacy_unit": report["privacy_unit"],
-            "sampling": report["sampling"], "accountant": accountant.state_dict()}
+            "sampling": report["sampling"], "mechanism": report["mechanism"], "accountant": accountant.state_dict()}
 
 
-def _result(run: str, method: str, *, metric: float, epsilon, target, model_dir, base_path: str,
+def _result(run: str, mechanism: str, *, eval_result: float, epsilon, target, model_dir, base_path: str,
             task: str = "classification", metric_name: str = "accuracy", privacy=None, delta=None,
-            baseline_metric: float = 0.40) -> dict:
+            baseline_result: float = 0.40, **extra) -> dict:
+    """A result JSON as `hf_dp.workflows.runs.save_result` writes it (keys `RESULT_KEYS` there)."""
     return {
-        "run": run, "method": method, "target_epsilon": target, "epsilon": epsilon, "delta": delta,
-        "privacy": privacy, "metric_name": metric_name, "metric": metric, "baseline_metric": baseline_metric,
-        "model_dir": model_dir, "base_model": base_path, "task": task, "train_seconds": 1.0, "eval_seconds": 0.1,
+        "run": run, "mechanism": mechanism, "target_epsilon": target, "epsilon": epsilon, "delta": delta,
+        "privacy": privacy, "metric_name": metric_name, "eval_result": eval_result,
+        "baseline_result": baseline_result, "model_dir": model_dir, "base_model": base_path, "task": task,
+        "train_seconds": 1.0, "eval_seconds": 0.1, **extra,
         "label_names": LABELS if task == "classification" else None, "num_eval_examples": 10,
         "config": {"model_name_or_path": base_path, "max_length": 32,
                    "label_descriptions": {n: [f"a {n} play"] for n in LABELS}},
@@ -114,23 +122,23 @@ def make_results_dir(root: str | Path) -> Path:
     tiny_classifier(0, vocab_size).save_pretrained(base)
     tokenizer.save_pretrained(base)
 
-    runs = [_result("baseline", "public-only", metric=0.40, epsilon=0.0, target=None, model_dir=None,
+    runs = [_result("baseline", "public-only", eval_result=0.40, epsilon=0.0, target=None, model_dir=None,
                     base_path=str(base), delta=0.0)]
     specs = [("non-private", "non-private", 0.80, None, None), ("uls-eps1", "uls", 0.50, 0.98, 1.0),
              ("uls-eps8", "uls", 0.70, 7.9, 8.0), ("els-eps8", "els", 0.66, 7.95, 8.0)]
-    for seed, (run, method, metric, epsilon, target) in enumerate(specs, start=1):
+    for seed, (run, mechanism, metric, epsilon, target) in enumerate(specs, start=1):
         model_dir = results / "models" / run
         # uls-eps8 has the default similarity head; the others a linear head (AutoModelForSequenceClassification)
         build = tiny_embedding_classifier if run == "uls-eps8" else tiny_classifier
         build(seed, vocab_size).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        report = privacy_report(method, epsilon, target) if method != "non-private" else {"non_private": True}
+        private = MECHANISMS[mechanism].is_private
+        report = privacy_report(mechanism, epsilon, target) if private else {"non_private": True}
         write_privacy_card(report, model_dir, base_model="test/tiny-encoder", eval_result=metric,
                            baseline_result=0.40, dataset_name="test-plays")
-        runs.append(_result(run, method, metric=metric, epsilon=epsilon, target=target,
-                            model_dir=f"models/{run}", base_path=str(base),
-                            privacy=report if method != "non-private" else None,
-                            delta=1e-5 if method != "non-private" else None))
+        runs.append(_result(run, mechanism, eval_result=metric, epsilon=epsilon, target=target,
+                            model_dir=f"models/{run}", base_path=str(base), privacy=report if private else None,
+                            delta=1e-5 if private else None))
 
     lm_base = root / "base-lm"
     tiny_lm(10, vocab_size).save_pretrained(lm_base)
@@ -141,9 +149,10 @@ def make_results_dir(root: str | Path) -> Path:
     lm_report = privacy_report("uls", 7.9, 8.0)
     write_privacy_card(lm_report, lm_dir, base_model="test/tiny-lm", task="text-generation",
                        metric_name="perplexity", eval_result=30.0, baseline_result=35.0)
-    runs.append(_result("lm-uls-eps8", "uls", metric=30.0, epsilon=7.9, target=8.0, model_dir="models/lm-uls-eps8",
-                        base_path=str(lm_base), task="causal-lm", metric_name="perplexity", privacy=lm_report,
-                        delta=1e-5, baseline_metric=35.0))
+    runs.append(_result("lm-uls-eps8", "uls", eval_result=30.0, epsilon=7.9, target=8.0,
+                        model_dir="models/lm-uls-eps8", base_path=str(lm_base), task="causal-lm",
+                        metric_name="perplexity", privacy=lm_report, delta=1e-5, baseline_result=35.0,
+                        non_private_result=28.0))
 
     results.mkdir(parents=True, exist_ok=True)
     for result in runs:

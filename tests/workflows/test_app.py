@@ -1,4 +1,6 @@
-"""hf_dp.workflows.app: the page builds; the budget, compare, results and train wiring works on a fabricated results folder.
+"""hf_dp.workflows.app: the page builds; the budget, compare, results and train wiring works on a fabricated results
+folder, in the vocabulary of `hf_dp.vocabulary` (mechanism keys, `eval_result`/`baseline_result`, `expected_batch_size`
+with its unit, the planner's `examples_per_step`).
 
 The browser-level checks are in test_app_browser.py; here the functions behind each tab are called directly.
 """
@@ -7,13 +9,17 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
 from app_fixtures import LABELS, make_results_dir, make_tokenizer, tiny_classifier
+from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows import app
+from hf_dp.workflows.app import budget as budget_tab
+from hf_dp.workflows.app import training
 
-SMALL = dict(num_users=200, examples_per_user=2, units_per_step=40, steps=20)  # fast planner calls
+SMALL = dict(users=200, examples_per_user=2, examples_per_step=40, steps=20)  # fast planner calls: 400 examples
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +33,16 @@ def sigma_of(headline: str) -> float:
     return float(match.group(1))
 
 
-def budget(results, epsilon, delta=1e-4, unit="user", sampling="ULS", fixed=1.0, **overrides):
+def budget(results, epsilon, delta=1e-4, unit="user", sampling="uls", fixed=1.0, **overrides):
     settings = {**SMALL, **overrides}
-    return app.budget_view(results, epsilon, delta, unit, sampling, settings["num_users"],
-                           settings["examples_per_user"], settings["units_per_step"], settings["steps"], fixed)
+    return app.budget_view(results, epsilon, delta, unit, sampling, settings["users"],
+                           settings["examples_per_user"], settings["examples_per_step"], settings["steps"], fixed)
+
+
+def warning_line(headline: str) -> str:
+    lines = [line for line in headline.split("\n") if line.startswith("**⚠️")]
+    assert len(lines) == 1, headline
+    return lines[0]
 
 
 def test_build_app_constructs(results, tmp_path):
@@ -44,19 +56,51 @@ def test_budget_shows_the_planners_numbers(results):
     from hf_dp.accounting import planner
 
     headline, table = budget(results, 8.0)
-    rows = planner.plan(users=200, examples_per_user=2, units_per_step=40, steps=20, target_epsilon=8.0, delta=1e-4,
-                        noise_multiplier=1.0)
-    uls = next(r for r in rows if r["mode"] == "uls")
+    rows = planner.plan(users=200, examples_per_user=2, examples_per_step=40, steps=20, target_epsilon=8.0,
+                        target_delta=1e-4, noise_multiplier=1.0)
+    uls = next(r for r in rows if r["mechanism"] == "uls")
     assert sigma_of(headline) == pytest.approx(uls["noise_multiplier"], rel=1e-3)
     assert f"G = {uls['contribution_bound']}" in headline
-    assert "ULS" in table and "ELS" in table and "example-level" in table  # one row per mechanism
+    assert MECHANISMS["uls"].name in headline
+    # expected_batch_size in the unit the mechanism samples, the same words as the Train tab's box
+    assert f"expected_batch_size = {uls['expected_batch_size']:.4g} users per step" in headline
+    assert "users per step" in training.batch_size_label("uls")
+    for key in ("uls", "els", "example"):  # one row per mechanism, labelled from MECHANISMS
+        assert MECHANISMS[key].label in table
+    header = table.splitlines()[0]
+    assert "| mechanism |" in header and "expected_batch_size" in header
     # more privacy needs more noise; ELS is planned too
     assert sigma_of(budget(results, 1.0)[0]) > sigma_of(headline)
-    els_headline, _ = budget(results, 8.0, sampling="ELS")
-    els = next(r for r in rows if r["mode"] == "els")
+    els_headline, _ = budget(results, 8.0, sampling="els")
+    els = next(r for r in rows if r["mechanism"] == "els")
     assert sigma_of(els_headline) == pytest.approx(els["noise_multiplier"], rel=1e-3)
+    assert f"expected_batch_size = {els['expected_batch_size']:.4g} examples per step" in els_headline
+    assert "examples per step" in training.batch_size_label("els")
     example_headline, _ = budget(results, 8.0, unit="example")
     assert "not protected as a whole" in example_headline
+
+
+def test_example_level_delta_not_below_one_over_examples_says_lower_delta(results):
+    """δ in [1/examples, 1/users): the user-level rows are planned, the example-level one says to lower δ."""
+    headline, table = budget(results, 8.0, delta=3e-3, unit="example")  # 400 examples: 1/examples = 2.5e-3
+    line = warning_line(headline)
+    assert "target_delta" in line and "1/examples" in line and "lower target_delta" in line
+    assert "0.0025" in line and "got 0.003" in line and "Raise" not in line and "target_epsilon" not in line
+    assert table  # the other mechanisms' rows still show
+    assert "σ =" in budget(results, 8.0, delta=3e-3)[0]  # ULS is fine at this δ
+
+
+@pytest.mark.parametrize("row, expected, absent", [
+    (dict(mechanism="example", delta=3e-3, examples_used=400, sample_rate=0.1), "lower target_delta", "Raise"),
+    (dict(mechanism="uls", delta=1e-5, examples_used=400, sample_rate=1.5, expected_batch_size=300,
+          sampled_unit="users"), "lower examples_per_step", "Raise"),
+    (dict(mechanism="els", delta=1e-5, examples_used=400, sample_rate=0.1, note="too few steps"),
+     "Raise target_epsilon", "target_delta"),
+])
+def test_impossible_budget_says_what_to_change(row, expected, absent):
+    message = budget_tab.impossible_budget(row, 0.5)
+    assert message.startswith("Impossible budget") and expected in message and absent not in message
+    assert "\n" not in message
 
 
 def test_budget_reads_the_accuracy_cost_from_finished_runs(results, tmp_path):
@@ -71,20 +115,30 @@ def test_budget_reads_the_accuracy_cost_from_finished_runs(results, tmp_path):
 def test_expected_accuracy_cost_interpolates_in_log_epsilon(results):
     runs = app.list_runs(results)
     cost = app.expected_accuracy_cost(runs, math.sqrt(8.0), "uls")  # halfway between ε=1 and ε=8 in log ε
-    assert cost["metric"] == pytest.approx(0.60)
-    assert not cost["extrapolated"] and cost["method_used"] == "uls"
-    assert cost["cost"] == pytest.approx(0.20) and cost["baseline"] == pytest.approx(0.40)
+    assert cost["expected_result"] == pytest.approx(0.60)
+    assert not cost["extrapolated"] and cost["mechanism_used"] == "uls"
+    assert cost["cost"] == pytest.approx(0.20) and cost["baseline_result"] == pytest.approx(0.40)
+    assert cost["non_private_result"] == pytest.approx(0.80)
     low = app.expected_accuracy_cost(runs, 0.5, "uls")
-    assert low["extrapolated"] and low["metric"] == pytest.approx(0.50)
-    assert app.expected_accuracy_cost(runs, 8.0, "example")["method_used"] == "any DP method"
+    assert low["extrapolated"] and low["expected_result"] == pytest.approx(0.50)
+    assert app.expected_accuracy_cost(runs, 8.0, "example")["mechanism_used"] == "any DP mechanism"
     assert app.expected_accuracy_cost([], 8.0, "uls") is None
+
+
+def test_expected_cost_reads_baseline_and_non_private_results_from_the_dp_runs(results):
+    """Without a public-only or non-private run, the figures the DP run's JSON records are used."""
+    lm = [r for r in app.list_runs(results) if r.name == "lm-uls-eps8"]
+    cost = app.expected_accuracy_cost(lm, 8.0, "uls")
+    assert cost["metric_name"] == "perplexity" and cost["lower_is_better"]
+    assert cost["baseline_result"] == pytest.approx(35.0) and cost["non_private_result"] == pytest.approx(28.0)
+    assert cost["cost"] == pytest.approx(2.0)  # perplexity: expected − non-private
 
 
 @pytest.mark.parametrize("settings, expected", [
     (dict(delta=0.5), "delta"),
     (dict(epsilon=-1.0), "target_epsilon"),
     (dict(examples_per_user=2.5), "whole number"),
-    (dict(units_per_step=10_000), "units_per_step"),
+    (dict(examples_per_step=10_000), "examples_per_step"),
 ])
 def test_budget_errors_are_one_line_of_text(results, settings, expected):
     settings = dict(settings)
@@ -135,14 +189,39 @@ def test_results_tab_plot_and_card(results):
     runs = app.list_runs(results)
     assert {r.name for r in runs} >= {"baseline", "non-private", "uls-eps1", "uls-eps8", "els-eps8", "lm-uls-eps8"}
     figure = app.privacy_utility_figure(runs)
-    labels = [line.get_label() for line in figure.axes[0].get_lines()]
-    assert any("ULS" in label for label in labels) and any("baseline" in label for label in labels)
-    assert any("non-private" in label for label in labels)
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    for key in ("uls", "els"):  # labels, markers and colors from MECHANISMS
+        line = lines[MECHANISMS[key].label]
+        assert line.get_marker() == MECHANISMS[key].marker and line.get_color() == MECHANISMS[key].color
+    assert any(label.startswith(MECHANISMS["public-only"].label) for label in lines)
+    assert any(label.startswith(MECHANISMS["non-private"].label) for label in lines)
     card = app.privacy_card_markdown(results, "uls-eps8")
     assert not card.startswith("---") and "Privacy guarantee" in card and "7.90" in card
     assert "no privacy card" in app.privacy_card_markdown(results, "baseline")
     overview = app.results_overview_markdown(results)
     assert "uls-eps8" in overview and "∞" in overview
+    assert overview.splitlines()[0] == "| run | mechanism | ε | δ | eval_result | baseline_result |"
+    assert MECHANISMS["els"].label in overview and MECHANISMS["public-only"].label in overview
+
+
+def test_runs_are_named_by_the_vocabulary(results):
+    runs = {r.name: r for r in app.list_runs(results)}
+    assert runs["baseline"].is_baseline and runs["baseline"].mechanism == "public-only"
+    assert [r.mechanism for r in app.list_runs(results)][:2] == ["public-only", "non-private"]
+    assert MECHANISMS["els"].label in runs["els-eps8"].label()
+    # the baseline key is exactly "public-only": no aliases
+    alias = app.RunRecord({**runs["baseline"].result, "mechanism": "baseline"}, runs["baseline"].folder)
+    assert not alias.is_baseline
+
+
+def test_the_app_keeps_no_mechanism_table_of_its_own():
+    """Labels, names, markers and colors come from hf_dp.vocabulary; the old words are gone."""
+    folder = Path(app.__file__).parent
+    source = "\n".join(path.read_text() for path in sorted(folder.glob("*.py")))
+    for word in ("METHOD_NAMES", "DP_METHODS", "BASELINE_METHODS", "public-baseline", "baseline_metric",
+                 "units_per_step", "tab:blue", "user-level DP, ULS"):
+        assert word not in source, word
+    assert not re.search(r"def mechanism_of|\bmethods?\b", source)
 
 
 def test_training_job_reports_progress_and_epsilon():
@@ -158,17 +237,18 @@ def test_training_job_reports_progress_and_epsilon():
             for callback in callbacks:
                 callback.on_step_end(args, state, control)
                 callback.on_log(args, state, control, logs={"loss": 1.0 / step, "dp/epsilon": 0.5 * step})
-        return {"run": "fake", "epsilon": 2.0, "delta": 1e-5, "metric": 0.6, "baseline_metric": 0.4,
-                "metric_name": "accuracy"}
+        return {"run": "fake", "mechanism": "uls", "epsilon": 2.0, "delta": 1e-5, "eval_result": 0.6,
+                "baseline_result": 0.4, "metric_name": "accuracy"}
 
     job = app.TrainingJob(run_fn=fake_run)
-    job.start(app.TrainingSettings(method="uls", target_epsilon=8.0, max_steps=4), "unused")
+    job.start(app.TrainingSettings(mechanism="uls", target_epsilon=8.0, max_steps=4), "unused")
     job.thread.join(timeout=10)
     state = job.poll()
     assert state["status"] == "done" and state["step"] == 4 and state["epsilon"] == pytest.approx(2.0)
     html = app.progress_html(state)
     assert "step 4/4" in html and "ε spent 2 of 8" in html
-    assert "fake" in app._job_status_markdown(state)
+    status = training.job_status_markdown(state)
+    assert "fake" in status and "accuracy 0.600" in status and "baseline 0.400" in status
 
     def failing_run(settings, results_dir, callbacks):
         raise ValueError("target_epsilon=0.01 cannot be reached\nwith these settings")
@@ -176,8 +256,16 @@ def test_training_job_reports_progress_and_epsilon():
     job = app.TrainingJob(run_fn=failing_run)
     job.start(app.TrainingSettings(), "unused")
     job.thread.join(timeout=10)
-    message = app._job_status_markdown(job.poll())
+    message = training.job_status_markdown(job.poll())
     assert message.startswith("**⚠️ Training failed") and "\n" not in message
+
+
+def test_training_settings_take_mechanism_keys():
+    with pytest.raises(app.AppError, match="mechanism='ULS'"):
+        app.TrainingSettings(mechanism="ULS")
+    assert "not used without DP" in training.batch_size_label("non-private")
+    state = {"status": "training", "mechanism": "non-private", "step": 1, "max_steps": 2}
+    assert "no privacy guarantee" in app.progress_html(state)
 
 
 @pytest.mark.slow
@@ -196,15 +284,13 @@ def test_training_with_callbacks_end_to_end(tmp_path):
             for u in range(40) for i in range(1 + u % 3)]
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    config = ClassificationConfig(
-        run="tiny-uls", method="uls", results_dir=str(tmp_path / "results"), dataset=str(data),
-        model_name_or_path=str(base), target_epsilon=8.0, max_steps=2, expected_batch_size=8, use_lora=False,
-        contribution_bound=2, per_device_train_batch_size=16, max_length=16, progress=False, noise_seed=0,
-    )
-    training_args = config.training_arguments()
-    training_args.logging_steps = 1
+    config = ClassificationConfig(run="tiny-uls", results_dir=str(tmp_path / "results"), dataset=str(data),
+                                  model_name_or_path=str(base), use_lora=False, max_length=16, progress=False)
+    training_args = config.training_arguments("uls", target_epsilon=8.0, max_steps=2, expected_batch_size=8,
+                                              contribution_bound=2, per_device_train_batch_size=16, noise_seed=0,
+                                              logging_steps=1)
     events: queue.Queue = queue.Queue()
-    result = run_classification(config, training_args, callbacks=[app._queue_callback_class()(events)])
+    result = run_classification(config, training_args, callbacks=[training.queue_callback_class()(events)])
     seen = []
     while not events.empty():
         seen.append(events.get())
@@ -220,3 +306,5 @@ def test_training_with_callbacks_end_to_end(tmp_path):
 def test_cli_parser_defaults():
     args = app.build_parser().parse_args([])
     assert (args.results_dir, args.port, args.host, args.share) == ("results", 7860, "127.0.0.1", False)
+    for flag in ("--results_dir", "--results-dir"):  # the field spelling, the dash spelling as alias
+        assert app.build_parser().parse_args([flag, "elsewhere"]).results_dir == "elsewhere"

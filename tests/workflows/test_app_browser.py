@@ -1,9 +1,10 @@
 """The Gradio app in a real browser: Debian's chromium, headless, driven by Playwright, against 127.0.0.1.
 
 Checks that the page loads, that moving the budget controls changes the planner's numbers (and that a bad budget
-is said in the page), that a comparison renders on a fabricated run, and that the Results tab shows the plot and
-the privacy card. Screenshots go to the test's tmp dir (and to `$HF_DP_SCREENSHOT_DIR` when set). Requests to
-anything but the local server are blocked and recorded: the page must not need the network.
+is said in the page), that the Train tab labels `expected_batch_size` in the unit of the picked mechanism, that a
+comparison renders on a fabricated run, and that the Results tab shows the plot and the privacy card. Screenshots
+go to the test's tmp dir (and to `$HF_DP_SCREENSHOT_DIR` when set). Requests to anything but the local server are
+blocked and recorded: the page must not need the network.
 
 Needs `/usr/bin/chromium` (`apt-get install chromium chromium-driver`; `.ci/run` installs it). Without it the
 test fails, it does not skip.
@@ -20,6 +21,7 @@ from urllib.parse import urlparse
 import pytest
 
 from app_fixtures import make_results_dir
+from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows import app
 
 pytestmark = pytest.mark.browser
@@ -114,7 +116,8 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     page.wait_for_function("() => /σ = [0-9.]+/.test(document.querySelector('#budget-result')?.innerText || '')")
     sigma_8 = sigma_text(page)
     assert "Expected accuracy at ε = 8" in page.locator("#budget-result").inner_text()
-    assert "ELS (MoG)" in page.locator("#budget-table").inner_text()
+    assert "expected_batch_size" in page.locator("#budget-result").inner_text()
+    assert MECHANISMS["els"].label in page.locator("#budget-table").inner_text()
 
     page.locator("#eps-log2 input[type=range]").fill("0")  # slider to log₂ ε = 0, i.e. ε = 1
     sigma_1 = wait_for_sigma_change(page, sigma_8)
@@ -123,7 +126,8 @@ def test_app_in_headless_chromium(server, page, tmp_path):
 
     page.locator("#sampling").get_by_text("ELS").click()
     sigma_els = wait_for_sigma_change(page, sigma_1)
-    assert "ELS (example-level sampling" in page.locator("#budget-result").inner_text()
+    assert MECHANISMS["els"].name in page.locator("#budget-result").inner_text()
+    assert "examples per step" in page.locator("#budget-result").inner_text()
     screenshot(page, tmp_path, "budget")
 
     page.locator("#delta input").fill("0.5")
@@ -136,6 +140,12 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     page.locator("#delta input").press("Tab")
     assert wait_for_sigma_change(page, "")  # numbers are back
     assert sigma_els
+
+    # --- Train: expected_batch_size is labelled in the unit the picked mechanism samples ----------
+    page.get_by_role("tab", name="Train").click()
+    wait_for_text(page, "#train-batch", "users per step")
+    page.locator("#train-mechanism").get_by_text(MECHANISMS["els"].label).click()
+    wait_for_text(page, "#train-batch", "examples per step")
 
     # --- Compare: baseline and DP model side by side on a fabricated run ------------------------
     page.get_by_role("tab", name="Compare").click()

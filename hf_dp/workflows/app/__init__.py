@@ -1,0 +1,129 @@
+"""The Gradio app: explore a privacy budget, train, compare with the public-only baseline, read the card.
+
+`hf-dp app` (or `python app/app.py`) serves four tabs over hf_dp's public API; the app does no privacy math
+itself, it shows what [`hf_dp.accounting.planner`], [`~hf_dp.DPTrainer`] and the accountant report. One module per
+job, each testable without gradio except the page itself:
+
+| module | job |
+|---|---|
+| `results.py` | result JSONs → [`RunRecord`]s ([`list_runs`]); the Results tab's table |
+| `budget.py` | **Budget**: the planner's numbers for a budget ([`budget_view`]), the accuracy cost read off runs |
+| `training.py` | **Train**: a short DP run in a background thread ([`TrainingJob`]), its progress bar |
+| `compare.py` | **Compare**: a run beside the public-only baseline on one text ([`compare_view`]) |
+| `plot.py`, `cards.py` | **Results**: `eval_result` against ε ([`privacy_utility_figure`]), the privacy card |
+| `layout.py` | the page: [`build_app`] wires the tabs to the functions above |
+| `common.py` | the one-line error ([`AppError`]) and number formatting every tab shares |
+
+- **Budget**: `target_epsilon` (log-scale slider), `target_delta`, `privacy_unit`, `sampling`, `users`,
+  `examples_per_user`, `examples_per_step` (the compute budget: expected examples processed per step, the same for
+  every mechanism) and `steps` go to [`hf_dp.accounting.planner.plan`]; the page shows the noise multiplier σ each
+  mechanism needs, the recommended contribution bound G, each mechanism's `expected_batch_size` with its unit
+  (users for ULS, examples for ELS and example-level), and an *expected accuracy cost* read off the finished runs
+  in `results/` (interpolated in log ε between measured runs; said plainly when there is nothing to read it from).
+- **Train**: a short fine-tuning run (`mechanism`, `target_epsilon`, `expected_batch_size` in the same unit as
+  the Budget tab's) of the embedded MiniLM on a small subset of the Shakespeare genres
+  ([`hf_dp.workflows.tasks.classification.run_classification`]) in a background thread, with a live progress bar
+  and the ε spent so far (a [`~transformers.TrainerCallback`] feeds a queue, a [`gradio.Timer`] polls it). Its
+  model, card and JSON go to `results/app-runs/`.
+- **Compare**: pick a finished run and a text; the public-only baseline's class probabilities (the run's
+  pretrained encoder, zero-shot by embedding similarity to label descriptions) beside the DP model's; for
+  causal LMs, greedy generations and next-token probabilities side by side.
+- **Results**: `eval_result` against ε (log x) per mechanism (labels, markers and colors from
+  [`~hf_dp.vocabulary.MECHANISMS`]), the public-only baseline as a line, the non-private run as a point at
+  ε = ∞; and the selected run's privacy card, rendered.
+
+Mechanisms are named by the keys of [`~hf_dp.vocabulary.MECHANISMS`] (a result JSON's `mechanism`), evaluation
+figures by [`~hf_dp.vocabulary.EVAL_KEYS`] (`eval_result`, `baseline_result`, `non_private_result`).
+
+Errors (no results yet, an impossible budget, a missing model) are shown in the page as one line, never as a
+stack trace. The page needs no network: gradio analytics are off, fonts and scripts are served locally, models
+load from the results folder and the embedded MiniLM. (A causal-LM run whose base model is a Hub id needs that
+model in the local cache; run with `HF_HUB_OFFLINE=1` to be sure nothing reaches the Hub.)
+
+Example:
+
+```bash
+hf-dp app --results_dir results --port 7860     # then open http://127.0.0.1:7860
+python app/app.py --results_dir results
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .budget import budget_view, expected_accuracy_cost, plan_budget
+from .cards import privacy_card_markdown
+from .common import AppError, one_line
+from .compare import compare_view
+from .layout import build_app
+from .plot import privacy_utility_figure
+from .results import APP_RUNS_DIR, RunRecord, list_runs, results_overview_markdown
+from .training import TrainingJob, TrainingSettings, progress_html, run_app_training
+
+__all__ = [
+    "APP_RUNS_DIR",
+    "AppError",
+    "RunRecord",
+    "TrainingJob",
+    "TrainingSettings",
+    "budget_view",
+    "build_app",
+    "build_parser",
+    "compare_view",
+    "expected_accuracy_cost",
+    "list_runs",
+    "main",
+    "plan_budget",
+    "privacy_card_markdown",
+    "privacy_utility_figure",
+    "progress_html",
+    "results_overview_markdown",
+    "run",
+    "run_app_training",
+    "serve",
+]
+
+
+def serve(results_dir: str | os.PathLike = "results", *, host: str = "127.0.0.1", port: int | None = 7860,
+          share: bool = False, block: bool = True, demo=None, **launch_kwargs):
+    """Build (unless `demo` is given) and launch the app; returns the `gradio.Blocks` (serving in the background
+    when `block=False`: call `.close()` to stop it)."""
+    demo = demo if demo is not None else build_app(results_dir)
+    demo.queue(default_concurrency_limit=2)
+    demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block, show_error=False,
+                quiet=not block, ssr_mode=False, inbrowser=False, **launch_kwargs)
+    return demo
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The `hf-dp app` flags (pass a subparser to add them to it)."""
+    parser = parser or argparse.ArgumentParser(
+        prog="hf-dp app",
+        description="Gradio app: explore a privacy budget, train a short DP run, compare DP models with the "
+                    "public-only baseline, read privacy cards.",
+    )
+    parser.add_argument("--results_dir", "--results-dir", dest="results_dir", default="results",
+                        help="The folder of finished runs (what `hf-dp demo --results_dir` wrote).")
+    parser.add_argument("--port", type=int, default=7860, help="Port to serve on.")
+    parser.add_argument("--host", default="127.0.0.1", help="Interface to bind (0.0.0.0 exposes it to the network).")
+    parser.add_argument("--share", action="store_true", help="Ask gradio for a public share link (needs internet).")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of `python app/app.py` and `python -m hf_dp.workflows.app` (`hf-dp app` calls [`run`])."""
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the app with parsed [`build_parser`] flags until interrupted; 1 with one line when it cannot bind."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        serve(args.results_dir, host=args.host, port=args.port, share=args.share, block=True)
+    except OSError as error:  # port in use, cannot bind
+        print(f"hf-dp app: error: {one_line(error)}", file=sys.stderr)
+        return 1
+    return 0

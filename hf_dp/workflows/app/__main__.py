@@ -1,0 +1,7 @@
+"""`python -m hf_dp.workflows.app --results_dir results`: the same as `hf-dp app`."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

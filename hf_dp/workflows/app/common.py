@@ -1,0 +1,45 @@
+"""What every tab shares: the error the page shows as one line, and how numbers are written."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hf_dp.vocabulary import MECHANISMS
+
+
+class AppError(Exception):
+    """An error the page shows as one line (bad input, nothing to show yet)."""
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (at most 400 characters), never a traceback."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def error_md(error: BaseException | str) -> str:
+    """An error as the one bold line the page shows."""
+    message = error if isinstance(error, str) else one_line(error)
+    return f"**⚠️ {message}**"
+
+
+def fmt(value: Any, spec: str = ".4g") -> str:
+    """A number for a table cell: `–` for missing or NaN, `∞` for infinity."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "∞"
+        if math.isnan(value):
+            return "–"
+        return format(value, spec)
+    return str(value)
+
+
+def mechanism_label(key: Any) -> str:
+    """`MECHANISMS[key].label` (what tables, plots and dropdowns show), or the key itself if unknown."""
+    entry = MECHANISMS.get(str(key))
+    return entry.label if entry is not None else str(key)

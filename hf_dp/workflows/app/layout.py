@@ -1,0 +1,212 @@
+"""The page: four tabs wired to the functions of [`budget`], [`training`], [`compare`], [`results`] and [`cards`].
+
+Nothing here computes: each event handler calls one function of a tab's module and puts what it returns in the
+page. Inputs a user types carry the [`~hf_dp.DPTrainingArguments`] field names (`target_epsilon`, `target_delta`,
+`privacy_unit`, `sampling`, `expected_batch_size`) and the planner's (`users`, `examples_per_user`,
+`examples_per_step`, `steps`, `noise_multiplier`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from hf_dp.vocabulary import MECHANISMS
+
+from .budget import budget_view
+from .cards import privacy_card_markdown
+from .common import error_md, one_line
+from .compare import EXAMPLE_TEXTS, compare_view
+from .plot import privacy_utility_figure
+from .results import APP_RUNS_DIR, default_run, list_runs, results_overview_markdown
+from .training import (
+    TRAIN_MECHANISMS,
+    TrainingJob,
+    TrainingSettings,
+    batch_size_label,
+    job_status_markdown,
+    progress_html,
+)
+
+EPSILON_RANGE = (0.5, 16.0)
+
+
+def eps_from_log2(value: float) -> float:
+    """The ε the log-scale slider stands for (2 ** value, two decimals)."""
+    return round(2.0 ** float(value), 2)
+
+
+def log2_from_eps(value: float | None) -> float:
+    """The slider position for ε (clamped to [`EPSILON_RANGE`]; 3, i.e. ε = 8, when unset)."""
+    if value is None or not value > 0:
+        return 3.0
+    return math.log2(min(max(float(value), EPSILON_RANGE[0]), EPSILON_RANGE[1]))
+
+
+def build_app(results_dir: str | os.PathLike = "results", *, training_job: TrainingJob | None = None):
+    """Build the Gradio page over `results_dir` (finished runs are read from disk at each action).
+
+    Args:
+        results_dir (`str` or `os.PathLike`, *optional*, defaults to `"results"`): the study's output folder.
+        training_job ([`TrainingJob`], *optional*): the Train tab's runner (tests pass one with a fake run).
+
+    Returns:
+        `gradio.Blocks`: call `.launch()` on it, or use [`hf_dp.workflows.app.serve`].
+    """
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no version check, no telemetry
+    import gradio as gr
+
+    results_dir = str(results_dir)
+    job = training_job or TrainingJob()
+
+    with gr.Blocks(title="hf_dp: user-level DP fine-tuning", analytics_enabled=False) as demo:
+        gr.Markdown(
+            "# hf_dp — user-level differentially private fine-tuning\n"
+            f"Results folder: `{results_dir}`. Set a privacy budget, train a short run, compare the DP model "
+            "with the public-only baseline, and read each run's privacy card."
+        )
+        with gr.Tabs():
+            # ---- Budget -------------------------------------------------------------------------
+            with gr.Tab("Budget", id="budget"):
+                with gr.Row():
+                    with gr.Column(scale=1):
+                        eps_log2 = gr.Slider(math.log2(EPSILON_RANGE[0]), math.log2(EPSILON_RANGE[1]), value=3.0,
+                                             step=0.05, label="log₂ ε (slider: 0.5 … 16)",
+                                             info="−1 → ε 0.5, 0 → 1, 1.58 → 3, 3 → 8, 4 → 16",
+                                             elem_id="eps-log2")
+                        epsilon = gr.Number(8.0, label="target_epsilon (ε)", step=0.1, elem_id="epsilon")
+                        delta = gr.Number(1e-5, label="target_delta (δ: below 1/users; below 1/examples for "
+                                          "example-level)", step=1e-6, elem_id="delta")
+                        unit = gr.Radio(["user", "example"], value="user", label="privacy_unit",
+                                        elem_id="privacy-unit")
+                        sampling = gr.Radio([("ULS", "uls"), ("ELS", "els")], value="uls",
+                                            label="sampling (privacy_unit user)", elem_id="sampling")
+                    with gr.Column(scale=1):
+                        users = gr.Number(1101, label="users", precision=0, minimum=1, elem_id="users")
+                        per_user = gr.Number(14, label="examples_per_user", precision=0, minimum=1,
+                                             elem_id="examples-per-user")
+                        per_step = gr.Number(175, label="examples_per_step: expected examples processed per step "
+                                             "(the compute budget, the same for every mechanism)", minimum=1,
+                                             elem_id="examples-per-step")
+                        steps = gr.Number(40, label="steps", precision=0, minimum=1, elem_id="steps")
+                        fixed_sigma = gr.Number(1.0, label="noise_multiplier: a fixed σ (for ‘ε at fixed σ’)",
+                                                minimum=0, step=0.05, elem_id="fixed-sigma")
+                budget_md = gr.Markdown(elem_id="budget-result")
+                budget_table = gr.Markdown(elem_id="budget-table")
+
+                budget_inputs = [epsilon, delta, unit, sampling, users, per_user, per_step, steps, fixed_sigma]
+
+                def on_budget(*values):
+                    return budget_view(results_dir, *values)
+
+                # The slider moves ε (log scale); typing ε moves the slider. Only ε's change recomputes.
+                eps_log2.input(eps_from_log2, eps_log2, epsilon, queue=False, show_progress="hidden")
+                epsilon.input(log2_from_eps, epsilon, eps_log2, queue=False, show_progress="hidden")
+                for control in budget_inputs:
+                    control.change(on_budget, budget_inputs, [budget_md, budget_table], trigger_mode="always_last",
+                                   concurrency_id="budget", concurrency_limit=1)
+                demo.load(on_budget, budget_inputs, [budget_md, budget_table])
+
+            # ---- Train --------------------------------------------------------------------------
+            with gr.Tab("Train", id="train"):
+                gr.Markdown(
+                    "A short run of the embedded MiniLM on a small subset of the Shakespeare genres (users are "
+                    "speaking roles). It uses the study's recipe (LoRA, 32 tokens); its results go to "
+                    f"`{results_dir}/{APP_RUNS_DIR}/`. On 2 CPU cores expect about a minute."
+                )
+                with gr.Row():
+                    train_mechanism = gr.Radio([(MECHANISMS[key].label, key) for key in TRAIN_MECHANISMS],
+                                               value="uls", label="mechanism", elem_id="train-mechanism")
+                    train_eps = gr.Number(8.0, label="target_epsilon", minimum=0.1, elem_id="train-epsilon")
+                    train_users = gr.Slider(16, 512, value=96, step=8, label="training users (subset)")
+                    train_steps = gr.Slider(1, 50, value=8, step=1, label="max_steps")
+                    train_batch = gr.Number(24, label=batch_size_label("uls"), precision=0, minimum=1,
+                                            elem_id="train-batch")
+                start = gr.Button("Start training", variant="primary", elem_id="start-training")
+                progress = gr.HTML(progress_html(job.poll()), elem_id="train-progress-box")
+                train_status = gr.Markdown(job_status_markdown(job.poll()))
+                timer = gr.Timer(1.0, active=job.running)
+
+                def on_start(mechanism, eps, n_users, n_steps, batch):
+                    try:
+                        settings = TrainingSettings(mechanism=mechanism, target_epsilon=float(eps or 8.0),
+                                                    max_train_users=int(n_users), max_steps=int(n_steps),
+                                                    expected_batch_size=int(batch or 24))
+                        job.start(settings, results_dir)
+                    except Exception as error:
+                        gr.Warning(one_line(error))
+                        return progress_html(job.poll()), error_md(error), gr.Timer(active=job.running)
+                    return progress_html(job.poll()), "", gr.Timer(active=True)
+
+                def on_tick():
+                    state = job.poll()
+                    active = state.get("status") in ("starting", "training")
+                    return progress_html(state), job_status_markdown(state), gr.Timer(active=active)
+
+                train_mechanism.change(lambda key: gr.Number(label=batch_size_label(key)), train_mechanism,
+                                       train_batch, queue=False, show_progress="hidden")
+                start.click(on_start, [train_mechanism, train_eps, train_users, train_steps, train_batch],
+                            [progress, train_status, timer])
+                timer.tick(on_tick, None, [progress, train_status, timer])
+
+            # ---- Compare ------------------------------------------------------------------------
+            with gr.Tab("Compare", id="compare"):
+                with gr.Row():
+                    compare_run = gr.Dropdown(choices=[], label="fine-tuned run", elem_id="compare-run", scale=3)
+                    refresh = gr.Button("Reload runs", scale=1)
+                compare_text = gr.Textbox(EXAMPLE_TEXTS[0], label="text", lines=2, elem_id="compare-text")
+                gr.Examples([[t] for t in EXAMPLE_TEXTS], [compare_text], label="pick a text")
+                compare_button = gr.Button("Compare", variant="primary", elem_id="compare-button")
+                compare_header = gr.Markdown(elem_id="compare-header")
+                with gr.Row():
+                    with gr.Column():
+                        gr.Markdown("#### Public-only baseline (no private data)")
+                        baseline_label = gr.Label(label="baseline: class / next-token probabilities",
+                                                  num_top_classes=5, elem_id="baseline-label")
+                        baseline_text = gr.Textbox(label="baseline generation", visible=False,
+                                                   elem_id="baseline-text")
+                    with gr.Column():
+                        gr.Markdown("#### DP fine-tuned model")
+                        dp_label = gr.Label(label="DP model: class / next-token probabilities",
+                                            num_top_classes=5, elem_id="dp-label")
+                        dp_text = gr.Textbox(label="DP model generation", visible=False, elem_id="dp-text")
+
+                def on_compare(run_name, text):
+                    out = compare_view(results_dir, run_name, text)
+                    if out["error"]:
+                        return (out["error"], None, None, gr.Textbox(visible=False), gr.Textbox(visible=False))
+                    lm = out["causal_lm"]
+                    return (out["header"], out["baseline"], out["dp"],
+                            gr.Textbox(value=out["baseline_text"], visible=lm),
+                            gr.Textbox(value=out["dp_text"], visible=lm))
+
+                compare_button.click(on_compare, [compare_run, compare_text],
+                                     [compare_header, baseline_label, dp_label, baseline_text, dp_text])
+
+            # ---- Results ------------------------------------------------------------------------
+            with gr.Tab("Results", id="results"):
+                overview = gr.Markdown(elem_id="results-overview")
+                plot = gr.Plot(label="privacy / utility", elem_id="privacy-utility-plot")
+                card_run = gr.Dropdown(choices=[], label="privacy card of run", elem_id="card-run")
+                card_md = gr.Markdown(elem_id="privacy-card")
+
+                card_run.change(lambda name: privacy_card_markdown(results_dir, name), card_run, card_md)
+
+        def on_reload():
+            runs = list_runs(results_dir)
+            with_model = [(r.label(), r.name) for r in runs if r.model_path is not None]
+            default = default_run(runs)
+            dp_first = default.name if default is not None else None
+            try:
+                figure = privacy_utility_figure(runs)
+            except Exception:  # a plot is decoration: the table still shows the numbers
+                figure = None
+            return (gr.Dropdown(choices=with_model, value=dp_first),
+                    gr.Dropdown(choices=with_model, value=dp_first),
+                    results_overview_markdown(results_dir), figure)
+
+        reload_outputs = [compare_run, card_run, overview, plot]
+        demo.load(on_reload, None, reload_outputs)
+        refresh.click(on_reload, None, reload_outputs)
+        train_status.change(on_reload, None, reload_outputs)
+    return demo

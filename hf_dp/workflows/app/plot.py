@@ -1,0 +1,64 @@
+"""The Results tab's plot: `eval_result` against ε spent (log x) per DP mechanism, styled from MECHANISMS."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
+
+from .results import NON_PRIVATE, RunRecord, is_positive, main_metric, study_is_quick
+
+
+def privacy_utility_figure(runs: Sequence[RunRecord]):
+    """`eval_result` against ε spent (log x) per DP mechanism, the public-only baseline as a line, the non-private
+    run as a point at ε = ∞. Markers, colors and labels are those of [`~hf_dp.vocabulary.MECHANISMS`]; the Train
+    tab's runs are left out.
+
+    Returns a matplotlib `Figure` (for `gr.Plot`), or `None` when there is no run to plot.
+    """
+    from matplotlib.figure import Figure
+
+    study = [r for r in runs if not r.from_app and r.eval_result is not None]
+    if not study:
+        return None
+    metric_name = main_metric(study)
+    study = [r for r in study if r.metric_name == metric_name]
+    fig = Figure(figsize=(7.5, 4.6), dpi=110)
+    ax = fig.add_subplot(1, 1, 1)
+    epsilons = []
+    for key in DP_MECHANISMS:
+        style = MECHANISMS[key]
+        points = sorted((float(r.result["epsilon"]), r.eval_result) for r in study
+                        if r.mechanism == key and is_positive(r.result.get("epsilon")))
+        if points:
+            xs, ys = zip(*points)
+            epsilons += xs
+            ax.plot(xs, ys, marker=style.marker, color=style.color, label=style.label)
+    low, high = (min(epsilons), max(epsilons)) if epsilons else (1.0, 8.0)
+    right = high * 2.5
+    baseline = next((r.eval_result for r in study if r.is_baseline), None)
+    if baseline is None:
+        baseline = next((float(r.result["baseline_result"]) for r in study
+                         if r.result.get("baseline_result") is not None), None)
+    if baseline is not None:
+        style = MECHANISMS["public-only"]
+        ax.axhline(baseline, color=style.color, linestyle="--", label=f"{style.label} ({baseline:.3f})")
+    non_private = next((r.eval_result for r in study if r.mechanism == NON_PRIVATE), None)
+    if non_private is not None:
+        style = MECHANISMS[NON_PRIVATE]
+        ax.plot([right], [non_private], marker=style.marker, markersize=14, color=style.color, linestyle="none",
+                label=f"{style.label}, ε = ∞ ({non_private:.3f})")
+    ax.set_xscale("log")
+    ax.set_xlim(low / 1.8, right * 1.6)
+    ticks = [t for t in (0.25, 0.5, 1, 2, 3, 4, 8, 16, 32, 64) if low / 1.8 <= t <= high * 1.3]
+    ax.minorticks_off()
+    ax.set_xticks(ticks + [right])
+    ax.set_xticklabels([f"{t:g}" for t in ticks] + ["∞"])
+    ax.set_xlabel("ε spent (log scale)")
+    ax.set_ylabel(f"test {metric_name}")
+    quick = study_is_quick(study[0].folder)
+    ax.set_title("Privacy / utility" + (" (quick study: the numbers mean nothing)" if quick else ""), fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,214 @@
+"""The Train tab: a short run in a background thread, its progress through a TrainerCallback and a queue.
+
+The run is [`hf_dp.workflows.tasks.classification.run_classification`] on a seeded subset of the Shakespeare genres
+with the embedded MiniLM; the guarantee is the DPTrainer's for the rows trained on. A
+[`~transformers.TrainerCallback`] puts each step and log on a queue, the page's timer drains it ([`TrainingJob.poll`]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
+
+from .common import AppError, error_md, fmt, one_line
+from .results import APP_RUNS_DIR
+
+# What the Train tab offers: the DP mechanisms and the non-private comparison.
+TRAIN_MECHANISMS = DP_MECHANISMS + ("non-private",)
+
+
+def batch_size_label(mechanism: str) -> str:
+    """The label of the Train tab's `expected_batch_size` box, with the unit `mechanism` samples."""
+    unit = MECHANISMS[mechanism].sampled_unit if mechanism in MECHANISMS else None
+    if unit is None:
+        return "expected_batch_size (not used without DP: plain batches)"
+    return f"expected_batch_size ({unit} per step)"
+
+
+def queue_callback_class():
+    """A [`~transformers.TrainerCallback`] class that puts (event, fields) on a queue (imported lazily)."""
+    from transformers import TrainerCallback
+
+    class QueueCallback(TrainerCallback):
+        """Puts (event, fields) on a queue at each step and log: step, max_steps, ε spent, loss."""
+
+        def __init__(self, events: queue.Queue):
+            self.events = events
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.events.put(("begin", {"step": state.global_step, "max_steps": state.max_steps}))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.events.put(("step", {"step": state.global_step, "max_steps": state.max_steps}))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = dict(logs or {})
+            fields = {"step": state.global_step, "max_steps": state.max_steps}
+            if "dp/epsilon" in logs:
+                fields["epsilon"] = float(logs["dp/epsilon"])
+            if "loss" in logs:
+                fields["loss"] = float(logs["loss"])
+            self.events.put(("log", fields))
+
+    return QueueCallback
+
+
+@dataclasses.dataclass
+class TrainingSettings:
+    """What the Train tab asks for; the rest of the run follows the study's settings on a small subset.
+
+    `mechanism` is a key of [`~hf_dp.vocabulary.MECHANISMS`] (a DP one, or `"non-private"`); `target_epsilon` and
+    `expected_batch_size` are the [`~hf_dp.DPTrainingArguments`] fields (users per step for ULS, examples per step
+    for ELS and example-level).
+    """
+
+    mechanism: str = "uls"
+    target_epsilon: float = 8.0
+    max_train_users: int = 96
+    max_steps: int = 8
+    expected_batch_size: int = 24
+    max_eval_examples: int = 128
+
+    def __post_init__(self):
+        if self.mechanism not in TRAIN_MECHANISMS:
+            raise AppError(f"mechanism={self.mechanism!r}: use one of {TRAIN_MECHANISMS}.")
+
+
+class TrainingJob:
+    """One background training run with its progress (only one at a time per app).
+
+    Args:
+        run_fn (`Callable`): `run_fn(settings, results_dir, callbacks) -> result dict`; defaults to
+            [`run_app_training`]. Tests pass a fake.
+    """
+
+    def __init__(self, run_fn: Callable | None = None):
+        self.run_fn = run_fn or run_app_training
+        self.events: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.state: dict = {"status": "idle"}
+        self.lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(self, settings: TrainingSettings, results_dir) -> None:
+        with self.lock:
+            if self.running:
+                raise AppError("A training run is already in progress: wait for it to finish.")
+            self.events = queue.Queue()
+            private = settings.mechanism in DP_MECHANISMS
+            self.state = {"status": "starting", "step": 0, "max_steps": settings.max_steps, "epsilon": 0.0,
+                          "target_epsilon": settings.target_epsilon if private else None,
+                          "mechanism": settings.mechanism, "started": time.time()}
+            callback = queue_callback_class()(self.events)
+            self.thread = threading.Thread(target=self._work, args=(settings, results_dir, callback),
+                                           name="hf-dp-app-training", daemon=True)
+            self.thread.start()
+
+    def _work(self, settings, results_dir, callback) -> None:
+        try:
+            result = self.run_fn(settings, results_dir, [callback])
+            self.events.put(("done", {"result": result}))
+        except BaseException as error:  # shown in the page as one line
+            self.events.put(("error", {"error": one_line(error)}))
+
+    def poll(self) -> dict:
+        """Drain the queue into the state and return a copy (several open pages may poll at once)."""
+        with self.lock:
+            state = self.state
+            while True:
+                try:
+                    event, fields = self.events.get_nowait()
+                except queue.Empty:
+                    break
+                if event in ("begin", "step", "log"):
+                    state["status"] = "training"
+                    for key in ("step", "max_steps", "epsilon", "loss"):
+                        if fields.get(key) is not None and (key != "max_steps" or fields[key] > 0):
+                            state[key] = fields[key]
+                elif event == "done":
+                    state["status"] = "done"
+                    state["result"] = fields["result"]
+                elif event == "error":
+                    state["status"] = "error"
+                    state["error"] = fields["error"]
+            return dict(state)
+
+
+def run_app_training(settings: TrainingSettings, results_dir, callbacks: Sequence) -> dict:
+    """A short fine-tuning run of the embedded MiniLM on a subset of the Shakespeare genres.
+
+    Writes `results_dir/app-runs/<run>.json` and the model + privacy card to `results_dir/app-runs/models/<run>/`.
+    The guarantee is the DPTrainer's for the rows trained on (a seeded subset of the training roles).
+    """
+    from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
+
+    mechanism = settings.mechanism
+    private = mechanism in DP_MECHANISMS
+    stamp = time.strftime("%H%M%S")
+    run = f"app-{mechanism}-eps{settings.target_epsilon:g}-{stamp}" if private else f"app-{mechanism}-{stamp}"
+    config = ClassificationConfig(
+        run=run, results_dir=str(Path(results_dir) / APP_RUNS_DIR), max_train_users=int(settings.max_train_users),
+        max_eval_examples=int(settings.max_eval_examples), max_length=32, use_lora=True,
+        lora_target_modules=["query", "value"], progress=False,
+    )
+    # DPTrainingArguments / TrainingArguments fields; logging every step gives the progress bar ε and loss
+    fields = dict(max_steps=int(settings.max_steps), logging_steps=1)
+    if private:
+        fields.update(target_epsilon=float(settings.target_epsilon), contribution_bound=2,
+                      expected_batch_size=int(settings.expected_batch_size), per_device_train_batch_size=64)
+    else:
+        fields.update(per_device_train_batch_size=16)
+    training_args = config.training_arguments(mechanism, **fields)
+    return run_classification(config, training_args, callbacks=list(callbacks))
+
+
+def progress_html(state: Mapping) -> str:
+    """The Train tab's progress bar and status line (HTML)."""
+    status = state.get("status", "idle")
+    if status == "idle":
+        return "<div id='train-progress'>No run started.</div>"
+    total = max(int(state.get("max_steps") or 0), 1)
+    step = min(int(state.get("step") or 0), total)
+    fraction = 1.0 if status == "done" else step / total
+    eps = state.get("epsilon")
+    target = state.get("target_epsilon")
+    if state.get("mechanism") in MECHANISMS and not MECHANISMS[state["mechanism"]].is_private:
+        eps_text = f"no privacy guarantee ({state['mechanism']})"
+    else:
+        eps_text = f"ε spent {eps:.3g}" + (f" of {target:g}" if target else "") if eps is not None else "ε spent 0"
+    loss = f", loss {state['loss']:.3f}" if state.get("loss") is not None else ""
+    elapsed = time.time() - state.get("started", time.time())
+    words = {"starting": "Loading data and model…", "training": "Training", "done": "Finished", "error": "Failed"}
+    color = {"error": "#c0392b", "done": "#2e7d32"}.get(status, "#1f6feb")
+    return (
+        "<div id='train-progress'>"
+        f"<div style='background:#e5e7eb;border-radius:6px;height:18px;width:100%;overflow:hidden'>"
+        f"<div style='background:{color};height:18px;width:{100 * fraction:.1f}%'></div></div>"
+        f"<div style='margin-top:6px'>{words.get(status, status)}: step {step}/{total}, {eps_text}{loss} "
+        f"({elapsed:.0f} s)</div></div>"
+    )
+
+
+def job_status_markdown(state: Mapping) -> str:
+    """The line under the progress bar: the failure, or the finished run's ε and `eval_result`."""
+    if state.get("status") == "error":
+        return error_md(f"Training failed: {state.get('error')}")
+    if state.get("status") == "done":
+        result = state.get("result") or {}
+        eps = result.get("epsilon")
+        eps_text = ("no guarantee (non-private)" if eps is None
+                    else f"ε = {eps:.3g}, δ = {fmt(result.get('delta'), '.2g')}")
+        return (f"**Finished `{result.get('run')}`**: {result.get('metric_name', 'metric')} "
+                f"{fmt(result.get('eval_result'), '.3f')} (public-only baseline "
+                f"{fmt(result.get('baseline_result'), '.3f')}), {eps_text}. It is listed in the Compare and Results "
+                f"tabs as `{APP_RUNS_DIR}/{result.get('run')}`. Quick runs on small subsets: the numbers are noisy.")
+    return ""
