@@ -348,7 +348,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     batch = make_batch(args)
     print(
-        f"# torch {torch.__version__}, {args.device} {args.dtype}, {torch.get_num_threads()} threads; hidden {args.hidden}, {args.layers} blocks, "
+        f"# torch {torch.__version__}, {args.device} {args.dtype}, {torch.get_num_threads()} threads; "
+        f"hidden {args.hidden}, {args.layers} blocks, "
         f"{args.heads} heads, vocab {args.vocab}, batch {args.batch_size} x {args.seq_len} tokens (ragged, padded); "
         f"median of {args.reps} interleaved reps after {args.warmup} warm-up steps; "
         "peak = largest live tensor bytes in a profiled step (torch.profiler memory timeline)",

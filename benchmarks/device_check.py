@@ -9,7 +9,8 @@ It prints, and writes as JSON to `--out`:
 
 1. **exactness**: ghost-clipped per-example gradient norms of a small Llama (full fine-tuning) computed on the
    device in `--dtype`, against per-example gradients from `torch.func` in float32 on the
-   same weights and batch (torch.func.grad per example); the worst relative error (bf16 activations: ~1e-2 is expected; float32: ~1e-6);
+   same weights and batch (torch.func.grad per example); the worst relative error (bf16 activations: ~1e-2 is
+   expected; float32: ~1e-6);
 2. **DPTrainer vs Trainer**: the same model, data and micro-batch trained for `--steps` steps with
    `DPTrainer` (ULS, ε = 8) and with `transformers.Trainer`, in `--dtype` on the device: the median optimizer
    step time and the peak device memory (CUDA allocator), as ratios DP / non-private, and the ε spent.
@@ -59,7 +60,8 @@ def check_exactness(args) -> dict:
     params = {name: p.detach() for name, p in reference_model.named_parameters()}
 
     def loss_of_one(p, input_ids, attention_mask, labels):
-        logits = functional_call(reference_model, p, (input_ids[None],), {"attention_mask": attention_mask[None]}).logits
+        logits = functional_call(reference_model, p, (input_ids[None],),
+                                 {"attention_mask": attention_mask[None]}).logits
         return per_example_loss(logits, labels[None], causal_lm=True)[0]
 
     # One example at a time: the attention-mask code branches on values, which vmap cannot trace.
@@ -73,8 +75,8 @@ def check_exactness(args) -> dict:
     model.load_state_dict({k: v.to(dtype) for k, v in reference_model.state_dict().items()})
     clipper = GhostClipper(model)
     on_device = {k: v.to(args.device) for k, v in batch.items()}
-    losses = per_example_loss(model(input_ids=on_device["input_ids"], attention_mask=on_device["attention_mask"]).logits,
-                              on_device["labels"], causal_lm=True)
+    logits = model(input_ids=on_device["input_ids"], attention_mask=on_device["attention_mask"]).logits
+    losses = per_example_loss(logits, on_device["labels"], causal_lm=True)
     norms = clipper.backward(losses, max_grad_norm=1.0).float().cpu()
     clipper.detach()
     error = ((norms - reference).abs() / reference).max().item()
@@ -180,7 +182,8 @@ def main(argv=None) -> dict:
     if "peak_memory_bytes" in private:
         report["peak_memory_ratio"] = private["peak_memory_bytes"] / nonprivate["peak_memory_bytes"]
         line += f", peak memory x{report['peak_memory_ratio']:.2f}"
-    print(line + f"; ε = {private['epsilon']:.3f} after {private['steps']} steps (σ = {private['noise_multiplier']:.3f})")
+    print(line + f"; ε = {private['epsilon']:.3f} after {private['steps']} steps "
+          f"(σ = {private['noise_multiplier']:.3f})")
     Path(args.out).write_text(json.dumps(report, indent=2))
     return report
 

@@ -1,8 +1,8 @@
 """DP step time with padded vs packed (padding-free) micro-batches, on Shakespeare-like lengths.
 
 Two [`~hf_dp.DPTrainer`]s on the same data, model initialisation and seeds (so the same Poisson samples and
-the same noise), one with a right-padding collator (`hf_dp.workflows.tasks.language_modeling.CausalLMCollator`), one with
-transformers' `DataCollatorWithFlattening` (each micro-batch packed into one row, `position_ids` restarting at
+the same noise), one with a right-padding collator (`hf_dp.workflows.tasks.language_modeling.CausalLMCollator`), one
+with transformers' `DataCollatorWithFlattening` (each micro-batch packed into one row, `position_ids` restarting at
 each example). Each timed step is `DPTrainer.training_step` (forward, per-example losses, ghost clipping,
 noise) plus the optimizer step, with LoRA (the recipe's default) or full fine-tuning; the modes alternate step by
 step, so machine load hits both alike. Batches are collated before the clock starts. The median step time of each
@@ -16,7 +16,7 @@ tokenizer when both are available offline (median 19 tokens, 90th percentile 85,
 Run (a few minutes on 2 CPU cores):
 
     python benchmarks/packed_speed.py
-    python benchmarks/packed_speed.py --max-length 256
+    python benchmarks/packed_speed.py --max_length 256
     python benchmarks/packed_speed.py --finetune full --vocab 4096
     python benchmarks/packed_speed.py --synthetic --hidden-size 256 --layers 4
 """
@@ -89,10 +89,13 @@ def build_trainer(model, dataset, collator, args_kwargs, output_dir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-length", type=int, default=64, help="tokens per speech, EOS included (the recipe's 64)")
+    parser.add_argument("--max_length", "--max-length", type=int, default=64,
+                        help="tokens per speech, EOS included (the recipe's 64)")
     parser.add_argument("--users", type=int, default=600, help="roles (users) to train on")
-    parser.add_argument("--expected-batch-size", type=int, default=32, help="users sampled per step (ULS)")
-    parser.add_argument("--contribution-bound", type=int, default=4, help="G: speeches per user at most")
+    parser.add_argument("--expected_batch_size", "--expected-batch-size", type=int, default=32,
+                        help="users sampled per step (ULS)")
+    parser.add_argument("--contribution_bound", "--contribution-bound", type=int, default=4,
+                        help="G: speeches per user at most")
     parser.add_argument("--micro-batch", type=int, default=32, help="rows per physical micro-batch")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)

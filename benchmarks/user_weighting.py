@@ -15,7 +15,7 @@ the embedded MiniLM (only the similarity head is trained, full batch, no noise, 
   settings: 400 steps of 32 speeches) on the speeches a contribution bound G keeps, for each G: what a
   user-level DP run with that G could reach with no noise at all.
 
-    python benchmarks/user_weighting.py [--steps 300] [--contribution-bound 2 8 1000] [--finetune]
+    python benchmarks/user_weighting.py [--steps 300] [--contribution_bound 2 8 1000] [--finetune]
 
 About 2 minutes on 2 CPU cores (most of it embedding 30 k speeches once); `--finetune` adds about
 3 minutes per G.
@@ -30,7 +30,12 @@ import numpy as np
 import torch
 
 from hf_dp.workflows import study
-from hf_dp.workflows.tasks.classification import ClassificationConfig, build_model, load_classification_data, run_classification
+from hf_dp.workflows.tasks.classification import (
+    ClassificationConfig,
+    build_model,
+    load_classification_data,
+    run_classification,
+)
 from hf_dp.data import partition_by_user
 
 
@@ -52,27 +57,29 @@ def train_head(model, features, labels, weights, steps: int) -> torch.nn.Module:
     return head
 
 
-def bounded(data, user_column: str, bound: int):
+def bounded(data, user_id_column: str, bound: int):
     """The training rows a contribution bound G keeps (the same seeded choice as DPTrainer's)."""
     indexed = data.train.add_column("row", list(range(len(data.train))))
-    part = partition_by_user(indexed, user_column, bound, seed=0)
+    part = partition_by_user(indexed, user_id_column, bound, seed=0)
     return part, part.dataset["row"]
 
 
 def finetune_on_bounded(data, bound: int, baseline: float) -> float:
     """Test accuracy of the study's non-private fine-tuning on the rows G keeps."""
-    entry = study.StudyRun(run=f"non-private-G{bound}", method="non-private")
+    entry = study.StudyRun(run=f"non-private-G{bound}", mechanism="non-private")
     with tempfile.TemporaryDirectory() as results_dir:
-        config = study._config(entry, study.DEMO_SETTINGS, results_dir, 0, True, baseline)
-        _, rows = bounded(data, config.user_column, bound)
-        result = run_classification(config, data=dataclasses.replace(data, train=data.train.select(rows)))
-    return result["metric"]
+        config, training_args = study.configure_run(entry, study.DEMO_SETTINGS, results_dir, examples_per_step=0,
+                                                    baseline_result=baseline)
+        _, rows = bounded(data, config.user_id_column, bound)
+        result = run_classification(config, training_args,
+                                    data=dataclasses.replace(data, train=data.train.select(rows)))
+    return result["eval_result"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--contribution-bound", type=int, nargs="+", default=[2, 8, 1000])
+    parser.add_argument("--contribution_bound", "--contribution-bound", type=int, nargs="+", default=[2, 8, 1000])
     parser.add_argument("--finetune", action="store_true", help="also the study's non-private LoRA fine-tuning")
     args = parser.parse_args()
 
@@ -84,7 +91,7 @@ def main() -> None:
     test_x = model.embed(data.test["text"], max_length=config.max_length, progress=True)
     train_y, test_y = torch.tensor(data.train["labels"]), torch.tensor(data.test["labels"])
 
-    users = data.train[config.user_column]
+    users = data.train[config.user_id_column]
     first_row = {}
     for row, user in enumerate(users):
         first_row.setdefault(user, row)
@@ -103,7 +110,7 @@ def main() -> None:
     print(f"head trained without noise for {args.steps} full-batch steps (test accuracy):")
     print("      G   per speech   per role (ULS objective)")
     for bound in args.contribution_bound:
-        part, rows = bounded(data, config.user_column, bound)
+        part, rows = bounded(data, config.user_id_column, bound)
         rows = torch.as_tensor(rows)
         units = torch.as_tensor(part.row_user)
         per_speech = torch.full((len(rows),), 1.0 / len(rows))

@@ -6,9 +6,11 @@ templates. It has
 
 - YAML front matter the Hub understands: `library_name`, `base_model`, `pipeline_tag`,
   `datasets`, `tags` (`differential-privacy`, `dp-sgd`, `user-level-dp` or
-  `example-level-dp`), a `model-index` with the DP model's result, and a machine-readable
-  `privacy:` block that is exactly the trainer's privacy report, plus a `dp_evaluation:`
-  block with the DP result beside the public-only baseline (and non-private, if run);
+  `example-level-dp`, and `dp-uls` / `dp-els`), a `model-index` with the DP model's result, and a
+  machine-readable `privacy:` block that is exactly the trainer's privacy report (its `mechanism` is a key of
+  [`~hf_dp.vocabulary.MECHANISMS`]), plus a `dp_evaluation:` block with the evaluation figures under the names
+  of [`~hf_dp.vocabulary.EVAL_KEYS`] (`metric_name`, `eval_result`, `baseline_result`, `non_private_result`),
+  the same names as this module's arguments and the result JSON;
 - a plain statement of the guarantee at its unit, the parameters, the accountant and its
   error bounds (for ELS, the loose group-privacy ε beside the mixture-of-Gaussians ε),
   the evaluation beside the public-only baseline, and, in one section, what the guarantee
@@ -36,6 +38,8 @@ from typing import Any, Iterable, Mapping
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .vocabulary import DP_MECHANISMS, EVAL_KEYS, MECHANISMS
+
 __all__ = ["render_privacy_card", "write_privacy_card", "round_count", "LEDGER_FILE", "TEMPLATE_NAME"]
 
 TEMPLATE_NAME = "privacy_card.md"
@@ -43,41 +47,23 @@ LEDGER_FILE = "dp_ledger.json"  # the accountant's state beside the card: `hf-dp
 
 # The report's keys, in the order the `privacy:` block lists them.
 REPORT_KEYS = (
-    "privacy_unit", "sampling", "epsilon", "delta", "epsilon_lower", "epsilon_estimate",
+    "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "epsilon_lower", "epsilon_estimate",
     "target_epsilon", "epsilon_group_privacy", "noise_multiplier", "logging_noise_multiplier",
     "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "contribution_bound", "num_users",
-    "num_examples", "accountant", "mechanism", "noise_seed",
+    "num_examples", "accountant", "mechanism_description", "noise_seed",
 )
 _REQUIRED_KEYS = (
-    "epsilon", "delta", "privacy_unit", "sampling", "noise_multiplier", "sample_rate",
+    "epsilon", "delta", "privacy_unit", "mechanism", "noise_multiplier", "sample_rate",
     "steps", "max_grad_norm",
 )
-_UNIT_SAMPLING = {"user": ("uls", "els"), "example": ("example",)}
-_SAMPLING_NAMES = {
-    "uls": "ULS (user-level sampling)",
-    "els": "ELS (example-level sampling, user-level accounting)",
-    "example": "example-level DP-SGD",
-}
-_SAMPLING_TEXT = {
-    "uls": (
-        "Each step Poisson-samples users, each independently with probability q; a sampled "
-        "user's gradient is the gradient of the mean loss over their (at most G) examples, "
-        "clipped to norm C; Gaussian noise N(0, σ²C²I) is added once to the sum, which is "
-        "divided by the expected number of users per step (Charles et al. 2024)."
-    ),
-    "els": (
-        "Each user keeps at most G examples. Each step Poisson-samples examples, each "
-        "independently with probability q; every sampled example's gradient is clipped to "
-        "norm C; Gaussian noise N(0, σ²C²I) is added once to the sum, which is divided by "
-        "the expected number of examples per step (Charles et al. 2024)."
-    ),
-    "example": (
-        "Each step Poisson-samples examples, each independently with probability q; every "
-        "sampled example's gradient is clipped to norm C; Gaussian noise N(0, σ²C²I) is added "
-        "once to the sum, which is divided by the expected number of examples per step."
-    ),
-}
+# Report fields that must be numbers when present (a string here would reach a format code).
+_NUMERIC_KEYS = (
+    "epsilon", "delta", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy",
+    "noise_multiplier", "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
+    "expected_batch_size", "steps", "max_grad_norm", "contribution_bound", "contribution_bound_epsilon",
+    "num_users", "num_examples",
+)
 
 
 def _template_text() -> str:
@@ -152,15 +138,23 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
             f"privacy report is missing {missing}; pass the dict returned by "
             "DPTrainer.privacy_report(), or set non_private=True for a run without DP."
         )
-    unit, sampling = ordered["privacy_unit"], ordered["sampling"]
-    if unit not in _UNIT_SAMPLING:
-        raise ValueError(f"privacy_unit must be 'user' or 'example', got {unit!r}.")
-    if sampling not in _UNIT_SAMPLING[unit]:
-        raise ValueError(
-            f"sampling {sampling!r} does not go with privacy_unit {unit!r}; "
-            f"expected one of {list(_UNIT_SAMPLING[unit])}."
-        )
-    if sampling == "els" and ordered.get("contribution_bound") is None:
+    for key in _NUMERIC_KEYS:
+        value = ordered.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ValueError(f"privacy report field {key}={value!r} must be a number, not "
+                             f"{type(value).__name__}; pass the dict returned by DPTrainer.privacy_report().")
+    unit, sampling, key = ordered["privacy_unit"], ordered.get("sampling"), ordered["mechanism"]
+    if key not in DP_MECHANISMS:
+        raise ValueError(f"privacy report mechanism={key!r}: use one of {DP_MECHANISMS} (the keys of "
+                         "hf_dp.vocabulary.MECHANISMS for DP runs).")
+    if unit != MECHANISMS[key].privacy_unit:
+        raise ValueError(f"privacy report privacy_unit={unit!r} does not go with mechanism={key!r}, whose "
+                         f"privacy_unit is {MECHANISMS[key].privacy_unit!r}.")
+    expected_sampling = MECHANISMS[key].sampling
+    if sampling != expected_sampling:
+        raise ValueError(f"privacy report sampling={sampling!r} does not go with mechanism={key!r}: it must be "
+                         f"{expected_sampling!r} (None at the example level, where sampling is unused).")
+    if key == "els" and ordered.get("contribution_bound") is None:
         raise ValueError("ELS needs contribution_bound (G) in the report: its accounting depends on it.")
     return ordered
 
@@ -211,7 +205,7 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
 
 def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
     bound = report.get("contribution_bound")
-    units = "users" if report.get("sampling") == "uls" else "examples"
+    units = MECHANISMS[report["mechanism"]].sampled_unit
     items = [
         "**The pretraining data.** Only the private fine-tuning data is protected. Whatever "
         "the base model learned or memorised in pretraining is not, and the model may "
@@ -275,7 +269,7 @@ def render_privacy_card(
     metric_name: str = "accuracy",
     eval_result: float | None = None,
     baseline_result: float | None = None,
-    nonprivate_result: float | None = None,
+    non_private_result: float | None = None,
     model_name: str | None = None,
     extra_not_covered: Iterable[str] = (),
     library_name: str = "transformers",
@@ -285,10 +279,12 @@ def render_privacy_card(
     Args:
         report (`Mapping[str, Any]`):
             The dict returned by [`DPTrainer.privacy_report`]: `epsilon`, `delta`,
-            `privacy_unit`, `sampling`, `noise_multiplier`, `sample_rate`, `steps`,
-            `max_grad_norm` are required; `epsilon_lower`, `epsilon_estimate`,
-            `epsilon_group_privacy` (ELS), `contribution_bound`, `num_users`,
-            `num_examples`, `accountant`, `mechanism`, `noise_seed` are shown when present.
+            `privacy_unit`, `mechanism` (`"uls"`, `"els"` or `"example"`, a key of
+            [`~hf_dp.vocabulary.MECHANISMS`]), `sampling` (`"uls"`/`"els"` for user level, `None` for
+            example level), `noise_multiplier`, `sample_rate`, `steps`, `max_grad_norm` are required;
+            `epsilon_lower`, `epsilon_estimate`, `epsilon_group_privacy` (ELS), `contribution_bound`,
+            `num_users`, `num_examples`, `accountant`, `mechanism_description`, `noise_seed` are shown when
+            present.
             A report with `non_private: True` gives a card that says there is no guarantee.
             It is copied, field for field, into the front matter's `privacy:` block.
         base_model (`str`, *optional*): Hub id or path of the pretrained model.
@@ -297,7 +293,9 @@ def render_privacy_card(
         metric_name (`str`, *optional*, defaults to `"accuracy"`): the metric of the results.
         eval_result (`float`, *optional*): the fine-tuned model's metric (goes into `model-index`).
         baseline_result (`float`, *optional*): the public-only baseline's metric.
-        nonprivate_result (`float`, *optional*): a non-private fine-tune's metric.
+        non_private_result (`float`, *optional*): a non-private fine-tune's metric.
+            The four evaluation arguments go into the `dp_evaluation:` block under the same names
+            ([`~hf_dp.vocabulary.EVAL_KEYS`]).
         model_name (`str`, *optional*): the card's title; defaults to `<base model>-hf-dp`.
         extra_not_covered (`Iterable[str]`, *optional*): more items for the "not covered" list
             of "What the guarantee covers".
@@ -308,7 +306,8 @@ def render_privacy_card(
         [`~huggingface_hub.ModelCard`]; `card.save(path)` or [`write_privacy_card`] writes it.
 
     Raises:
-        ValueError: a required report field is missing, or unit and sampling do not match.
+        ValueError: a required report field is missing or not a number, or unit, mechanism and sampling do not
+            match.
         TypeError: a report value that cannot go into YAML.
 
     Example:
@@ -322,7 +321,7 @@ def render_privacy_card(
     privacy = _normalised_report(report)
     non_private = bool(privacy.get("non_private"))
     unit = privacy.get("privacy_unit")
-    sampling = privacy.get("sampling")
+    entry = None if non_private else MECHANISMS[privacy["mechanism"]]
     if model_name is None:
         stem = base_model.rstrip("/").split("/")[-1] if base_model else "model"
         model_name = f"{stem}-hf-dp" if not non_private else f"{stem}-non-private"
@@ -333,9 +332,8 @@ def render_privacy_card(
     else:
         tags += ["differential-privacy", "dp-sgd"]
         tags.append("user-level-dp" if unit == "user" else "example-level-dp")
-    extra_tags = {"uls": "dp-uls", "els": "dp-els"}
-    if sampling in extra_tags:
-        tags.append(extra_tags[sampling])
+        if entry.sampling is not None:
+            tags.append(f"dp-{entry.sampling}")
 
     eval_results = None
     if eval_result is not None:
@@ -348,13 +346,8 @@ def render_privacy_card(
                 metric_value=_plain(eval_result, "eval_result"),
             )
         ]
-    comparison = {
-        "metric": metric_name,
-        "model": eval_result,
-        "public_only_baseline": baseline_result,
-        "non_private": nonprivate_result,
-    }
-    comparison = {k: _plain(v, k) for k, v in comparison.items() if v is not None}
+    figures = dict(zip(EVAL_KEYS, (eval_result, baseline_result, non_private_result, metric_name)))
+    comparison = {k: _plain(figures[k], k) for k in ("metric_name", *EVAL_KEYS[:3]) if figures[k] is not None}
     card_data = ModelCardData(
         base_model=base_model,
         datasets=[dataset_name] if dataset_name else None,
@@ -367,16 +360,15 @@ def render_privacy_card(
         dp_evaluation=comparison if len(comparison) > 1 else None,
     )
 
-    population, unit_plural = (
-        ("users", "users") if sampling == "uls" else ("examples", "examples")
-    )
-    population_size = privacy.get("num_users" if sampling == "uls" else "num_examples")
+    unit_plural = entry.sampled_unit if entry is not None else "examples"
+    population_size = privacy.get("num_users" if unit_plural == "users" else "num_examples")
     expected = privacy.get("expected_batch_size")  # public: the argument, not q × a count of the data
     if expected is None and population_size is not None and privacy.get("sample_rate") is not None:
         expected = privacy["sample_rate"] * population_size
     bound = privacy.get("contribution_bound")
     if bound is not None:
-        contribution_md = f"all of their rows, at most G = {bound} examples (rows beyond G were dropped before training)"
+        contribution_md = (f"all of their rows, at most G = {bound} examples (rows beyond G were dropped before "
+                           "training)")
     else:
         contribution_md = "all of their rows, however many"
 
@@ -386,8 +378,8 @@ def render_privacy_card(
         eval_rows.append((label, _fmt(eval_result, ".4g")))
     if baseline_result is not None:
         eval_rows.append(("Public-only baseline (pretrained, no private data)", _fmt(baseline_result, ".4g")))
-    if nonprivate_result is not None and not non_private:
-        eval_rows.append(("Non-private fine-tuning (no guarantee)", _fmt(nonprivate_result, ".4g")))
+    if non_private_result is not None and not non_private:
+        eval_rows.append(("Non-private fine-tuning (no guarantee)", _fmt(non_private_result, ".4g")))
 
     environment = jinja2.Environment(
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
@@ -401,9 +393,10 @@ def render_privacy_card(
         dataset_name=dataset_name,
         task=task,
         privacy_unit=unit,
-        sampling=sampling,
-        sampling_name=_SAMPLING_NAMES.get(sampling, str(sampling)),
-        sampling_md=_SAMPLING_TEXT.get(sampling, ""),
+        mechanism=None if entry is None else entry.key,
+        sampling=None if entry is None else entry.sampling,
+        mechanism_name="" if entry is None else entry.name,
+        mechanism_description="" if entry is None else (privacy.get("mechanism_description") or entry.description),
         eps=_fmt_up(privacy.get("epsilon"), 2),
         delta=_fmt_sig(privacy.get("delta"), 3, up=True),
         eps_lower=privacy.get("epsilon_lower"),
@@ -424,7 +417,6 @@ def render_privacy_card(
         sample_rate=_fmt_sig(privacy.get("sample_rate"), 4, up=True),
         expected_batch=_fmt(expected, ".1f") if expected is not None else "not reported",
         unit_plural=unit_plural,
-        population=population,
         steps=_fmt(privacy.get("steps"), "d"),
         max_grad_norm=_fmt(privacy.get("max_grad_norm"), ".4g"),
         contribution_bound=_fmt(bound, "d") if bound is not None else "none (all rows kept)",
@@ -433,7 +425,6 @@ def render_privacy_card(
         num_examples=_fmt(round_count(privacy.get("num_examples")), ","),
         noise_seed=privacy.get("noise_seed") or "not reported",
         accountant=privacy.get("accountant") or "not reported",
-        mechanism=privacy.get("mechanism") or "not reported",
         metric_name=metric_name,
         eval_rows=eval_rows,
         eval_result=eval_result,

@@ -5,17 +5,20 @@ Subcommands:
 - `hf-dp demo`: the privacy/utility study on the embedded default (see `hf_dp.workflows.study`).
 - `hf-dp app`: the Gradio app (see `hf_dp.workflows.app`); `hf-dp publish`: push a run with its privacy card.
 - `hf-dp plan`: the privacy budget planner. For ULS, ELS (mixture-of-Gaussians accountant) and
-  example-level DP-SGD at the same compute budget: the noise multiplier σ each needs for a target
-  (ε, δ), the ε each spends at a fixed σ, the recommended contribution bound G, the sample rate
+  example-level DP-SGD at the same compute budget (`--examples_per_step`): the noise multiplier σ each
+  needs for a target (ε, δ), the ε each spends at a fixed σ, the recommended contribution bound G, the
+  sample rate, the `expected_batch_size` to train with (in its unit: users for ULS, examples otherwise)
   and the steps.
 
-    hf-dp plan --users 1000 --examples-per-user 20 --units-per-step 64 --steps 300 --epsilon 4
-    hf-dp plan --data train.jsonl --user-column author --units-per-step 256 --noise-multiplier 1.0
+    hf-dp plan --users 1000 --examples_per_user 20 --examples_per_step 64 --steps 300 --target_epsilon 4
+    hf-dp plan --data train.jsonl --user_id_column author --examples_per_step 256 --noise_multiplier 1.0
 
   With `--data`, the plan reads two numbers from the private file: the number of users and an ε-DP
-  median of the examples per user (`--data-epsilon`, default 0.1); it prints no exact count statistic.
+  median of the examples per user (`--data_epsilon`, default 0.1); it prints no exact count statistic.
 
-Bad input prints one line saying what to change on stderr and exits with status 2.
+Flags are spelled like the `DPTrainingArguments` fields they stand for (`--target_epsilon`, `--target_delta`,
+`--user_id_column`, `--noise_multiplier`, `--contribution_bound`); every flag also accepts dashes
+(`--target-epsilon`). Bad input prints one line saying what to change on stderr and exits with status 2.
 
 New subcommands: add a `_add_<name>(subparsers)` that registers the parser with
 `set_defaults(func=_cmd_<name>)` and call it from `build_parser()`.
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-# ---- hf-dp demo / app / publish (flags and behaviour live in hf_dp.workflows.study / hf_dp.workflows.app / hf_dp.hub) --
+# ---- hf-dp demo / app / publish (flags and behaviour: hf_dp.workflows.study / hf_dp.workflows.app / hf_dp.hub) ----
 
 # name -> (module with build_parser/run, help, description)
 _MODULE_COMMANDS = {
@@ -69,7 +72,7 @@ _MODULE_COMMANDS = {
              "Public-only baseline, user-level DP (ULS) at ε=8 and non-private fine-tuning of the embedded MiniLM "
              "on Shakespeare speeches by role; --grid runs the full study."),
     "app": ("workflows.app", "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
-            "Serve the Gradio app on --host:--port over the runs in --results-dir."),
+            "Serve the Gradio app on --host:--port over the runs in --results_dir."),
     "publish": ("hub", "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
                 "Upload a saved model, its tokenizer and its privacy card to the Hub; checks the card and that the "
                 "Hub is reachable before uploading anything."),
@@ -87,38 +90,45 @@ def _add_module_command(subparsers, name: str) -> None:
 
 # ---- hf-dp plan -------------------------------------------------------------------------------
 
+def _flag(group, name: str, **kwargs) -> None:
+    """`--name_with_underscores` (the `DPTrainingArguments` spelling), also accepted as `--name-with-dashes`."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    group.add_argument(*spellings, dest=name, **kwargs)
+
+
 def _add_plan(subparsers) -> None:
     plan = subparsers.add_parser(
         "plan",
-        help="σ, ε and contribution bound G for ULS, ELS and example-level DP-SGD",
+        help="σ, ε, contribution bound G and expected_batch_size for ULS, ELS and example-level DP-SGD",
         description="Plan a DP fine-tuning run: for ULS, ELS (mixture-of-Gaussians accountant) and example-level "
                     "DP-SGD at the same compute budget, the noise multiplier σ each needs to meet (ε, δ), the ε "
-                    "each spends at a fixed σ, the recommended contribution bound G, the sample rate and the steps.",
+                    "each spends at a fixed σ, the recommended contribution bound G, the sample rate, the "
+                    "expected_batch_size to train with and the steps. Flags are DPTrainingArguments' field names "
+                    "(dashes also accepted).",
     )
-    population = plan.add_argument_group("data (either --users with --examples-per-user, or --data)")
-    population.add_argument("--users", type=int, help="number of users")
-    population.add_argument("--examples-per-user", type=int, help="examples (rows) of every user")
-    population.add_argument("--data", help="a .csv, .jsonl/.json or .parquet file with one example per row")
-    population.add_argument("--user-column", help="the column of --data holding the user id")
-    population.add_argument("--data-epsilon", type=float, default=0.1,
-                            help="ε of the DP median of --data's examples per user, the only statistic the plan "
-                                 "reads from it besides the number of users (exponential mechanism on a public "
-                                 "grid; spent by this plan, in no run's ledger). Default: 0.1")
+    population = plan.add_argument_group("data (either --users with --examples_per_user, or --data)")
+    _flag(population, "users", type=int, help="number of users (at least 2)")
+    _flag(population, "examples_per_user", type=int, help="examples (rows) of every user")
+    _flag(population, "data", help="a .csv, .jsonl/.json or .parquet file with one example per row")
+    _flag(population, "user_id_column", help="the column of --data holding the user id")
+    _flag(population, "data_epsilon", type=float, default=0.1,
+          help="ε of the DP median of --data's examples per user, the only statistic the plan reads from it "
+               "besides the number of users (exponential mechanism on a public grid; spent by this plan, in no "
+               "run's ledger). Default: 0.1")
     run = plan.add_argument_group("run")
-    run.add_argument("--units-per-step", type=float, default=64.0,
-                     help="compute budget: expected examples processed per step, the same for every mode (ELS "
-                          "and example-level sample this many examples; ULS samples this many examples' worth of "
-                          "users). Default: 64")
-    run.add_argument("--steps", type=int, help="optimizer steps. Default: one expected pass over the examples")
-    run.add_argument("--epsilon", type=float, default=8.0, help="target ε. Default: 8")
-    run.add_argument("--delta", type=float,
-                     help="δ, below 1/users. Default: 1/(10·users) for the user-level rows and 1/(10·examples) "
-                          "for the example-level row (the defaults of DPTrainingArguments)")
-    run.add_argument("--noise-multiplier", type=float,
-                     help="also report the ε each mode spends at this fixed σ")
-    run.add_argument("--contribution-bound-els", type=int, help="G for ELS. Default: the median examples per user")
-    run.add_argument("--contribution-bound-uls", type=int,
-                     help="G for ULS. Default: the noise-prediction heuristic (Charles et al. 2024)")
+    _flag(run, "examples_per_step", type=float, default=64.0,
+          help="compute budget: expected examples processed per step, the same for every mechanism (ELS and "
+               "example-level sample expected_batch_size = this many examples; ULS samples this many examples' "
+               "worth of users). Default: 64")
+    _flag(run, "steps", type=int, help="optimizer steps. Default: one expected pass over the examples")
+    _flag(run, "target_epsilon", type=float, default=8.0, help="target ε. Default: 8")
+    _flag(run, "target_delta", type=float,
+          help="δ, below 1/users. Default: 1/(10·users) for the user-level rows and 1/(10·examples) for the "
+               "example-level row (the defaults of DPTrainingArguments)")
+    _flag(run, "noise_multiplier", type=float, help="also report the ε each mechanism spends at this fixed σ")
+    _flag(run, "contribution_bound", type=int,
+          help="G, the most examples kept per user, for ULS and ELS. Default: the median examples per user for "
+               "ELS, the noise-prediction heuristic (Charles et al. 2024) for ULS")
     plan.set_defaults(func=_cmd_plan)
 
 
@@ -140,10 +150,10 @@ def _read_examples_per_user(path: str, column: str) -> list[int]:
         raise ValueError(f"--data {path!r} could not be read as {suffix[1:]}: {error}") from error
     if column not in frame.columns:
         shown = ", ".join(map(str, list(frame.columns)[:10]))
-        raise ValueError(f"--user-column {column!r} is not a column of {path} (columns: {shown}).")
+        raise ValueError(f"--user_id_column {column!r} is not a column of {path} (columns: {shown}).")
     ids = frame[column].dropna()
     if ids.empty:
-        raise ValueError(f"--data {path}: no row has a value in --user-column {column!r}.")
+        raise ValueError(f"--data {path}: no row has a value in --user_id_column {column!r}.")
     return sorted(Counter(ids.tolist()).values())
 
 
@@ -161,37 +171,41 @@ def _cmd_plan(args) -> int:
 
     if args.data is not None:
         if args.users is not None or args.examples_per_user is not None:
-            raise ValueError("give either --data (with --user-column) or --users with --examples-per-user, not both.")
-        if not args.user_column:
-            raise ValueError("--data needs --user-column (the column with the user id).")
+            raise ValueError("give either --data (with --user_id_column) or --users with --examples_per_user, "
+                             "not both.")
+        if not args.user_id_column:
+            raise ValueError("--data needs --user_id_column (the column with the user id).")
         if not (args.data_epsilon > 0 and math.isfinite(args.data_epsilon)):
-            raise ValueError(f"--data-epsilon {args.data_epsilon:g}: must be a positive number.")
-        exact = _read_examples_per_user(args.data, args.user_column)
+            raise ValueError(f"--data_epsilon {args.data_epsilon:g}: must be a positive number.")
+        exact = _read_examples_per_user(args.data, args.user_id_column)
         # Plan on public numbers: the number of users and a DP median, never an exact statistic of the data.
         median = planner.private_quantile(exact, epsilon=args.data_epsilon)
         population = dict(users=len(exact), examples_per_user=median)
-        source = (f"{args.data} (user column {args.user_column!r}), planned as {len(exact)} users x {median} "
+        source = (f"{args.data} (user column {args.user_id_column!r}), planned as {len(exact)} users x {median} "
                   f"examples: {median} is an ε-DP median of its examples per user (ε = {args.data_epsilon:g}, "
                   "exponential mechanism on a public grid); no exact count is shown")
     else:
         if args.users is None or args.examples_per_user is None:
-            raise ValueError("give --users and --examples-per-user, or --data with --user-column.")
-        if args.users < 1:
-            raise ValueError(f"--users {args.users}: must be at least 1.")
+            raise ValueError("give --users and --examples_per_user, or --data with --user_id_column.")
+        if args.users < 2:
+            raise ValueError(f"--users {args.users}: DPTrainer refuses training data with fewer than 2 users (a "
+                             "user-level guarantee needs many users); give the number of users you will train on.")
         if args.examples_per_user < 1:
-            raise ValueError(f"--examples-per-user {args.examples_per_user}: must be at least 1.")
+            raise ValueError(f"--examples_per_user {args.examples_per_user}: must be at least 1.")
         population = dict(users=args.users, examples_per_user=args.examples_per_user)
         source = f"{args.users} users x {args.examples_per_user} examples"
-    for flag, value in (("--units-per-step", args.units_per_step), ("--epsilon", args.epsilon),
-                        ("--noise-multiplier", args.noise_multiplier), ("--delta", args.delta)):
+    for flag, value in (("--examples_per_step", args.examples_per_step), ("--target_epsilon", args.target_epsilon),
+                        ("--noise_multiplier", args.noise_multiplier), ("--target_delta", args.target_delta)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{flag} {value:g}: must be a positive number.")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be at least 1.")
+    if args.contribution_bound is not None and args.contribution_bound < 1:
+        raise ValueError(f"--contribution_bound {args.contribution_bound}: must be at least 1.")
     rows = planner.plan(
-        **population, units_per_step=args.units_per_step, steps=args.steps, target_epsilon=args.epsilon,
-        delta=args.delta, noise_multiplier=args.noise_multiplier,
-        contribution_bound_els=args.contribution_bound_els, contribution_bound_uls=args.contribution_bound_uls,
+        **population, examples_per_step=args.examples_per_step, steps=args.steps, target_epsilon=args.target_epsilon,
+        target_delta=args.target_delta, noise_multiplier=args.noise_multiplier,
+        contribution_bound=args.contribution_bound,
     )
     print(format_plan(rows, source=source, **population))
     return 0
@@ -202,7 +216,7 @@ def _fmt(value, spec: str = ".3g") -> str:
 
 
 def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source: str) -> str:
-    """The plan as an aligned text table with a header and notes."""
+    """The plan as an aligned text table with a header and notes (column names: the planner's keys)."""
     first = rows[0]
     lines = [
         f"Privacy budget plan: {source}",
@@ -212,16 +226,15 @@ def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source:
         "",
     ]
     sigma_fixed = first["fixed_noise_multiplier"]
-    header = ["mode", "privacy unit", "G", "sample rate q", "units/step", "δ",
+    header = ["mechanism", "privacy_unit", "G", "sample rate q", "expected_batch_size", "δ",
               f"σ for ε={first['target_epsilon']:g}", "noise std"]
     if sigma_fixed is not None:
         header.append(f"ε at σ={sigma_fixed:g}")
     table = [header]
     for row in rows:
-        unit_word = "users" if row["mode"] == "uls" else "examples"
         cells = [row["label"], row["privacy_unit"], _fmt(row["contribution_bound"], "d"),
-                 _fmt(row["sample_rate"], ".4g"), f"{row['units_per_step']:.4g} {unit_word}", _fmt(row["delta"], ".2g"),
-                 _fmt(row["noise_multiplier"], ".4g"), _fmt(row["noise_std"], ".3g")]
+                 _fmt(row["sample_rate"], ".4g"), f"{row['expected_batch_size']:.4g} {row['sampled_unit']}",
+                 _fmt(row["delta"], ".2g"), _fmt(row["noise_multiplier"], ".4g"), _fmt(row["noise_std"], ".3g")]
         if sigma_fixed is not None:
             cells.append(_fmt(row["epsilon_at_fixed_noise"], ".4g"))
         table.append(cells)
@@ -232,7 +245,9 @@ def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
-    lines.append("noise std: σ / (units per step), the std of the noise in the averaged update in units of the "
+    lines.append("expected_batch_size: the DPTrainingArguments value that spends the same compute (users per step "
+                 "for ULS, examples per step otherwise).")
+    lines.append("noise std: σ / expected_batch_size, the std of the noise in the averaged update in units of the "
                  "clipping norm C (lower is better at equal compute).")
     lines.append("ε is prv-accountant's upper bound over both adjacency directions (add and remove).")
     for row in rows:

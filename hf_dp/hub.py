@@ -6,9 +6,10 @@ checks that run *before anything is uploaded*:
 
 1. [`check_privacy_card`]: the folder has a `README.md` whose YAML front matter parses with
    [`~huggingface_hub.ModelCard`] and [`~huggingface_hub.repocard.metadata_load`] and carries the `privacy:`
-   block that [`hf_dp.card`] writes (ε, δ, privacy unit, sampling), and what it states is what the ledger
-   saved beside it (`dp_ledger.json`) accounts: ε is recomputed from the ledger and a card claiming less (in
-   its front matter or its text), another δ, unit or mechanism, or no ledger at all is refused. A non-private
+   block that [`hf_dp.card`] writes (ε, δ, privacy unit, mechanism), with ε and δ written as numbers, and what it
+   states is what the ledger saved beside it (`dp_ledger.json`) accounts: ε is recomputed from the ledger and a
+   card claiming less (in its front matter or its text), another δ, unit or mechanism, or no ledger at all is
+   refused. A non-private
    run's card is refused unless `allow_non_private=True`: its data has no protection.
 2. the folder holds a model (`config.json` and weights);
 3. [`ensure_hub_reachable`]: not in offline mode (`HF_HUB_OFFLINE=1`) and the Hub endpoint answers; otherwise
@@ -19,8 +20,8 @@ Publishing is post-processing: it changes nothing about the guarantee the card s
 Example:
 
 ```bash
-hf-dp publish results/models/uls-eps8 --repo-id alice/minilm-shakespeare-uls-eps8
-hf-dp publish results/uls-eps8.json --repo-id alice/minilm-shakespeare-uls-eps8 --public
+hf-dp publish results/models/uls-eps8 --repo_id alice/minilm-shakespeare-uls-eps8
+hf-dp publish results/uls-eps8.json --repo_id alice/minilm-shakespeare-uls-eps8 --public
 ```
 """
 
@@ -50,7 +51,7 @@ __all__ = [
 # What never goes to the Hub: checkpoints (they hold optimizer state and the ledger), trainer internals.
 IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", "_*", "*.tmp", "training_args.bin", "dp_state.json"]
 # The privacy block must state at least the guarantee itself.
-_CARD_KEYS = ("epsilon", "delta", "privacy_unit", "sampling")
+_CARD_KEYS = ("epsilon", "delta", "privacy_unit", "mechanism")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 _HOW_TO_CARD = (
     "train with hf_dp.DPTrainer (it writes the card at the end of train()), call trainer.write_privacy_card(dir), "
@@ -111,10 +112,11 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
 
     Raises:
         PrivacyCardError: no README, front matter that does not parse, no `privacy:` block, a block without
-            ε/δ/unit/sampling, or a non-private card when not allowed; for a DP card, an ε that is not a finite
-            number ≥ 0 or a δ outside (0, 1), no ledger (`dp_ledger.json`) beside it, or a card that states a
-            smaller ε than the ledger accounts (front matter or text), another δ, unit, sampling or step count.
-            One line, saying how to make a card.
+            ε/δ/unit/mechanism, or a non-private card when not allowed; for a DP card, an ε or δ that is not a
+            number (e.g. written as a string), an ε that is not finite and ≥ 0 or a δ outside (0, 1), a mechanism
+            that is not `"uls"`, `"els"` or `"example"`, no ledger (`dp_ledger.json`) beside it, or a card that
+            states a smaller ε than the ledger accounts (front matter or text), another δ, unit, mechanism or step
+            count. One line, naming the field and saying how to make a card.
     """
     from huggingface_hub import ModelCard
     from huggingface_hub.repocard import metadata_load
@@ -139,7 +141,7 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
         if not allow_non_private:
             raise PrivacyCardError(
                 f"{readme} describes a model trained WITHOUT differential privacy: refusing to publish it "
-                "(pass allow_non_private=True / --allow-non-private if its training data is not private)."
+                "(pass allow_non_private=True / --allow_non_private if its training data is not private)."
             )
         return dict(privacy)
     missing = [key for key in _CARD_KEYS if privacy.get(key) is None]
@@ -157,18 +159,43 @@ def _number(value) -> float | None:
     return float(value)
 
 
+def _card_number(readme: Path, privacy: Mapping, key: str, symbol: str) -> float:
+    """`privacy[key]` as a float, or one line naming the field when the YAML holds something else (a string)."""
+    value = _number(privacy[key])
+    if value is None:
+        written = f"the {type(privacy[key]).__name__} {privacy[key]!r}"
+        raise PrivacyCardError(f"{readme}: privacy.{key} ({symbol}) is {written} in the card's YAML, not a number: "
+                               f"write it unquoted (e.g. {key}: 7.98), or regenerate the card: {_HOW_TO_CARD}.")
+    return value
+
+
+def _ledger_mechanism(ledger: Mapping) -> str:
+    """The mechanism a ledger records: its `mechanism` key, or the one its `privacy_unit` and `sampling` select."""
+    from .vocabulary import DP_MECHANISMS, mechanism_of
+
+    key = ledger.get("mechanism")
+    if key in DP_MECHANISMS:
+        return key
+    return mechanism_of(ledger.get("privacy_unit"), ledger.get("sampling"))
+
+
 def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
     """Refuse a card whose ε, δ, unit or mechanism is not what its ledger accounts (ε recomputed from it)."""
     from .accounting import PrivacyAccountant
     from .card import LEDGER_FILE
+    from .vocabulary import DP_MECHANISMS
 
-    epsilon, delta = _number(privacy["epsilon"]), _number(privacy["delta"])
-    if epsilon is None or not (math.isfinite(epsilon) and epsilon >= 0):
+    epsilon = _card_number(readme, privacy, "epsilon", "ε")
+    delta = _card_number(readme, privacy, "delta", "δ")
+    if not (math.isfinite(epsilon) and epsilon >= 0):
         raise PrivacyCardError(f"{readme}: ε = {privacy['epsilon']!r} is not a finite number ≥ 0. "
                                f"Regenerate the card: {_HOW_TO_CARD}.")
-    if delta is None or not 0 < delta < 1:
+    if not 0 < delta < 1:
         raise PrivacyCardError(f"{readme}: δ = {privacy['delta']!r} is not in (0, 1). Regenerate the card: "
                                f"{_HOW_TO_CARD}.")
+    if privacy["mechanism"] not in DP_MECHANISMS:
+        raise PrivacyCardError(f"{readme}: privacy.mechanism = {privacy['mechanism']!r} is not one of "
+                               f"{DP_MECHANISMS}. Regenerate the card: {_HOW_TO_CARD}.")
     path = readme.parent / LEDGER_FILE
     if not path.is_file():
         raise PrivacyCardError(f"{path} does not exist: without the ledger the card's ε cannot be checked. "
@@ -181,11 +208,12 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
         if ledger_delta is None or not 0 < ledger_delta < 1:
             raise ValueError(f"its delta {ledger['delta']!r} is not in (0, 1)")
         accounted = accountant.epsilon(ledger_delta)
+        ledger_mechanism = _ledger_mechanism(ledger)
     except (ValueError, KeyError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise PrivacyCardError(f"{path} is not a ledger written by hf_dp ({reason}).") from error
-    checks = [(key, privacy.get(key), ledger.get(key)) for key in ("privacy_unit", "sampling")]
-    checks.append(("steps", privacy.get("steps"), accountant.steps))
+    checks = [("privacy_unit", privacy.get("privacy_unit"), ledger.get("privacy_unit")),
+              ("mechanism", privacy["mechanism"], ledger_mechanism), ("steps", privacy.get("steps"), accountant.steps)]
     for key, stated, recorded in checks:
         if stated != recorded:
             raise PrivacyCardError(f"{readme}: the card says {key} = {stated!r} but its ledger ({LEDGER_FILE}) "
@@ -315,9 +343,9 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise ValueError(f"--repo-id {repo_id!r}: {error}") from error
+        raise ValueError(f"--repo_id {repo_id!r}: {error}") from error
     if "/" not in repo_id:
-        raise ValueError(f"--repo-id {repo_id!r}: use USER/NAME or ORG/NAME.")
+        raise ValueError(f"--repo_id {repo_id!r}: use USER/NAME or ORG/NAME.")
 
     api = HfApi(token=token)
     ensure_hub_reachable(api.endpoint)
@@ -353,10 +381,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="Saved model folder (e.g. results/models/uls-eps8) or a result JSON (results/<run>.json).")
-    parser.add_argument("--repo-id", required=True, help="Hub repo USER/NAME (created if missing).")
+    parser.add_argument("--repo_id", "--repo-id", required=True, help="Hub repo USER/NAME (created if missing).")
     parser.add_argument("--token", default=None, help="Write token (default: the stored login or HF_TOKEN).")
     parser.add_argument("--public", action="store_true", help="Create the repo public (default: private).")
-    parser.add_argument("--allow-non-private", action="store_true",
+    parser.add_argument("--allow_non_private", "--allow-non-private", action="store_true",
                         help="Publish a run trained without DP (its training data has no protection).")
     return parser
 

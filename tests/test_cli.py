@@ -9,25 +9,43 @@ import pytest
 
 from hf_dp import cli
 from hf_dp.accounting import planner
+from hf_dp.vocabulary import MECHANISMS
 
-BASE = ["plan", "--units-per-step", "30", "--steps", "60", "--epsilon", "5"]
+BASE = ["plan", "--examples_per_step", "30", "--steps", "60", "--target_epsilon", "5"]
 
 
-def test_plan_prints_the_three_modes(capsys):
-    assert cli.main([*BASE, "--users", "300", "--examples-per-user", "4", "--noise-multiplier", "1.2"]) == 0
+def test_plan_prints_the_three_mechanisms(capsys):
+    assert cli.main([*BASE, "--users", "300", "--examples_per_user", "4", "--noise_multiplier", "1.2"]) == 0
     out = capsys.readouterr().out
-    rows = planner.plan(users=300, examples_per_user=4, units_per_step=30, steps=60, target_epsilon=5,
+    rows = planner.plan(users=300, examples_per_user=4, examples_per_step=30, steps=60, target_epsilon=5,
                         noise_multiplier=1.2)
     assert "300 users, 1200 examples" in out
     lines = out.splitlines()
-    header = next(line for line in lines if line.startswith("mode"))
-    assert "σ for ε=5" in header and "ε at σ=1.2" in header
+    header = next(line for line in lines if line.startswith("mechanism"))
+    assert "σ for ε=5" in header and "ε at σ=1.2" in header and "expected_batch_size" in header
     for row in rows:
-        line = next(line for line in lines if line.startswith(row["label"]))
+        line = next(line for line in lines if line.startswith(MECHANISMS[row["mechanism"]].label))
         assert f"{row['noise_multiplier']:.4g}" in line
         assert f"{row['epsilon_at_fixed_noise']:.4g}" in line
         assert f"{row['sample_rate']:.4g}" in line
+        assert f"{row['expected_batch_size']:.4g} {row['sampled_unit']}" in line  # the batch with its unit
     assert "not protected as a whole" in out
+
+
+def test_flags_are_the_argument_names_and_dashes_are_accepted(capsys):
+    underscores = ["plan", "--users", "300", "--examples_per_user", "4", "--examples_per_step", "30", "--steps", "60",
+                   "--target_epsilon", "5", "--target_delta", "1e-4", "--contribution_bound", "2",
+                   "--noise_multiplier", "1.2"]
+    assert cli.main(underscores) == 0
+    first = capsys.readouterr().out
+    assert cli.main([arg.replace("_", "-") if arg.startswith("--") else arg for arg in underscores]) == 0
+    assert capsys.readouterr().out == first
+    rows = planner.plan(users=300, examples_per_user=4, examples_per_step=30, steps=60, target_epsilon=5,
+                        target_delta=1e-4, contribution_bound=2, noise_multiplier=1.2)
+    assert all(row["delta"] == 1e-4 for row in rows)
+    assert rows[0]["contribution_bound"] == rows[1]["contribution_bound"] == 2
+    for old in ("--epsilon", "--delta", "--units-per-step", "--user-column", "--contribution-bound-els"):
+        assert _exit_code(["plan", "--users", "300", "--examples_per_user", "4", old, "2"]) == 2, old
 
 
 @pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
@@ -36,8 +54,8 @@ def test_plan_reads_a_data_file(tmp_path, capsys, suffix):
     path = tmp_path / f"train.{suffix}"
     {"csv": lambda p: frame.to_csv(p, index=False), "jsonl": lambda p: frame.to_json(p, orient="records", lines=True),
      "parquet": lambda p: frame.to_parquet(p)}[suffix](path)
-    code = cli.main(["plan", "--data", str(path), "--user-column", "author", "--units-per-step", "2", "--steps", "5",
-                     "--delta", "0.01"])
+    code = cli.main(["plan", "--data", str(path), "--user_id_column", "author", "--examples_per_step", "2",
+                     "--steps", "5", "--target_delta", "0.01"])
     assert code == 0
     out = capsys.readouterr().out
     assert "3 users" in out  # the row without a user id is ignored
@@ -46,27 +64,42 @@ def test_plan_reads_a_data_file(tmp_path, capsys, suffix):
 
 
 @pytest.mark.parametrize("argv, match", [
-    ([*BASE, "--users", "300", "--examples-per-user", "4", "--epsilon", "0"], "--epsilon"),
-    ([*BASE, "--users", "300", "--examples-per-user", "4", "--delta", "0.01"], "delta"),
-    ([*BASE, "--users", "10", "--examples-per-user", "2"], "units_per_step"),
-    ([*BASE, "--users", "-4", "--examples-per-user", "2"], "--users"),
-    ([*BASE, "--users", "10"], "--examples-per-user"),
-    ([*BASE, "--data", "missing.csv", "--user-column", "u"], "no such file"),
+    ([*BASE, "--users", "300", "--examples_per_user", "4", "--target_epsilon", "0"], "--target_epsilon"),
+    ([*BASE, "--users", "300", "--examples_per_user", "4", "--target_delta", "0.01"], "target_delta"),
+    ([*BASE, "--users", "10", "--examples_per_user", "2"], "examples_per_step"),
+    ([*BASE, "--users", "-4", "--examples_per_user", "2"], "--users"),
+    ([*BASE, "--users", "10"], "--examples_per_user"),
+    ([*BASE, "--data", "missing.csv", "--user_id_column", "u"], "no such file"),
     (["plan", "--users", "many"], "invalid int"),
     ([], "COMMAND"),
+    # DPTrainer refuses one user: so does the plan, saying why and what to change
+    (["plan", "--users", "1", "--examples_per_user", "20"], "--users 1: DPTrainer refuses"),
+    # a σ so small that no mechanism's ε can be accounted: one line and status 2, not "Cannot compute epsilon"
+    (["plan", "--users", "100", "--examples_per_user", "20", "--noise_multiplier", "1e-9"],
+     "noise_multiplier=1e-09: so little noise"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     assert _exit_code(argv) == 2
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert match in err
     assert len(err.strip().splitlines()) == 1
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "Cannot compute epsilon" not in err + captured.out
+    assert captured.out == ""  # no plan printed
+
+
+def test_one_user_in_a_data_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "train.csv"
+    pd.DataFrame({"author": ["a"] * 6, "text": list("abcdef")}).to_csv(path, index=False)
+    assert cli.main(["plan", "--data", str(path), "--user_id_column", "author", "--examples_per_step", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "users=1: DPTrainer refuses" in err and len(err.strip().splitlines()) == 1
 
 
 def test_unknown_user_column(tmp_path, capsys):
     path = tmp_path / "train.csv"
     pd.DataFrame({"user": ["a", "b"], "text": ["x", "y"]}).to_csv(path, index=False)
-    assert cli.main(["plan", "--data", str(path), "--user-column", "author"]) == 2
+    assert cli.main(["plan", "--data", str(path), "--user_id_column", "author"]) == 2
     err = capsys.readouterr().err
     assert "'author' is not a column" in err and "user, text" in err
 
@@ -81,7 +114,7 @@ def _exit_code(argv):
 
 def test_parser_has_the_plan_subcommand():
     parser = cli.build_parser()
-    args = parser.parse_args(["plan", "--users", "3", "--examples-per-user", "1"])
+    args = parser.parse_args(["plan", "--users", "3", "--examples_per_user", "1"])
     assert args.command == "plan" and args.func is cli._cmd_plan
 
 
@@ -91,8 +124,8 @@ def _run(command):
 
 
 def test_python_dash_m_runs_the_cli():
-    result = _run([sys.executable, "-m", "hf_dp", "plan", "--users", "10", "--examples-per-user", "2",
-                   "--units-per-step", "100"])
+    result = _run([sys.executable, "-m", "hf_dp", "plan", "--users", "10", "--examples_per_user", "2",
+                   "--examples_per_step", "100"])
     assert result.returncode == 2
     assert result.stderr.strip().startswith("hf-dp plan: error:") and "Traceback" not in result.stderr
 
@@ -101,8 +134,8 @@ def test_console_script_is_installed():
     script = shutil.which("hf-dp", path=os.path.dirname(sys.executable))
     if script is None:
         pytest.fail("the hf-dp console script is not installed next to this Python (pip install -e . installs it)")
-    result = _run([script, "plan", "--epsilon", "-1", "--users", "3", "--examples-per-user", "1"])
-    assert result.returncode == 2 and "--epsilon" in result.stderr
+    result = _run([script, "plan", "--target_epsilon", "-1", "--users", "3", "--examples_per_user", "1"])
+    assert result.returncode == 2 and "--target_epsilon" in result.stderr
 
 
 def test_demo_app_and_publish_are_subcommands():
@@ -113,4 +146,8 @@ def test_demo_app_and_publish_are_subcommands():
     parser = build_parser()
     assert parser.parse_args(["demo", "--grid", "--quick"]).func is study.run
     assert parser.parse_args(["app", "--port", "7999"]).func is app.run
-    assert parser.parse_args(["publish", "results/models/uls-eps8", "--repo-id", "me/model"]).func is publish.run
+    assert parser.parse_args(["publish", "results/models/uls-eps8", "--repo_id", "me/model"]).func is publish.run
+    # one spelling of the results folder for demo (and app, and the recipes), dashes accepted
+    for flag in ("--results_dir", "--results-dir"):
+        assert parser.parse_args(["demo", flag, "out"]).results_dir == "out"
+    assert parser.parse_args(["publish", "m", "--repo-id", "me/model"]).repo_id == "me/model"

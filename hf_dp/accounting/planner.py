@@ -1,20 +1,23 @@
 """Budget planner: noise, ε and contribution bound for ULS, ELS and example-level DP-SGD.
 
 Pure functions with keyword arguments returning plain dicts, for the `hf-dp plan` command and
-the Gradio app. The three modes are compared at the same *compute budget*: the same expected
-number of examples processed per step (`units_per_step`) and the same number of steps, as in
-Charles et al. 2024 ("Fine-Tuning Large Language Models with User-Level Differential Privacy",
-arXiv 2407.07737):
+the Gradio app. The three mechanisms (keys of [`~hf_dp.vocabulary.MECHANISMS`]: `"uls"`, `"els"`,
+`"example"`) are compared at the same *compute budget*: the same expected number of examples processed per
+step (`examples_per_step`) and the same number of steps, as in Charles et al. 2024 ("Fine-Tuning Large
+Language Models with User-Level Differential Privacy", arXiv 2407.07737). Each row gives the
+`DPTrainingArguments.expected_batch_size` that spends this budget, in its `sampled_unit`:
 
 - **ULS** (user-level sampling, user-level guarantee): Poisson-sample users; a sampled user
   contributes the clipped mean gradient of its ≤ G examples. With m(G) = mean_u min(n_u, G)
-  examples per user, a step processes `units_per_step` examples from M = units_per_step / m(G)
-  users on average, so q = M / users. Accounted as the Poisson-subsampled Gaussian.
-- **ELS** (example-level sampling, user-level guarantee): keep ≤ G examples per user,
-  Poisson-sample examples at q = units_per_step / (examples kept); the user-level ε comes from
-  the mixture-of-Gaussians accountant with contribution bound G.
-- **example-level** DP-SGD: Poisson-sample examples at q = units_per_step / examples. Its
-  guarantee protects single rows only: a user with many rows is not protected as a whole.
+  examples per user, a step processes `examples_per_step` examples from
+  `expected_batch_size` = examples_per_step / m(G) users on average, so q = expected_batch_size / users.
+  Accounted as the Poisson-subsampled Gaussian.
+- **ELS** (example-level sampling, user-level guarantee): keep ≤ G examples per user, Poisson-sample
+  `expected_batch_size` = examples_per_step examples, q = examples_per_step / (examples kept); the user-level ε
+  comes from the mixture-of-Gaussians accountant with contribution bound G.
+- **example-level** DP-SGD: Poisson-sample `expected_batch_size` = examples_per_step examples,
+  q = examples_per_step / examples. Its guarantee protects single rows only: a user with many rows is not
+  protected as a whole.
 
 Nothing here changes a guarantee by itself: it predicts what a run with these settings spends.
 
@@ -28,11 +31,13 @@ the run's ledger.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from hf_dp import accounting
+from hf_dp.vocabulary import MECHANISMS
 
 __all__ = [
     "CONTRIBUTION_BOUND_GRID",
@@ -47,7 +52,6 @@ __all__ = [
 DEFAULT_TARGET_EPSILON = 8.0
 # Public candidates for a privately chosen contribution bound G (never a value read from the data).
 CONTRIBUTION_BOUND_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-MODE_LABELS = {"uls": "ULS", "els": "ELS (MoG)", "example": "example-level"}
 
 
 def _counts(examples_per_user) -> np.ndarray:
@@ -134,19 +138,20 @@ def _uls_candidates(population: _Population) -> list[int]:
     return sorted(candidates)
 
 
-def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float, steps: int | None = None,
+def recommend_contribution_bound_uls(examples_per_user, *, examples_per_step: float, steps: int | None = None,
                                      target_epsilon: float = DEFAULT_TARGET_EPSILON,
-                                     delta: float | None = None) -> int:
+                                     target_delta: float | None = None) -> int:
     """G for ULS by noise prediction under a fixed compute budget (after Charles et al. 2024).
 
     For each candidate G (1, powers of two, the median and the largest count), predict the noise
     of the averaged update relative to its signal and return the G that minimises it:
 
         m(G)     = mean_u min(n_u, G)                examples a sampled user contributes
-        M(G)     = units_per_step / m(G)             expected users per step (fixed compute)
+        M(G)     = examples_per_step / m(G)          expected users per step (fixed compute): ULS's
+                                                     expected_batch_size
         q(G)     = M(G) / users                      user sampling rate (must be ≤ 1)
         σ(G)     = rdp_noise_multiplier(target_epsilon, δ, q(G), steps)  (RDP: cheap, ranks the G alike)
-        noise(G) = σ(G) / (M(G) · √m(G))  =  σ(G) · √m(G) / units_per_step
+        noise(G) = σ(G) / (M(G) · √m(G))  =  σ(G) · √m(G) / examples_per_step
 
     σ(G)/M(G) is the standard deviation of the privacy noise in the averaged update, in units of
     the clipping norm C. The factor 1/√m(G) is the signal: in the regime DP fine-tuning runs in
@@ -159,11 +164,11 @@ def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float
 
     Args:
         examples_per_user (`Sequence[int]`): examples of each user (zeros are ignored).
-        units_per_step (`float`): the compute budget, expected examples processed per step.
+        examples_per_step (`float`): the compute budget, expected examples processed per step.
         steps (`int`, *optional*): T; defaults to one expected pass over the examples,
-            ⌈examples / units_per_step⌉.
+            ⌈examples / examples_per_step⌉.
         target_epsilon (`float`, *optional*, defaults to `8.0`): ε the run must meet.
-        delta (`float`, *optional*): δ; defaults to 1/(10·users).
+        target_delta (`float`, *optional*): δ; defaults to 1/(10·users).
 
     Returns:
         `int`: the recommended contribution bound G ≥ 1.
@@ -172,15 +177,15 @@ def recommend_contribution_bound_uls(examples_per_user, *, units_per_step: float
         ValueError: bad counts or budget, or no candidate G can meet the target.
 
     Example:
-        >>> recommend_contribution_bound_uls([2, 5, 9, 40] * 250, units_per_step=256, steps=200)
+        >>> recommend_contribution_bound_uls([2, 5, 9, 40] * 250, examples_per_step=256, steps=200)
         4
     """
     population = _Population.of(examples_per_user)
     users = population.users
-    budget = _positive(units_per_step, "units_per_step")
+    budget = _positive(examples_per_step, "examples_per_step")
     target_epsilon = _positive(target_epsilon, "target_epsilon")
     steps = _default_steps(steps, population, budget)
-    delta = _user_delta(delta, users)
+    delta = _user_delta(target_delta, users)
     best, best_noise, problems = None, math.inf, []
     for group in _uls_candidates(population):
         per_user = population.kept(group) / users
@@ -293,7 +298,7 @@ def private_contribution_bound(examples_per_user, *, sampling: str, epsilon: flo
         expected_batch_size (`int`): users per step (ULS).
         steps (`int`): planned steps (ULS heuristic).
         target_epsilon (`float`): ε left for DP-SGD (ULS heuristic).
-        delta (`float`, *optional*): δ; defaults to 1/(10·users).
+        delta (`float`, *optional*): δ (the run's `target_delta`); defaults to 1/(10·users).
         rng (`numpy.random.Generator`, *optional*): the draw's randomness; default: fresh OS entropy.
 
     Returns:
@@ -311,8 +316,9 @@ def private_contribution_bound(examples_per_user, *, sampling: str, epsilon: flo
     if sampling == "els" or expected_batch_size > counts.size:
         return median
     try:
-        return recommend_contribution_bound_uls(_Population.uniform(counts.size, median), units_per_step=expected_batch_size
-                                                * median, steps=steps, target_epsilon=target_epsilon, delta=delta)
+        return recommend_contribution_bound_uls(_Population.uniform(counts.size, median),
+                                                examples_per_step=expected_batch_size * median, steps=steps,
+                                                target_epsilon=target_epsilon, target_delta=delta)
     except ValueError:
         return median
 
@@ -336,130 +342,145 @@ def _user_delta(delta, users: int) -> float:
     if delta is None:
         return 1.0 / (10 * users)
     if isinstance(delta, bool) or not isinstance(delta, (int, float, np.number)) or not 0 < delta < 1:
-        raise ValueError(f"delta={delta!r} must be in (0, 1); the default is 1/(10·users).")
+        raise ValueError(f"target_delta={delta!r} must be in (0, 1); the default is 1/(10·users).")
     if delta >= 1.0 / users:
-        raise ValueError(f"delta={delta:g} is not below 1/users = 1/{users}: such a δ allows releasing a whole "
-                         f"user's data; lower delta (default 1/(10·users) = {1 / (10 * users):.3g}).")
+        raise ValueError(f"target_delta={delta:g} is not below 1/users = 1/{users}: such a δ allows releasing a "
+                         f"whole user's data; lower target_delta (default 1/(10·users) = {1 / (10 * users):.3g}).")
     return float(delta)
 
 
 def _population(users, examples_per_user) -> _Population:
-    """Counts per user from either (users, examples per user) or a list of counts."""
+    """Counts per user from either (users, examples per user) or a list of counts; at least 2 users."""
     if examples_per_user is None:
         raise ValueError("give examples_per_user: one count for all users (with users), or a count per user.")
     if isinstance(examples_per_user, (int, np.integer)) and not isinstance(examples_per_user, bool):
         if users is None:
             raise ValueError("give users (the number of users) with a single examples_per_user count.")
         if isinstance(users, bool) or not isinstance(users, (int, np.integer)) or users < 1:
-            raise ValueError(f"users={users!r} must be an integer ≥ 1.")
+            raise ValueError(f"users={users!r} must be an integer ≥ 2.")
         if examples_per_user < 1:
             raise ValueError(f"examples_per_user={examples_per_user}: must be ≥ 1.")
-        return _Population.uniform(int(users), int(examples_per_user))
-    population = _Population.of(examples_per_user)
-    if users is not None and users != population.users:
-        raise ValueError(f"users={users} but examples_per_user lists {population.users} users with examples: "
-                         "give one of them, or make them agree.")
+        population = _Population.uniform(int(users), int(examples_per_user))
+    else:
+        population = _Population.of(examples_per_user)
+        if users is not None and users != population.users:
+            raise ValueError(f"users={users} but examples_per_user lists {population.users} users with examples: "
+                             "give one of them, or make them agree.")
+    if population.users < 2:
+        raise ValueError(f"users={population.users}: DPTrainer refuses training data with a single user (a "
+                         "user-level guarantee needs many users: with one, the model is that user's data); plan "
+                         "with the number of users you will train on, at least 2 (in practice hundreds or more).")
     return population
 
 
-def plan(*, users: int | None = None, examples_per_user=None, units_per_step: float = 64,
-         steps: int | None = None, target_epsilon: float = DEFAULT_TARGET_EPSILON, delta: float | None = None,
-         noise_multiplier: float | None = None, contribution_bound_els: int | None = None,
-         contribution_bound_uls: int | None = None) -> list[dict]:
-    """Plan a DP fine-tuning run: σ needed for (ε, δ), ε at a fixed σ, G, q and steps per mode.
+def plan(*, users: int | None = None, examples_per_user=None, examples_per_step: float = 64,
+         steps: int | None = None, target_epsilon: float = DEFAULT_TARGET_EPSILON, target_delta: float | None = None,
+         noise_multiplier: float | None = None, contribution_bound: int | None = None) -> list[dict]:
+    """Plan a DP fine-tuning run: σ needed for (ε, δ), ε at a fixed σ, G, q, batch and steps per mechanism.
 
     Args:
-        users (`int`, *optional*): number of users; needed when `examples_per_user` is one number.
+        users (`int`, *optional*): number of users (at least 2); needed when `examples_per_user` is one number.
         examples_per_user (`int` or `Sequence[int]`): examples of every user, or one count per user: public
             or assumed numbers, read exactly (the default G's are their median and a heuristic over them). For
             private data plan on a DP statistic instead, as `hf-dp plan --data` does ([`private_quantile`]).
-        units_per_step (`float`, *optional*, defaults to `64`): the compute budget, expected examples
-            processed per step, the same for every mode (ULS turns it into users per step).
+        examples_per_step (`float`, *optional*, defaults to `64`): the compute budget, expected examples
+            processed per step, the same for every mechanism (each row turns it into its `expected_batch_size`).
         steps (`int`, *optional*): T; defaults to one expected pass over the examples.
         target_epsilon (`float`, *optional*, defaults to `8.0`): ε to meet.
-        delta (`float`, *optional*): δ; defaults to 1/(10·users) for the user-level rows and
-            1/(10·examples) for the example-level row. Must be below 1/users.
-        noise_multiplier (`float`, *optional*): a fixed σ at which to report each mode's ε.
-        contribution_bound_els (`int`, *optional*): G for ELS (default: the median count).
-        contribution_bound_uls (`int`, *optional*): G for ULS (default: the noise-prediction
-            heuristic of [`recommend_contribution_bound_uls`]).
+        target_delta (`float`, *optional*): δ; defaults to 1/(10·users) for the user-level rows and
+            1/(10·examples) for the example-level row (the defaults of `DPTrainingArguments`). Must be below
+            1/users.
+        noise_multiplier (`float`, *optional*): a fixed σ at which to report each mechanism's ε.
+        contribution_bound (`int`, *optional*): G for ULS and ELS (`DPTrainingArguments.contribution_bound`).
+            Default: the median count for ELS, the noise-prediction heuristic of
+            [`recommend_contribution_bound_uls`] for ULS. Example-level DP-SGD keeps every row.
 
     Returns:
-        `list[dict]`: one row per mode (`"uls"`, `"els"`, `"example"`) with keys `mode`, `label`,
-        `privacy_unit`, `contribution_bound`, `sample_rate`, `units_per_step` (users for ULS,
-        examples otherwise), `examples_per_step`, `steps`, `delta`, `target_epsilon`,
-        `noise_multiplier` (σ for the target, None when unreachable), `noise_std` (σ / units
-        per step: the noise in the averaged update, in units of C), `fixed_noise_multiplier`,
-        `epsilon_at_fixed_noise`, `examples_used` and `note` (why a value is missing, or a caveat).
+        `list[dict]`: one row per mechanism (`"uls"`, `"els"`, `"example"`) with keys `mechanism` (a key of
+        [`~hf_dp.vocabulary.MECHANISMS`]), `label` (its label there), `privacy_unit`, `contribution_bound`,
+        `sample_rate`, `expected_batch_size` (the `DPTrainingArguments` value spending the budget) and
+        `sampled_unit` (what it counts: `"users"` for ULS, `"examples"` otherwise), `examples_per_step`,
+        `steps`, `delta`, `target_epsilon`, `noise_multiplier` (σ for the target, None when unreachable),
+        `noise_std` (σ / expected_batch_size: the noise in the averaged update, in units of C),
+        `fixed_noise_multiplier`, `epsilon_at_fixed_noise`, `examples_used` and `note` (why a value is
+        missing, or a caveat).
 
     Raises:
-        ValueError: a one-line message saying what to change (ε ≤ 0, δ ≥ 1/users, a sample rate
-            above 1, negative counts, ...).
+        ValueError: a one-line message saying what to change (ε ≤ 0, δ ≥ 1/users, fewer than 2 users, a sample
+            rate above 1, negative counts, a fixed σ so small that no mechanism's ε can be accounted, ...).
 
     Example:
-        >>> rows = plan(users=1000, examples_per_user=20, units_per_step=64, steps=300, target_epsilon=4.0)
-        >>> [row["mode"] for row in rows]
-        ['uls', 'els', 'example']
+        >>> rows = plan(users=1000, examples_per_user=20, examples_per_step=64, steps=300, target_epsilon=4.0)
+        >>> [(row["mechanism"], round(row["expected_batch_size"], 1), row["sampled_unit"]) for row in rows]
+        [('uls', 32.0, 'users'), ('els', 64.0, 'examples'), ('example', 64.0, 'examples')]
     """
     population = _population(users, examples_per_user)
     users = population.users
     examples = population.examples
-    budget = _positive(units_per_step, "units_per_step")
+    budget = _positive(examples_per_step, "examples_per_step")
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float, np.number)) or not (
             target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target_epsilon={target_epsilon!r} must be a positive number (e.g. 8).")
     target = float(target_epsilon)
-    user_delta = _user_delta(delta, users)
-    example_delta = user_delta if delta is not None else 1.0 / (10 * examples)
+    user_delta = _user_delta(target_delta, users)
+    example_delta = user_delta if target_delta is not None else 1.0 / (10 * examples)
     if budget > examples:
-        raise ValueError(f"units_per_step={budget:g} exceeds the {examples} examples (sample rate > 1): "
-                         "lower units_per_step.")
+        raise ValueError(f"examples_per_step={budget:g} exceeds the {examples} examples (sample rate > 1): "
+                         "lower examples_per_step.")
     steps = _default_steps(steps, population, budget)
     sigma_fixed = None if noise_multiplier is None else _positive(noise_multiplier, "noise_multiplier")
-    for name, value in (("contribution_bound_els", contribution_bound_els),
-                        ("contribution_bound_uls", contribution_bound_uls)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-            raise ValueError(f"{name}={value!r} must be an integer ≥ 1.")
+    if contribution_bound is not None and (isinstance(contribution_bound, bool)
+                                           or not isinstance(contribution_bound, (int, np.integer))
+                                           or contribution_bound < 1):
+        raise ValueError(f"contribution_bound={contribution_bound!r} must be an integer ≥ 1.")
 
     rows = []
     # ULS
-    group = contribution_bound_uls
+    group = contribution_bound
     note = ""
     if group is None:
         try:
-            group = recommend_contribution_bound_uls(population, units_per_step=budget, steps=steps,
-                                                     target_epsilon=target, delta=user_delta)
+            group = recommend_contribution_bound_uls(population, examples_per_step=budget, steps=steps,
+                                                     target_epsilon=target, target_delta=user_delta)
         except ValueError as error:
             group, note = recommend_contribution_bound_els(population), str(error)
     per_user = population.kept(group) / users
-    rows.append(_row("uls", "user", group, budget / per_user, users, budget, steps, user_delta, target,
-                     sigma_fixed, 1, population.kept(group), note))
+    rows.append(_row("uls", group, budget / per_user, users, budget, steps, user_delta, target, sigma_fixed, 1,
+                     population.kept(group), note))
     # ELS
-    group = contribution_bound_els or recommend_contribution_bound_els(population)
+    group = contribution_bound or recommend_contribution_bound_els(population)
     kept = population.kept(group)
-    rows.append(_row("els", "user", group, budget, kept, budget, steps, user_delta, target, sigma_fixed, group,
-                     kept, ""))
+    rows.append(_row("els", group, budget, kept, budget, steps, user_delta, target, sigma_fixed, group, kept, ""))
     # example-level
     note = "protects single rows only: a user with many rows is not protected as a whole"
     if example_delta >= 1.0 / examples:
-        rows.append(_row("example", "example", None, budget, examples, budget, steps, example_delta, target, None,
-                         1, examples, f"delta={example_delta:g} is not below 1/examples; {note}", skip=True))
+        rows.append(_row("example", None, budget, examples, budget, steps, example_delta, target, None, 1, examples,
+                         f"target_delta={example_delta:g} is not below 1/examples; {note}", skip=True))
     else:
-        rows.append(_row("example", "example", None, budget, examples, budget, steps, example_delta, target,
-                         sigma_fixed, 1, examples, note))
+        rows.append(_row("example", None, budget, examples, budget, steps, example_delta, target, sigma_fixed, 1,
+                         examples, note))
+    accounted = [row for row in rows if not row["skip"]]
+    if sigma_fixed is not None and accounted and all(row["unbounded"] for row in accounted):
+        raise ValueError(f"noise_multiplier={sigma_fixed:g}: so little noise that no mechanism's ε can be accounted "
+                         "(it is beyond the accountant's range, effectively unbounded); raise --noise_multiplier "
+                         "(σ around 0.5-2 is typical) or leave it unset to get the σ each mechanism needs.")
+    for row in rows:
+        del row["skip"], row["unbounded"]
     return rows
 
 
-def _row(mode, unit, group, units_per_step, population, examples_per_step, steps, delta, target, sigma_fixed,
+def _row(key, group, expected_batch_size, population, examples_per_step, steps, delta, target, sigma_fixed,
          accounting_group, examples_used, note, skip=False) -> dict:
-    sample_rate = units_per_step / population
+    entry = MECHANISMS[key]
+    sample_rate = expected_batch_size / population
     row = {
-        "mode": mode,
-        "label": MODE_LABELS[mode],
-        "privacy_unit": unit,
+        "mechanism": key,
+        "label": entry.label,
+        "privacy_unit": entry.privacy_unit,
         "contribution_bound": None if group is None else int(group),
         "sample_rate": sample_rate,
-        "units_per_step": units_per_step,
+        "expected_batch_size": expected_batch_size,
+        "sampled_unit": entry.sampled_unit,
         "examples_per_step": examples_per_step,
         "steps": steps,
         "delta": delta,
@@ -470,27 +491,37 @@ def _row(mode, unit, group, units_per_step, population, examples_per_step, steps
         "epsilon_at_fixed_noise": None,
         "examples_used": examples_used,
         "note": note,
+        "skip": skip,  # not accounted (removed before `plan` returns)
+        "unbounded": False,  # ε at the fixed σ beyond the accountant's range (removed before `plan` returns)
     }
     if skip:
         return row
     if sample_rate > 1:
-        row["note"] = (f"needs {units_per_step:.4g} {unit}s per step of {population}: lower units_per_step"
-                       + (f"; {note}" if note else ""))
+        row["note"] = (f"needs expected_batch_size={expected_batch_size:.4g} {entry.sampled_unit} per step of "
+                       f"{population}: lower examples_per_step" + (f"; {note}" if note else ""))
+        row["skip"] = True
         return row
     problems = []
     try:
         sigma = accounting.noise_multiplier(target_epsilon=target, delta=delta, sample_rate=sample_rate, steps=steps,
                                             group_size=accounting_group)
         row["noise_multiplier"] = sigma
-        row["noise_std"] = sigma / units_per_step
+        row["noise_std"] = sigma / expected_batch_size
     except (ValueError, accounting.AccountingError) as error:
         problems.append(str(error))
     if sigma_fixed is not None:
         try:
-            row["epsilon_at_fixed_noise"] = accounting.epsilon(
-                sample_rate=sample_rate, noise_multiplier=sigma_fixed, steps=steps, delta=delta,
-                group_size=accounting_group)
-        except (ValueError, RuntimeError, accounting.AccountingError) as error:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):  # prv-accountant overflows on its way out
+                warnings.simplefilter("ignore", RuntimeWarning)
+                row["epsilon_at_fixed_noise"] = accounting.epsilon(
+                    sample_rate=sample_rate, noise_multiplier=sigma_fixed, steps=steps, delta=delta,
+                    group_size=accounting_group)
+        except (ValueError, accounting.AccountingError) as error:
             problems.append(f"ε at σ={sigma_fixed:g}: {error}")
+            row["unbounded"] = "too large to account" in str(error)
+        except RuntimeError:  # prv-accountant's "Cannot compute epsilon": the loss leaves its range
+            problems.append(f"ε at σ={sigma_fixed:g}: beyond the accountant's range (effectively unbounded); raise "
+                            "noise_multiplier")
+            row["unbounded"] = True
     row["note"] = "; ".join(p for p in (*problems, note) if p)
     return row

@@ -630,7 +630,7 @@ def load_shakespeare(
 def summarize(
     dataset: datasets.Dataset | datasets.DatasetDict,
     *,
-    user_column: str = "user_id",
+    user_id_column: str = "user_id",
     label_column: str | None = "label",
 ) -> str:
     """A short text summary: users, examples, examples-per-user quantiles, label counts.
@@ -642,10 +642,10 @@ def summarize(
     """
     if isinstance(dataset, datasets.DatasetDict):
         return "\n".join(
-            f"[{name}]\n" + summarize(split, user_column=user_column, label_column=label_column)
+            f"[{name}]\n" + summarize(split, user_id_column=user_id_column, label_column=label_column)
             for name, split in dataset.items()
         )
-    per_user = Counter(dataset[user_column])
+    per_user = Counter(dataset[user_id_column])
     sizes = sorted(per_user.values())
     lines = [f"users: {len(per_user)}", f"examples: {len(dataset)}"]
     if sizes:
@@ -662,9 +662,9 @@ def summarize(
         shown = ", ".join(
             f"{names[key] if names else key}: {n}" for key, n in sorted(counts.items())
         )
-        if user_column in dataset.column_names:
+        if user_id_column in dataset.column_names:
             user_labels = Counter(
-                label for label in dict(zip(dataset[user_column], dataset[label_column])).values()
+                label for label in dict(zip(dataset[user_id_column], dataset[label_column])).values()
             )
             shown += " (users: " + ", ".join(
                 f"{names[key] if names else key}: {n}" for key, n in sorted(user_labels.items())
@@ -745,7 +745,7 @@ def _check_column(dataset: datasets.Dataset, column: str, role: str, argument: s
 def load_user_dataset(
     path_or_id: str | os.PathLike,
     *,
-    user_column: str = "user_id",
+    user_id_column: str = "user_id",
     text_column: str = "text",
     label_column: str | None = None,
     split: str = "train",
@@ -763,7 +763,8 @@ def load_user_dataset(
 
     Args:
         path_or_id (`str` or `os.PathLike`): file, folder or Hub dataset id.
-        user_column (`str`, *optional*, defaults to `"user_id"`): column with the user id.
+        user_id_column (`str`, *optional*, defaults to `"user_id"`): column with the user id (the name of
+            `DPTrainingArguments.user_id_column`, which must name the same column).
         text_column (`str`, *optional*, defaults to `"text"`): column with the text.
         label_column (`str`, *optional*): column with the label, checked when given.
         split (`str`, *optional*, defaults to `"train"`): the split to load (for local
@@ -779,7 +780,7 @@ def load_user_dataset(
 
     ```python
     >>> from hf_dp.workflows.corpora import load_user_dataset
-    >>> tickets = load_user_dataset("tickets.jsonl", user_column="customer", text_column="body")
+    >>> tickets = load_user_dataset("tickets.jsonl", user_id_column="customer", text_column="body")
     ```
     """
     path = Path(path_or_id).expanduser()
@@ -791,7 +792,7 @@ def load_user_dataset(
     else:
         dataset = _load_hub(source, split)
 
-    _check_column(dataset, user_column, "User", "user_column", "--user_column", source)
+    _check_column(dataset, user_id_column, "User", "user_id_column", "--user_id_column", source)
     _check_column(dataset, text_column, "Text", "text_column", "--text_column", source)
     if label_column is not None:
         _check_column(dataset, label_column, "Label", "label_column", "--label_column", source)

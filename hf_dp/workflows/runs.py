@@ -1,10 +1,24 @@
 """What every recipe run shares: its configuration, splits by user, and the result JSON.
 
-[`RunConfig`] holds the run name, the method, the data and model names and the training hyperparameters;
-[`hf_dp.workflows.tasks.classification`] and [`hf_dp.workflows.tasks.language_modeling`] extend it with their task's fields. A run writes
-`<results_dir>/<run>.json` with [`save_result`] (schema in [`hf_dp.workflows.tasks.classification`]'s docstring) and its model
-to `<results_dir>/models/<run>/`. Nothing here affects the privacy accounting except the fields that are
-passed on to [`~hf_dp.DPTrainingArguments`] (marked "affects accounting").
+A run is described by two objects, and each setting lives in exactly one of them:
+
+- [`RunConfig`] (extended by [`hf_dp.workflows.tasks.classification`] and
+  [`hf_dp.workflows.tasks.language_modeling`]): the run's name, its data, its model and its evaluation;
+- its training arguments: [`~hf_dp.DPTrainingArguments`] for a DP run, plain [`~transformers.TrainingArguments`]
+  for a non-private one. Every privacy setting (`target_epsilon`, `target_delta`, `privacy_unit`, `sampling`,
+  `expected_batch_size`, `contribution_bound`, `max_grad_norm`, `noise_multiplier`, ...) and every optimisation
+  setting is a field there, with its default there; the run's mechanism (a key of
+  [`~hf_dp.vocabulary.MECHANISMS`]) follows from them ([`mechanism_of_arguments`]). [`RunConfig.training_arguments`]
+  builds them for a mechanism; the recipes parse them from the command line.
+
+The one setting both need is the user column: [`RunConfig.user_id_column`] splits the data by user (for every run,
+the non-private one too) and must equal `DPTrainingArguments.user_id_column`, the privacy unit of a DP run
+([`check_user_id_column`]); the recipes' `--user_id_column` flag sets both.
+
+A run writes `<results_dir>/<run>.json` with [`save_result`] (keys [`RESULT_KEYS`], schema in
+[`hf_dp.workflows.tasks.classification`]'s docstring; its `config` records the run config and the training
+arguments the run used) and its model to `<results_dir>/models/<run>/`. Nothing here affects the privacy accounting
+except the training arguments it passes on.
 """
 
 from __future__ import annotations
@@ -16,21 +30,24 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 import numpy as np
 
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, mechanism
+
 __all__ = [
-    "METHODS",
     "RESULT_KEYS",
     "RunConfig",
     "check_disjoint_users",
+    "check_user_id_column",
     "fit",
     "is_main_process",
     "load_result",
-    "method_of",
+    "mechanism_of_arguments",
     "plain_training_arguments",
     "result_record",
+    "run_config_record",
     "save_model",
     "save_result",
     "save_run",
@@ -39,40 +56,43 @@ __all__ = [
     "subsample_users",
 ]
 
-METHODS = ("uls", "els", "example", "non-private")
-# Keys every result JSON has (the Gradio app and the study rely on them).
+# Keys every result JSON has (the Gradio app and the study rely on them); `non_private_result` is added when known.
 RESULT_KEYS = (
-    "run", "method", "target_epsilon", "epsilon", "delta", "privacy", "metric_name", "metric",
-    "baseline_metric", "model_dir", "base_model", "task", "train_seconds", "config",
+    "run", "mechanism", "target_epsilon", "epsilon", "delta", "privacy", "metric_name", "eval_result",
+    "baseline_result", "model_dir", "base_model", "task", "train_seconds", "eval_seconds", "config",
 )
 
 
 @dataclass
 class RunConfig:
     r"""
-    One fine-tuning run. Task modules extend it; [`RunConfig.training_arguments`] builds the trainer's arguments.
+    One fine-tuning run: its data, model and evaluation. Task modules extend it. Privacy and optimisation settings
+    are not here: they are the fields of the run's training arguments ([`RunConfig.training_arguments`]).
 
     Args:
         > Run
 
         run (`str`): name of the run; the result goes to `results_dir/<run>.json`, the model to
             `results_dir/models/<run>/`.
-        method (`str`, *optional*, defaults to `"uls"`): `"uls"`, `"els"` (user-level DP), `"example"`
-            (example-level DP-SGD) or `"non-private"`. Affects accounting.
         results_dir (`str`, *optional*, defaults to `"results"`): where results and models are written.
 
         > Data
 
-        dataset (`str`, *optional*, defaults to `"shakespeare"`): `"shakespeare"` ([`~hf_dp.workflows.corpora.load_shakespeare`])
-            or a JSONL/CSV/Parquet path or Hub id ([`~hf_dp.workflows.corpora.load_user_dataset`]).
+        dataset (`str`, *optional*, defaults to `"shakespeare"`): `"shakespeare"`
+            ([`~hf_dp.workflows.corpora.load_shakespeare`]) or a JSONL/CSV/Parquet path or Hub id
+            ([`~hf_dp.workflows.corpora.load_user_dataset`]).
         eval_dataset (`str`, *optional*): test data for a custom `dataset`; default: a split by user
             (about `eval_fraction` of the users, [`split_by_user`]), so no test user is ever trained on.
-        user_column, text_column (`str`): column names.
+        user_id_column (`str`, *optional*, defaults to `"user_id"`): column with the user id: the split by user,
+            and the privacy unit of a DP run, whose `DPTrainingArguments.user_id_column` must be the same.
+        text_column (`str`, *optional*, defaults to `"text"`): column with the text.
         max_train_users (`int`, *optional*): train on a sample of this many users (quick runs, [`subsample_users`]).
             The split and this sample are keyed by `seed`: each user's side is a keyed hash of (`seed`, user id)
             alone, so one user more or less moves no other user across the split (and at most one in or out of
             this fixed-size sample). `seed` is saved in the result JSON; the guarantee does not need it secret.
         max_eval_examples (`int`, *optional*): evaluate on a seeded sample of this many test rows.
+        seed (`int`, *optional*, defaults to `0`): seed of the split and the samples; [`training_arguments`]
+            trains with it too (the recipes set it from `--seed`).
 
         > Model
 
@@ -82,34 +102,27 @@ class RunConfig:
         lora_r, lora_alpha, lora_target_modules (`list[str]`, *optional*; peft's default for the
             architecture when `None`), lora_layers (`list[int]`, *optional*; all layers when `None`).
 
-        > Privacy (DP methods; affect accounting; see [`~hf_dp.DPTrainingArguments`])
+        > Evaluation (post-processing: no effect on ε)
 
-        target_epsilon, target_delta, expected_batch_size, contribution_bound, max_grad_norm,
-        noise_multiplier, noise_seed.
-
-        > Optimisation
-
-        learning_rate, num_train_epochs, max_steps, per_device_train_batch_size, warmup_steps, weight_decay,
-        lr_scheduler_type, seed: as in [`~transformers.TrainingArguments`] for DP runs (`num_train_epochs` =
-        expected passes over the units). Non-private runs use `nonprivate_learning_rate` and
-        `nonprivate_batch_size` (and the same `max_steps`/`num_train_epochs`, in ordinary epochs).
         eval_batch_size (`int`, *optional*, defaults to `128`): texts per evaluation forward pass.
-        baseline_metric (`float`, *optional*): the public-only baseline's metric on the same test rows when
+        baseline_result (`float`, *optional*): the public-only baseline's metric on the same test rows when
             already known; computed when `None`.
+        non_private_result (`float`, *optional*): a non-private run's metric on the same test rows, when known
+            (shown in the card and recorded in the result JSON).
         progress (`bool`, *optional*, defaults to `True`): progress bars.
     """
 
     run: str
-    method: str = "uls"
     results_dir: str = "results"
     # data
     dataset: str = "shakespeare"
     eval_dataset: str | None = None
     eval_fraction: float = 0.2
-    user_column: str = "user_id"
+    user_id_column: str = "user_id"
     text_column: str = "text"
     max_train_users: int | None = None
     max_eval_examples: int | None = None
+    seed: int = 0
     # model
     model_name_or_path: str | None = None
     max_length: int = 32
@@ -118,32 +131,20 @@ class RunConfig:
     lora_alpha: int = 16
     lora_target_modules: list | None = None
     lora_layers: list | None = None
-    # privacy (DP methods)
-    target_epsilon: float | None = 8.0
-    target_delta: float | None = None
-    expected_batch_size: int = 128
-    contribution_bound: int | str | None = 4
-    max_grad_norm: float = 1.0
-    noise_multiplier: float | None = None
-    noise_seed: int | None = None
-    # optimisation
-    learning_rate: float = 2e-3
-    num_train_epochs: float = 2.0
-    max_steps: int = -1
-    per_device_train_batch_size: int = 64
-    warmup_steps: float = 0.0
-    weight_decay: float = 0.0
-    lr_scheduler_type: str = "linear"
-    nonprivate_batch_size: int = 32
-    nonprivate_learning_rate: float = 5e-4
-    seed: int = 0
+    # evaluation
     eval_batch_size: int = 128
-    baseline_metric: float | None = None
+    baseline_result: float | None = None
+    non_private_result: float | None = None
     progress: bool = True
 
+    # Optimisation defaults of `training_arguments()` (TrainingArguments field names). Every other field, the
+    # privacy fields included, keeps its TrainingArguments / DPTrainingArguments default.
+    DP_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 2e-3, "num_train_epochs": 2.0,
+                                            "per_device_train_batch_size": 64}
+    NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 5e-4, "num_train_epochs": 2.0,
+                                                     "per_device_train_batch_size": 32}
+
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
         if not self.run or "/" in self.run or os.sep in self.run:
             raise ValueError(f"run={self.run!r}: use a non-empty name without path separators (it names files).")
 
@@ -155,51 +156,77 @@ class RunConfig:
         """Where the trained model, its tokenizer and its card are saved."""
         return Path(self.results_dir) / "models" / self.run
 
-    def training_arguments(self):
-        """[`~hf_dp.DPTrainingArguments`] for DP methods, [`~transformers.TrainingArguments`] for non-private."""
-        common = dict(
-            output_dir=str(self.model_dir),
-            num_train_epochs=self.num_train_epochs,
-            max_steps=self.max_steps,
-            warmup_steps=self.warmup_steps,
-            weight_decay=self.weight_decay,
-            lr_scheduler_type=self.lr_scheduler_type,
-            seed=self.seed,
-            logging_steps=5,
-            save_strategy="no",
-            report_to=[],
-            disable_tqdm=not self.progress,
-            dataloader_num_workers=0,
-        )
-        if self.method == "non-private":
-            from transformers import TrainingArguments
+    def training_arguments(self, mechanism: str = "uls", **fields):
+        """The training arguments of this run for `mechanism`, a key of [`~hf_dp.vocabulary.MECHANISMS`].
 
-            return TrainingArguments(
-                learning_rate=self.nonprivate_learning_rate,
-                per_device_train_batch_size=self.nonprivate_batch_size,
-                **common,
-            )
+        `"uls"`, `"els"`, `"example"`: [`~hf_dp.DPTrainingArguments`] with that mechanism's `privacy_unit` and
+        `sampling` and this config's `user_id_column`; `"non-private"`: plain [`~transformers.TrainingArguments`].
+        `fields` are their field names (`target_epsilon=3`, `expected_batch_size=8`, `max_steps=200`, ...); what
+        is not given keeps its default there (the optimisation defaults of this class excepted). Output goes to
+        [`model_dir`], seeded by `seed`, without checkpoints or reporting integrations.
+
+        Raises:
+            ValueError: an unknown mechanism, `"public-only"` (it trains nothing), a privacy field for a
+                non-private run, or `privacy_unit`/`sampling`/`user_id_column` in `fields` (they follow from
+                `mechanism` and this config). Invalid values raise [`~hf_dp.DPTrainingArguments`]'s own error.
+
+        Example:
+
+        ```python
+        >>> args = RunConfig(run="uls-eps3").training_arguments("els", target_epsilon=3.0, expected_batch_size=32)
+        >>> args.mechanism, args.target_epsilon, args.contribution_bound
+        ('els', 3.0, 'auto')
+
+        ```
+        """
+        from transformers import TrainingArguments
+
         from hf_dp.arguments import DPTrainingArguments
 
-        return DPTrainingArguments(
-            learning_rate=self.learning_rate,
-            per_device_train_batch_size=self.per_device_train_batch_size,
-            target_epsilon=self.target_epsilon,
-            target_delta=self.target_delta,
-            privacy_unit="example" if self.method == "example" else "user",
-            sampling="els" if self.method == "els" else "uls",
-            expected_batch_size=self.expected_batch_size,
-            contribution_bound=self.contribution_bound,
-            max_grad_norm=self.max_grad_norm,
-            noise_multiplier=self.noise_multiplier,
-            noise_seed=self.noise_seed,
-            user_id_column=self.user_column,
-            **common,
+        entry = _training_mechanism(mechanism)
+        fixed = sorted({"privacy_unit", "sampling", "user_id_column"} & set(fields))
+        if fixed:
+            raise ValueError(f"training_arguments({mechanism!r}, {fixed[0]}=...): {fixed[0]} follows from the "
+                             "mechanism and RunConfig.user_id_column; pass the mechanism, or set user_id_column on "
+                             "the run config.")
+        common = dict(
+            output_dir=str(self.model_dir), seed=self.seed, logging_steps=5, save_strategy="no", report_to=[],
+            disable_tqdm=not self.progress, dataloader_num_workers=0,
         )
+        if not entry.is_private:
+            privacy = sorted(set(fields) & _privacy_fields())
+            if privacy:
+                raise ValueError(f"{privacy[0]}={fields[privacy[0]]!r}: a non-private run has no privacy settings; "
+                                 f"drop it, or pick a DP mechanism ({', '.join(DP_MECHANISMS)}).")
+            return TrainingArguments(**{**common, **self.NON_PRIVATE_TRAINING_DEFAULTS, **fields})
+        unit = {"privacy_unit": entry.privacy_unit, "user_id_column": self.user_id_column}
+        if entry.sampling is not None:
+            unit["sampling"] = entry.sampling
+        return DPTrainingArguments(**{**common, **self.DP_TRAINING_DEFAULTS, **unit, **fields})
 
 
-def method_of(training_args) -> str:
-    """`"non-private"` for plain `TrainingArguments`, else the accounting mode (`"uls"`, `"els"`, `"example"`)."""
+def _training_mechanism(key: str):
+    entry = mechanism(key)
+    if key == "public-only":
+        raise ValueError("mechanism='public-only' trains nothing (it is the public model itself): evaluate it with "
+                         "the task's run_zero_shot_baseline / baseline_result, or pick one of "
+                         f"{(*DP_MECHANISMS, 'non-private')}.")
+    return entry
+
+
+def _privacy_fields() -> set[str]:
+    """The fields [`~hf_dp.DPTrainingArguments`] adds to [`~transformers.TrainingArguments`]."""
+    from transformers import TrainingArguments
+
+    from hf_dp.arguments import DPTrainingArguments
+
+    plain = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {f.name for f in dataclasses.fields(DPTrainingArguments)} - plain
+
+
+def mechanism_of_arguments(training_args) -> str:
+    """The run's mechanism: `"non-private"` for plain `TrainingArguments`, else `training_args.mechanism`
+    (`"uls"`, `"els"` or `"example"`)."""
     from hf_dp.arguments import DPTrainingArguments
 
     if not isinstance(training_args, DPTrainingArguments):
@@ -207,12 +234,23 @@ def method_of(training_args) -> str:
     return training_args.mechanism
 
 
+def check_user_id_column(config: RunConfig, training_args) -> None:
+    """Raise `ValueError` (one line) when a DP run's `user_id_column` is not the column its config splits by."""
+    column = getattr(training_args, "user_id_column", None)
+    if mechanism_of_arguments(training_args) != "non-private" and column != config.user_id_column:
+        raise ValueError(
+            f"user_id_column: the training arguments say {column!r}, the run config {config.user_id_column!r}; "
+            "set both to your data's user column (the recipes' --user_id_column sets both, and "
+            "RunConfig.training_arguments() copies the config's)."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Splits and subsets (preprocessing: they choose the rows, the guarantee is about the rows trained on)
 # ----------------------------------------------------------------------------------------------------------
 
 
-def split_by_user(dataset, user_column: str, fraction: float = 0.2, seed: int = 0):
+def split_by_user(dataset, user_id_column: str, fraction: float = 0.2, seed: int = 0):
     """(train, test): each user goes to test, with all their rows, when its keyed hash is below `fraction`.
 
     A user's side depends only on (`seed`, user id) ([`~hf_dp.data.keyed_uniform`]): adding or removing one
@@ -225,7 +263,7 @@ def split_by_user(dataset, user_column: str, fraction: float = 0.2, seed: int = 
     """
     from hf_dp.data import keyed_uniform
 
-    users = dataset.unique(user_column)
+    users = dataset.unique(user_id_column)
     if len(users) < 2:
         raise ValueError(f"Need at least two users to split by user; found {len(users)}.")
     draws = {user: keyed_uniform(seed, user, "split") for user in users}
@@ -233,12 +271,12 @@ def split_by_user(dataset, user_column: str, fraction: float = 0.2, seed: int = 
     if not test_users or len(test_users) == len(users):  # only with very few users
         ranked = sorted(users, key=draws.get)
         test_users = {ranked[0]} if not test_users else set(ranked[:-1])
-    is_test = [u in test_users for u in dataset[user_column]]
+    is_test = [u in test_users for u in dataset[user_id_column]]
     return (dataset.select([i for i, t in enumerate(is_test) if not t]),
             dataset.select([i for i, t in enumerate(is_test) if t]))
 
 
-def subsample_users(dataset, user_column: str, max_users: int | None, seed: int = 0):
+def subsample_users(dataset, user_id_column: str, max_users: int | None, seed: int = 0):
     """The rows of the `max_users` users with the lowest keyed hash of (`seed`, user id) (all rows when `None` or
     not fewer users).
 
@@ -249,11 +287,11 @@ def subsample_users(dataset, user_column: str, max_users: int | None, seed: int 
 
     if max_users is None:
         return dataset
-    users = dataset.unique(user_column)
+    users = dataset.unique(user_id_column)
     if max_users >= len(users):
         return dataset
     chosen = set(sorted(users, key=lambda user: keyed_uniform(seed, user, "subsample"))[:max_users])
-    keep = [i for i, u in enumerate(dataset[user_column]) if u in chosen]
+    keep = [i for i, u in enumerate(dataset[user_id_column]) if u in chosen]
     return dataset.select(keep)
 
 
@@ -280,21 +318,21 @@ def load_splits(config, **columns):
         corpus = corpora.load_shakespeare()
         train, test = corpus["train"], corpus["test"]
     else:
-        load = dict(user_column=config.user_column, text_column=config.text_column, **columns)
+        load = dict(user_id_column=config.user_id_column, text_column=config.text_column, **columns)
         train = corpora.load_user_dataset(config.dataset, **load)
         if config.eval_dataset is not None:
             test = corpora.load_user_dataset(config.eval_dataset, **load)
         else:
-            train, test = split_by_user(train, config.user_column, config.eval_fraction, config.seed)
-    check_disjoint_users(train, test, config.user_column)
+            train, test = split_by_user(train, config.user_id_column, config.eval_fraction, config.seed)
+    check_disjoint_users(train, test, config.user_id_column)
     return train, test
 
 
-def check_disjoint_users(train, test, user_column: str) -> None:
+def check_disjoint_users(train, test, user_id_column: str) -> None:
     """Raise `ValueError` when a user has rows in both splits (the test set must hold other users)."""
-    if user_column not in test.column_names:
+    if user_id_column not in test.column_names:
         return
-    overlap = set(train.unique(user_column)) & set(test.unique(user_column))
+    overlap = set(train.unique(user_id_column)) & set(test.unique(user_id_column))
     if overlap:
         raise ValueError(
             f"{len(overlap)} users are in both the training and the test data (e.g. {sorted(overlap, key=str)[:3]}): "
@@ -306,21 +344,42 @@ def check_disjoint_users(train, test, user_column: str) -> None:
 # Results
 # ----------------------------------------------------------------------------------------------------------
 
+# The TrainingArguments fields a result records (besides every field DPTrainingArguments adds).
 _TRAINING_KEYS = (
     "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size", "lr_scheduler_type",
-    "warmup_steps", "weight_decay", "seed", "target_epsilon", "target_delta", "privacy_unit", "sampling",
-    "expected_batch_size", "contribution_bound", "max_grad_norm", "noise_multiplier",
+    "warmup_steps", "weight_decay", "seed", "max_grad_norm",
 )
 
 
 def training_summary(training_args) -> dict:
-    """The hyperparameters of `training_args` that a result should record."""
+    """The values of `training_args` a result records: the optimisation fields above and, for
+    [`~hf_dp.DPTrainingArguments`], every privacy field under its own name (`sampling` is `None` at the example
+    level, where it is unused, as in the privacy report)."""
+    keys = list(_TRAINING_KEYS)
+    if mechanism_of_arguments(training_args) != "non-private":
+        keys += sorted(_privacy_fields())
     out = {}
-    for key in _TRAINING_KEYS:
+    for key in keys:
         if hasattr(training_args, key):
             value = getattr(training_args, key)
             out[key] = value if isinstance(value, (int, float, str, type(None))) else str(value)
+    if out.get("privacy_unit") == "example":
+        out["sampling"] = None
     return out
+
+
+def run_config_record(config: RunConfig, training_args=None) -> dict:
+    """A result's `config`: the run config's fields and the training arguments' values the run used, each under
+    its own name (so `config["target_epsilon"]` is what the trainer was given). When the run trained with another
+    seed than the config's (which seeded the split), the config's is kept as `split_seed`."""
+    record = config.to_dict()
+    if training_args is None:
+        return record
+    summary = training_summary(training_args)
+    if summary.get("seed", record["seed"]) != record["seed"]:
+        record["split_seed"] = record["seed"]
+    record.update(summary)
+    return record
 
 
 def relative_path(path, root) -> str:
@@ -386,7 +445,7 @@ def fit(model, training_args, train_dataset, *, data_collator, tokenizer, card: 
     from transformers import Trainer
 
     callbacks = list(callbacks) if callbacks else None
-    if method_of(training_args) == "non-private":
+    if mechanism_of_arguments(training_args) == "non-private":
         trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, data_collator=data_collator,
                           processing_class=tokenizer, callbacks=callbacks)
     else:
@@ -404,7 +463,8 @@ def save_model(model, tokenizer, model_dir) -> None:
     """Save the model with its LoRA adapters merged (no peft needed to load it) and its tokenizer.
 
     A transformers model reloads with `from_pretrained(model_dir)`; an
-    [`~hf_dp.workflows.tasks.classification.EmbeddingClassifier`] with [`~hf_dp.workflows.tasks.classification.load_classifier`].
+    [`~hf_dp.workflows.tasks.classification.EmbeddingClassifier`] with
+    [`~hf_dp.workflows.tasks.classification.load_classifier`].
     """
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
@@ -450,28 +510,34 @@ def is_main_process() -> bool:
     return PartialState().is_main_process
 
 
-def result_record(config: RunConfig, *, method: str, training_args, privacy: dict | None, task: str,
-                  metric_name: str, metric: float, baseline_metric: float, model_dir, base_model: str,
-                  train_seconds: float, eval_seconds: float, **extra) -> dict:
-    """The result dict of a fine-tuning run (schema in [`hf_dp.workflows.tasks.classification`])."""
-    return {
+def result_record(config: RunConfig, *, training_args, privacy: dict | None, task: str, metric_name: str,
+                  eval_result: float, baseline_result: float, model_dir, base_model: str, train_seconds: float,
+                  eval_seconds: float, **extra) -> dict:
+    """The result dict of a fine-tuning run (keys [`RESULT_KEYS`], schema in [`hf_dp.workflows.tasks.classification`]),
+    with `non_private_result` when the config knows it."""
+    result = {
         "run": config.run,
-        "method": method,
+        "mechanism": mechanism_of_arguments(training_args),
         "target_epsilon": None if privacy is None else privacy.get("target_epsilon"),
         "epsilon": None if privacy is None else privacy["epsilon"],
         "delta": None if privacy is None else privacy["delta"],
         "privacy": privacy,
         "metric_name": metric_name,
-        "metric": float(metric),
-        "baseline_metric": float(baseline_metric),
+        "eval_result": float(eval_result),
+        "baseline_result": float(baseline_result),
+    }
+    if config.non_private_result is not None:
+        result["non_private_result"] = float(config.non_private_result)
+    result.update({
         "model_dir": relative_path(model_dir, config.results_dir),
         "base_model": base_model,
         "task": task,
         "train_seconds": float(train_seconds),
         "eval_seconds": float(eval_seconds),
         **extra,
-        "config": {**config.to_dict(), "training_args": training_summary(training_args)},
-    }
+        "config": run_config_record(config, training_args),
+    })
+    return result
 
 
 def plain_training_arguments(training_args):
@@ -499,20 +565,22 @@ def plain_training_arguments(training_args):
 
 @dataclasses.dataclass
 class RecipeArguments:
-    """Data, model and reporting flags every recipe shares (training flags: [`~hf_dp.DPTrainingArguments`])."""
+    """Data, model and reporting flags every recipe shares.
+
+    Training flags, the privacy ones and `--user_id_column` included, are [`~hf_dp.DPTrainingArguments`]'s: the
+    recipes parse both, and [`recipe_run`] takes the user column from there.
+    """
 
     dataset: str = dataclasses.field(
         default="shakespeare",
         metadata={"help": "'shakespeare' (speeches by speaking role, the embedded user-partitioned corpus) or a "
-                          "JSONL/CSV/Parquet path or Hub dataset id."},
+                          "JSONL/CSV/Parquet path or Hub dataset id (its user column: --user_id_column)."},
     )
     eval_dataset: str | None = dataclasses.field(
         default=None,
         metadata={"help": "Test data (other users than --dataset). Default: a seeded 20%% of the users of "
                           "--dataset, held out."},
     )
-    user_column: str = dataclasses.field(default="user_id",
-                                         metadata={"help": "Column with the user id (the privacy unit)."})
     text_column: str = dataclasses.field(default="text", metadata={"help": "Column with the text."})
     use_lora: bool = dataclasses.field(default=False,
                                        metadata={"help": "Train LoRA adapters instead of all weights."})
@@ -535,17 +603,20 @@ class RecipeArguments:
 def recipe_run(config_class, script_args, training_args, **overrides):
     """The run config and training arguments a recipe's parsed flags describe.
 
-    Flags that name a field of `config_class` are copied by name; run name, method, evaluation batch size,
-    progress bars and seed come from the training arguments, which become plain `TrainingArguments` with
-    `--non_private`. `overrides` replace fields whose flag needs converting (e.g. a JSON file's contents).
+    Flags that name a field of `config_class` are copied by name. The user column, run name, evaluation batch size,
+    progress bars and seed come from the training arguments (`--user_id_column`, `--run_name` or `--output_dir`,
+    `--per_device_eval_batch_size`, `--disable_tqdm`, `--seed`), which become plain `TrainingArguments` with
+    `--non_private`; the privacy settings stay in the training arguments only. `overrides` replace fields whose
+    flag needs converting (e.g. a JSON file's contents).
     """
+    user_id_column = training_args.user_id_column  # the split by user, and a DP run's privacy unit
     if script_args.non_private:
         training_args = plain_training_arguments(training_args)
     names = {f.name for f in dataclasses.fields(config_class)}
     kwargs = {f.name: getattr(script_args, f.name) for f in dataclasses.fields(script_args) if f.name in names}
     kwargs.update(
         run=Path(training_args.run_name or training_args.output_dir).name,
-        method=method_of(training_args),
+        user_id_column=user_id_column,
         eval_batch_size=training_args.per_device_eval_batch_size,
         progress=not training_args.disable_tqdm,
         seed=training_args.seed,
@@ -555,7 +626,8 @@ def recipe_run(config_class, script_args, training_args, **overrides):
 
 
 def summary_line(result: dict, metric_label: str, output_dir: str) -> str:
-    """One line a recipe prints at the end: run, method, ε, metric beside the public-only baseline."""
+    """One line a recipe prints at the end: run, mechanism, ε, metric beside the public-only baseline."""
     epsilon = "no DP" if result["epsilon"] is None else f"ε = {result['epsilon']:.3g}, δ = {result['delta']:.3g}"
-    return (f"{result['run']} ({result['method']}, {epsilon}): {metric_label} {result['metric']:.4g}; "
-            f"public-only baseline {result['baseline_metric']:.4g}. Model and card: {output_dir}")
+    return (f"{result['run']} ({MECHANISMS[result['mechanism']].label}, {epsilon}): {metric_label} "
+            f"{result['eval_result']:.4g}; public-only baseline {result['baseline_result']:.4g}. Model and card: "
+            f"{output_dir}")

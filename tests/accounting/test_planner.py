@@ -1,4 +1,4 @@
-"""hf_dp.accounting.planner: contribution-bound heuristics and the three-mode budget plan."""
+"""hf_dp.accounting.planner: contribution-bound heuristics and the budget plan of the three DP mechanisms."""
 import json
 import math
 
@@ -7,10 +7,11 @@ import pytest
 
 from hf_dp import accounting
 from hf_dp.accounting import planner
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
 
 # A small population keeps every calibration fast: 200 users with 1..8 examples, 100 steps.
 COUNTS = [1, 2, 3, 4, 5, 6, 7, 8] * 25
-SETTING = dict(units_per_step=40, steps=100, target_epsilon=4.0)
+SETTING = dict(examples_per_step=40, steps=100, target_epsilon=4.0)
 
 
 def test_els_bound_is_the_median():
@@ -23,10 +24,10 @@ def test_els_bound_is_the_median():
             planner.recommend_contribution_bound_els(bad)
 
 
-def _predicted_noise(counts, group, units_per_step, steps, target_epsilon, delta):
+def _predicted_noise(counts, group, examples_per_step, steps, target_epsilon, delta):
     counts = np.asarray(counts)
     per_user = np.minimum(counts, group).mean()
-    users_per_step = units_per_step / per_user
+    users_per_step = examples_per_step / per_user
     sigma = accounting.noise_multiplier(target_epsilon=target_epsilon, delta=delta,
                                         sample_rate=users_per_step / counts.size, steps=steps)
     return sigma / (users_per_step * math.sqrt(per_user))
@@ -42,28 +43,34 @@ def test_uls_bound_minimises_the_predicted_noise():
 
 
 def test_uls_bound_errors():
-    with pytest.raises(ValueError, match="units_per_step"):
-        planner.recommend_contribution_bound_uls(COUNTS, units_per_step=0)
+    with pytest.raises(ValueError, match="examples_per_step"):
+        planner.recommend_contribution_bound_uls(COUNTS, examples_per_step=0)
     with pytest.raises(ValueError, match="examples_per_user"):
-        planner.recommend_contribution_bound_uls([3, -2], units_per_step=2)
-    with pytest.raises(ValueError, match="delta"):
-        planner.recommend_contribution_bound_uls(COUNTS, units_per_step=40, delta=0.5)
+        planner.recommend_contribution_bound_uls([3, -2], examples_per_step=2)
+    with pytest.raises(ValueError, match="target_delta"):
+        planner.recommend_contribution_bound_uls(COUNTS, examples_per_step=40, target_delta=0.5)
     with pytest.raises(ValueError, match="No contribution bound"):  # more users per step than users at any G
-        planner.recommend_contribution_bound_uls([1] * 10, units_per_step=20)
+        planner.recommend_contribution_bound_uls([1] * 10, examples_per_step=20)
 
 
 def test_plan_rows_meet_the_target_and_are_plain_data():
     rows = planner.plan(examples_per_user=COUNTS, noise_multiplier=1.0, **SETTING)
     json.dumps(rows)  # plain dicts: the Gradio app and the CLI print them
-    assert [row["mode"] for row in rows] == ["uls", "els", "example"]
+    assert [row["mechanism"] for row in rows] == list(DP_MECHANISMS) == ["uls", "els", "example"]
+    for row in rows:  # one vocabulary: labels, units and privacy units from hf_dp.vocabulary
+        entry = MECHANISMS[row["mechanism"]]
+        assert (row["label"], row["sampled_unit"], row["privacy_unit"]) == (
+            entry.label, entry.sampled_unit, entry.privacy_unit)
+        assert "mode" not in row and "units_per_step" not in row
     users, examples = len(COUNTS), sum(COUNTS)
     uls, els, example = rows
     assert els["contribution_bound"] == planner.recommend_contribution_bound_els(COUNTS)
     assert example["contribution_bound"] is None
-    assert uls["privacy_unit"] == els["privacy_unit"] == "user" and example["privacy_unit"] == "example"
-    # the same compute for every mode
+    assert uls["sampled_unit"] == "users" and els["sampled_unit"] == example["sampled_unit"] == "examples"
+    # the same compute for every mechanism: 40 examples per step, as 40 / m(G) users for ULS
     per_user = np.minimum(COUNTS, uls["contribution_bound"]).mean()
-    assert uls["units_per_step"] == pytest.approx(40 / per_user)
+    assert uls["expected_batch_size"] == pytest.approx(40 / per_user)
+    assert els["expected_batch_size"] == example["expected_batch_size"] == 40
     assert uls["sample_rate"] == pytest.approx(40 / per_user / users)
     assert els["sample_rate"] == pytest.approx(40 / np.minimum(COUNTS, els["contribution_bound"]).sum())
     assert example["sample_rate"] == pytest.approx(40 / examples)
@@ -75,16 +82,27 @@ def test_plan_rows_meet_the_target_and_are_plain_data():
         spent = accounting.epsilon(sample_rate=row["sample_rate"], noise_multiplier=row["noise_multiplier"],
                                    steps=100, delta=row["delta"], group_size=group)
         assert spent <= 4.0
-        assert row["noise_std"] == pytest.approx(row["noise_multiplier"] / row["units_per_step"])
+        assert row["noise_std"] == pytest.approx(row["noise_multiplier"] / row["expected_batch_size"])
         assert row["epsilon_at_fixed_noise"] == accounting.epsilon(
             sample_rate=row["sample_rate"], noise_multiplier=1.0, steps=100, delta=row["delta"], group_size=group)
 
 
+def test_the_uls_batch_is_what_dptrainer_needs_for_the_same_compute():
+    """ULS's expected_batch_size (users) at its G processes examples_per_step examples, as ELS's does."""
+    rows = planner.plan(users=1000, examples_per_user=20, examples_per_step=64, steps=300, target_epsilon=4.0,
+                        contribution_bound=4)
+    uls, els, _ = rows
+    assert (uls["expected_batch_size"], uls["sampled_unit"]) == (16, "users")  # 16 users x 4 examples = 64
+    assert (els["expected_batch_size"], els["sampled_unit"]) == (64, "examples")
+    assert uls["contribution_bound"] == els["contribution_bound"] == 4  # one G for both user-level mechanisms
+
+
 def test_plan_from_users_and_a_count_and_defaults():
-    rows = planner.plan(users=300, examples_per_user=4, units_per_step=30, target_epsilon=6.0,
-                        contribution_bound_uls=2)
-    assert rows[0]["contribution_bound"] == 2
-    assert rows[1]["contribution_bound"] == 4
+    rows = planner.plan(users=300, examples_per_user=4, examples_per_step=30, target_epsilon=6.0,
+                        contribution_bound=2)
+    assert rows[0]["contribution_bound"] == rows[1]["contribution_bound"] == 2
+    default = planner.plan(users=300, examples_per_user=4, examples_per_step=30, target_epsilon=6.0)
+    assert default[1]["contribution_bound"] == 4  # ELS: the median
     assert rows[0]["steps"] == math.ceil(1200 / 30)  # default: one expected pass over the examples
     assert all(row["epsilon_at_fixed_noise"] is None for row in rows)
 
@@ -92,14 +110,18 @@ def test_plan_from_users_and_a_count_and_defaults():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(target_epsilon=0.0), "target_epsilon"),
     (dict(target_epsilon=-2.0), "target_epsilon"),
-    (dict(delta=1 / 200), "delta"),   # = 1/users
-    (dict(delta=0.5), "delta"),
-    (dict(units_per_step=10_000), "units_per_step"),  # sample rate > 1
-    (dict(units_per_step=-1), "units_per_step"),
+    (dict(target_delta=1 / 200), "target_delta"),   # = 1/users
+    (dict(target_delta=0.5), "target_delta"),
+    (dict(examples_per_step=10_000), "examples_per_step"),  # sample rate > 1
+    (dict(examples_per_step=-1), "examples_per_step"),
     (dict(examples_per_user=[3, -1]), "negative"),
     (dict(users=5), "users"),  # disagrees with the list
     (dict(steps=0), "steps"),
     (dict(noise_multiplier=0.0), "noise_multiplier"),
+    (dict(contribution_bound=0), "contribution_bound"),
+    (dict(examples_per_user=[7], users=None), "users=1: DPTrainer refuses"),
+    (dict(examples_per_user=7, users=1), "users=1: DPTrainer refuses"),
+    (dict(noise_multiplier=1e-9), "noise_multiplier=1e-09: so little noise"),
 ])
 def test_plan_bad_input_says_what_to_change(kwargs, match):
     arguments = dict(examples_per_user=COUNTS, **SETTING)
@@ -109,13 +131,22 @@ def test_plan_bad_input_says_what_to_change(kwargs, match):
     assert "\n" not in str(info.value)
 
 
+def test_a_fixed_noise_too_small_for_one_mechanism_is_a_note_not_an_error():
+    """σ = 0.05 is accountable for ULS and example-level but beyond range for ELS (G = 20): a per-row note."""
+    rows = planner.plan(users=100, examples_per_user=20, noise_multiplier=0.05)
+    by_key = {row["mechanism"]: row for row in rows}
+    assert by_key["uls"]["epsilon_at_fixed_noise"] is not None
+    assert by_key["els"]["epsilon_at_fixed_noise"] is None and "ε at σ=0.05" in by_key["els"]["note"]
+    assert "Cannot compute" not in " ".join(row["note"] for row in rows)
+
+
 def test_huge_populations_allocate_nothing_per_user():
     """10⁹ and 10¹² users: the planner keeps (count, users holding it), never an array of users
     (a billion-user plan once took 19 GB)."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rows = planner.plan(users=10**12, examples_per_user=20, units_per_step=64, steps=1000, target_epsilon=8.0)
+    rows = planner.plan(users=10**12, examples_per_user=20, examples_per_step=64, steps=1000, target_epsilon=8.0)
     assert rows[1]["sample_rate"] == pytest.approx(64 / (20 * 10**12))  # ELS: examples
     assert rows[0]["noise_multiplier"] is not None and rows[1]["noise_multiplier"] is not None
     assert rows[2]["noise_multiplier"] is not None or "delta" in rows[2]["note"]  # δ = 5e-15: beyond precision
@@ -125,10 +156,10 @@ def test_huge_populations_allocate_nothing_per_user():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(users=10**9, examples_per_user=20), "steps=312500000 is above 10,000,000"),   # default: one pass
     (dict(users=10**6, examples_per_user=20, steps=10**9), "steps=1000000000 is above"),
-    (dict(users=1000, examples_per_user=20, contribution_bound_els=10**6), "group_size=1000000 is above 256"),
+    (dict(users=1000, examples_per_user=20, contribution_bound=10**6), "group_size=1000000 is above 256"),
 ])
-def test_out_of_range_plans_answer_with_one_line_per_mode(kwargs, match):
-    rows = planner.plan(units_per_step=64, target_epsilon=8.0, **kwargs)
+def test_out_of_range_plans_answer_with_one_line_per_mechanism(kwargs, match):
+    rows = planner.plan(examples_per_step=64, target_epsilon=8.0, **kwargs)
     refused = [row for row in rows if match in row["note"]]
     assert refused and all(row["noise_multiplier"] is None for row in refused)
 

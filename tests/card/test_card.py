@@ -13,6 +13,7 @@ from huggingface_hub import ModelCard
 from huggingface_hub.repocard import metadata_load
 
 from hf_dp.card import render_privacy_card, write_privacy_card
+from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
 
 GOLDEN = Path(__file__).parent / "golden"
 REGENERATE = os.environ.get("HF_DP_REGENERATE_GOLDEN") == "1"
@@ -25,6 +26,7 @@ ULS_REPORT = {
     "target_epsilon": 8.0,
     "privacy_unit": "user",
     "sampling": "uls",
+    "mechanism": "uls",
     "noise_multiplier": 0.8125,
     "logging_noise_multiplier": 8.125,
     "max_loss": 5.0,
@@ -37,13 +39,14 @@ ULS_REPORT = {
     "num_users": 1101,
     "num_examples": 14920,
     "accountant": "prv-accountant (PRV, Gopi et al. 2021); mixture-of-Gaussians for ELS",
-    "mechanism": "DP-SGD with user-level sampling (ULS), per-user clipping of the mean gradient",
+    "mechanism_description": MECHANISMS["uls"].description,
     "epsilon_group_privacy": None,
     "noise_seed": "os-entropy",
 }
 ELS_REPORT = dict(
     ULS_REPORT,
     sampling="els",
+    mechanism="els",
     epsilon=2.9874,
     target_epsilon=3.0,
     expected_batch_size=25.6,
@@ -55,18 +58,19 @@ ELS_REPORT = dict(
     sample_rate=0.004,
     contribution_bound=7,
     num_examples=6412,
-    mechanism="DP-SGD with example-level sampling (ELS), per-example clipping",
+    mechanism_description=MECHANISMS["els"].description,
     epsilon_group_privacy=58.316,
 )
 EXAMPLE_REPORT = dict(
     ULS_REPORT,
     privacy_unit="example",
-    sampling="example",
+    sampling=None,  # unused at the example level
+    mechanism="example",
     contribution_bound=None,
     num_examples=24217,
     sample_rate=0.01,
     expected_batch_size=242.2,
-    mechanism="DP-SGD with example-level sampling, per-example clipping",
+    mechanism_description=MECHANISMS["example"].description,
     noise_seed="fixed seed for testing: 1234",
     logging_noise_multiplier=None,  # private_logging=False
     max_loss=None,
@@ -76,14 +80,15 @@ NON_PRIVATE_REPORT = {"non_private": True, "steps": 300, "num_users": 1101, "num
 
 COMMON = {"base_model": "sentence-transformers/all-MiniLM-L6-v2", "dataset_name": "shakespeare"}
 CASES = {
-    "uls": (ULS_REPORT, dict(COMMON, eval_result=0.6125, baseline_result=0.4437, nonprivate_result=0.7016)),
+    "uls": (ULS_REPORT, dict(COMMON, eval_result=0.6125, baseline_result=0.4437, non_private_result=0.7016)),
     "els": (ELS_REPORT, dict(COMMON, eval_result=0.5874, baseline_result=0.4437)),
     "example": (EXAMPLE_REPORT, dict(COMMON, eval_result=0.6402)),
     "non_private": (NON_PRIVATE_REPORT, dict(COMMON, eval_result=0.7016, baseline_result=0.4437)),
     "causal_lm_no_eval": (
         ULS_REPORT,
         {"base_model": "gpt2", "task": "text-generation", "metric_name": "perplexity",
-         "library_name": "peft", "extra_not_covered": ["**Generated text.** Sampling settings are not part of the guarantee."]},
+         "library_name": "peft",
+         "extra_not_covered": ["**Generated text.** Sampling settings are not part of the guarantee."]},
     ),
 }
 
@@ -118,7 +123,12 @@ def test_front_matter_is_hub_metadata_and_privacy_block_round_trips(name, tmp_pa
         (result,) = data.eval_results
         assert result.metric_value == kwargs["eval_result"]
         assert result.metric_type == kwargs.get("metric_name", "accuracy")
-        assert metadata["dp_evaluation"]["model"] == kwargs["eval_result"]
+        # the evaluation figures under the names of the card's arguments and the result JSON
+        evaluation = metadata["dp_evaluation"]
+        assert set(evaluation) <= set(EVAL_KEYS)
+        assert evaluation["metric_name"] == kwargs.get("metric_name", "accuracy")
+        for key in ("eval_result", "baseline_result", "non_private_result"):
+            assert evaluation.get(key) == kwargs.get(key), key
     else:
         assert data.eval_results is None and "model-index" not in metadata
 
@@ -198,14 +208,38 @@ def test_numpy_values_become_plain_yaml(tmp_path):
     "change, match",
     [
         ({"epsilon": None}, "missing \\['epsilon'\\]"),
-        ({"privacy_unit": "row"}, "privacy_unit must be"),
-        ({"sampling": "example"}, "does not go with privacy_unit 'user'"),
-        ({"sampling": "els", "contribution_bound": None}, "ELS needs contribution_bound"),
+        ({"mechanism": None}, "missing \\['mechanism'\\]"),
+        ({"mechanism": "DP-SGD with user-level sampling"}, "mechanism='DP-SGD with user-level sampling': use one of"),
+        ({"mechanism": "public-only"}, "mechanism='public-only': use one of"),
+        ({"privacy_unit": "row"}, "privacy_unit='row' does not go with mechanism='uls'"),
+        ({"sampling": "example"}, "sampling='example' does not go with mechanism='uls'"),
+        ({"sampling": "els"}, "sampling='els' does not go with mechanism='uls'"),
+        ({"sampling": "els", "mechanism": "els", "contribution_bound": None}, "ELS needs contribution_bound"),
+        ({"epsilon": "7.98"}, "epsilon='7.98' must be a number, not str"),
+        ({"steps": "300"}, "steps='300' must be a number"),
     ],
 )
 def test_bad_reports_are_refused(change, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         render_privacy_card(dict(ULS_REPORT, **change), base_model="m")
+    assert "\n" not in str(error.value)
+
+
+def test_example_level_report_has_no_sampling():
+    with pytest.raises(ValueError, match="sampling='uls' does not go with mechanism='example'"):
+        render_privacy_card(dict(EXAMPLE_REPORT, sampling="uls"), base_model="m")
+    text = render_privacy_card(EXAMPLE_REPORT, base_model="m").text
+    assert "| Mechanism (`mechanism`) | " + MECHANISMS["example"].name + " |" in text
+    assert "| Sampling (`sampling`)" not in text  # unused at the example level
+
+
+def test_card_names_the_mechanism_from_the_vocabulary():
+    for report in (ULS_REPORT, ELS_REPORT, EXAMPLE_REPORT):
+        entry = MECHANISMS[report["mechanism"]]
+        text = render_privacy_card(report, base_model="m").text
+        assert f"Mechanism (`{entry.key}`) — {entry.description}." in text
+        assert f"| Mechanism (`mechanism`) | {entry.name} |" in text
+        assert f"| Expected {entry.sampled_unit} per step (`expected_batch_size`) |" in text
 
 
 def test_model_cards_folder_links_the_packaged_template():

@@ -160,6 +160,53 @@ def test_card_checks(model_dir, tmp_path):
     assert check_privacy_card(nonprivate, allow_non_private=True)["non_private"] is True
 
 
+def _edit_front_matter(model_dir, line: str, replacement: str) -> None:
+    readme = model_dir / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    assert line in text
+    readme.write_text(text.replace(line, replacement, 1), encoding="utf-8")
+
+
+@pytest.mark.parametrize("line, replacement, field", [
+    ("  epsilon: 7.9\n", "  epsilon: '7.9'\n", "privacy.epsilon (ε) is the str '7.9'"),
+    ("  epsilon: 7.9\n", '  epsilon: "8"\n', "privacy.epsilon (ε) is the str '8'"),
+    ("  delta: 1.0e-05\n", "  delta: '1e-5'\n", "privacy.delta (δ) is the str '1e-5'"),
+])
+def test_a_string_epsilon_is_refused_by_the_check_in_one_line(model_dir, api, monkeypatch, capsys, line, replacement,
+                                                              field):
+    """ε (or δ) quoted in the card's YAML: refused by the card check, naming the field and the fix, before any
+    format code or upload sees it."""
+    _edit_front_matter(model_dir, line, replacement)
+    with pytest.raises(PrivacyCardError, match="write it unquoted") as error:
+        check_privacy_card(model_dir)
+    assert field in str(error.value) and "\n" not in str(error.value)
+    monkeypatch.setattr(publish_module, "ensure_hub_reachable", lambda *a, **k: None)
+    code = publish_module.main([str(model_dir), "--repo_id", "alice/model", "--token", "t"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and field in err and "Traceback" not in err
+    assert "format code" not in err
+    assert api.calls == []
+
+
+def test_mechanism_is_checked_against_the_ledger(model_dir):
+    _edit_front_matter(model_dir, "  mechanism: uls\n", "  mechanism: els\n")
+    with pytest.raises(PrivacyCardError, match="the card says mechanism = 'els' but its ledger"):
+        check_privacy_card(model_dir)
+    _edit_front_matter(model_dir, "  mechanism: els\n", "  mechanism: user-level sampling\n")
+    with pytest.raises(PrivacyCardError, match="privacy.mechanism = 'user-level sampling' is not one of"):
+        check_privacy_card(model_dir)
+
+
+def test_example_level_card_publishes_without_sampling(tmp_path):
+    """An example-level card has `sampling: null` (unused there): the check goes by the mechanism."""
+    folder = tmp_path / "example"
+    report = privacy_report("example", 7.9, 8.0)
+    assert report["sampling"] is None
+    write_privacy_card(report, folder, ledger=privacy_ledger(report), base_model="test/tiny")
+    privacy = check_privacy_card(folder)
+    assert privacy["mechanism"] == "example" and privacy["sampling"] is None
+
+
 def test_missing_card_is_refused_before_reachability(tmp_path, api, monkeypatch):
     called = []
     monkeypatch.setattr(publish_module, "ensure_hub_reachable", lambda *a, **k: called.append(1))
@@ -171,7 +218,7 @@ def test_missing_card_is_refused_before_reachability(tmp_path, api, monkeypatch)
 
 
 def test_bad_repo_id_and_no_weights(model_dir, tmp_path, api):
-    with pytest.raises(ValueError, match="repo-id"):
+    with pytest.raises(ValueError, match="--repo_id"):
         publish(model_dir, "not a repo id", token="t")
     cardonly = tmp_path / "cardonly"
     report = privacy_report("uls", 7.9, 8.0)
@@ -183,7 +230,7 @@ def test_bad_repo_id_and_no_weights(model_dir, tmp_path, api):
 
 def test_cli_prints_one_line_and_exits_1_offline(model_dir, api, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code = publish_module.main([str(model_dir), "--repo-id", "alice/model"])
+    code = publish_module.main([str(model_dir), "--repo-id", "alice/model"])  # dashes accepted
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err and "offline" in err
     assert api.calls == []

@@ -23,6 +23,7 @@ from hf_dp.workflows.tasks.classification import (
     run_classification,
     tokenize_classification,
 )
+from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
 from hf_dp.workflows.runs import RESULT_KEYS, load_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,14 +87,25 @@ def toy_jsonl(tmp_path_factory) -> str:
 
 def toy_config(tmp_path, model_dir, data_path, **overrides) -> ClassificationConfig:
     settings = dict(
-        run="toy", results_dir=str(tmp_path), dataset=data_path, user_column="author", text_column="body",
-        label_column="genre", model_name_or_path=model_dir, max_length=12, expected_batch_size=8,
-        contribution_bound=2, max_steps=3, per_device_train_batch_size=16, learning_rate=1e-2,
-        nonprivate_batch_size=8, nonprivate_learning_rate=1e-2, noise_seed=0, eval_batch_size=32, progress=False,
+        run="toy", results_dir=str(tmp_path), dataset=data_path, user_id_column="author", text_column="body",
+        label_column="genre", model_name_or_path=model_dir, max_length=12, eval_batch_size=32, progress=False,
         lora_target_modules=["query", "value"],
     )
     settings.update(overrides)
     return ClassificationConfig(**settings)
+
+
+def toy_training(config: ClassificationConfig, mechanism: str, **overrides):
+    """The toy runs' training arguments (DPTrainingArguments / TrainingArguments field names)."""
+    if mechanism == "non-private":
+        fields = dict(max_steps=3, per_device_train_batch_size=8, learning_rate=1e-2)
+    else:
+        fields = dict(expected_batch_size=8, contribution_bound=2, max_steps=3, per_device_train_batch_size=16,
+                      learning_rate=1e-2, noise_seed=0)
+        if mechanism == "example":
+            fields.pop("contribution_bound")
+    fields.update(overrides)
+    return config.training_arguments(mechanism, **fields)
 
 
 # ---- metrics and data -----------------------------------------------------------------------------------
@@ -107,25 +119,54 @@ def test_accuracy_and_compute_metrics():
         accuracy([0, 1], [0])
 
 
-def test_config_rejects_unknown_method_and_bad_run_name():
-    with pytest.raises(ValueError, match="method"):
-        ClassificationConfig(run="x", method="dp")
+def test_config_rejects_bad_run_name_and_training_arguments_unknown_mechanism(tmp_path):
     with pytest.raises(ValueError, match="run"):
         ClassificationConfig(run="a/b")
+    config = ClassificationConfig(run="x", results_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="mechanism='dp'"):
+        config.training_arguments("dp")
+    with pytest.raises(ValueError, match="public-only"):
+        config.training_arguments("public-only")
+    with pytest.raises(ValueError, match="target_epsilon=3.*non-private run has no privacy settings"):
+        config.training_arguments("non-private", target_epsilon=3)
+    with pytest.raises(ValueError, match="sampling follows from the mechanism"):
+        config.training_arguments("uls", sampling="els")
 
 
-def test_training_arguments_follow_the_method(tmp_path):
+def test_run_config_has_no_privacy_fields():
+    """Privacy settings live in DPTrainingArguments only: the run config repeats none of them."""
+    import dataclasses
+
     from transformers import TrainingArguments
 
     from hf_dp import DPTrainingArguments
 
-    els = ClassificationConfig(run="e", method="els", results_dir=str(tmp_path)).training_arguments()
+    run_fields = {f.name for f in dataclasses.fields(ClassificationConfig)}
+    training_fields = {f.name for f in dataclasses.fields(DPTrainingArguments)}
+    privacy_fields = training_fields - {f.name for f in dataclasses.fields(TrainingArguments)}
+    # the user column is the one setting both need: the split by user, and the privacy unit (checked equal)
+    assert run_fields & training_fields == {"user_id_column", "seed"}
+    assert run_fields & privacy_fields == {"user_id_column"}
+    assert "method" not in run_fields and "mechanism" not in run_fields
+
+
+def test_training_arguments_follow_the_mechanism(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_dp import DPTrainingArguments
+
+    config = ClassificationConfig(run="e", results_dir=str(tmp_path), user_id_column="customer")
+    els = config.training_arguments("els", target_epsilon=3.0)
     assert isinstance(els, DPTrainingArguments) and (els.privacy_unit, els.sampling) == ("user", "els")
-    example = ClassificationConfig(run="x", method="example", results_dir=str(tmp_path)).training_arguments()
+    assert els.user_id_column == "customer" and els.target_epsilon == 3.0
+    defaults = DPTrainingArguments(output_dir=str(tmp_path))  # what is not given is DPTrainingArguments' default
+    assert (els.expected_batch_size, els.contribution_bound, els.max_grad_norm) == (
+        defaults.expected_batch_size, defaults.contribution_bound, defaults.max_grad_norm)
+    example = config.training_arguments("example")
     assert example.mechanism == "example"
-    plain = ClassificationConfig(run="n", method="non-private", results_dir=str(tmp_path)).training_arguments()
+    plain = config.training_arguments("non-private")
     assert type(plain) is TrainingArguments
-    assert Path(plain.output_dir) == tmp_path / "models" / "n"
+    assert Path(plain.output_dir) == tmp_path / "models" / "e"
 
 
 def test_custom_data_is_split_by_user_and_labels_encoded(tmp_path, toy_jsonl, tiny_bert_dir):
@@ -177,35 +218,49 @@ def test_zero_shot_baseline_on_real_minilm_offline(monkeypatch):
 # ---- end-to-end runs on a tiny BERT ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method,use_lora,head", [
+@pytest.mark.parametrize("mechanism,use_lora,head", [
     ("uls", True, "similarity"), ("els", False, "similarity"), ("example", True, "linear"),
     ("non-private", False, "similarity"), ("uls", False, "linear"), ("non-private", True, "linear"),
 ])
-def test_run_classification_end_to_end(tmp_path, toy_jsonl, tiny_bert_dir, method, use_lora, head):
-    config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl, run=f"toy-{method}", method=method, use_lora=use_lora,
-                        baseline_metric=None, max_eval_examples=20, head=head)
-    result = run_classification(config)
+def test_run_classification_end_to_end(tmp_path, toy_jsonl, tiny_bert_dir, mechanism, use_lora, head):
+    config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl, run=f"toy-{mechanism}", use_lora=use_lora,
+                        max_eval_examples=20, head=head, non_private_result=0.5)
+    training_args = toy_training(config, mechanism, **({} if mechanism == "non-private" else {"target_epsilon": 8.0}))
+    result = run_classification(config, training_args)
     assert set(RESULT_KEYS) <= set(result)
-    assert result["method"] == method and result["task"] == "classification"
-    assert result["metric_name"] == "accuracy" and 0.0 <= result["metric"] <= 1.0
+    assert result["mechanism"] == mechanism and result["task"] == "classification"
+    assert result["metric_name"] == "accuracy" and 0.0 <= result["eval_result"] <= 1.0
     assert result["num_eval_examples"] == 20 and result["steps"] == 3
     assert result["label_names"] == ["comedy", "history", "tragedy"]
-    assert load_result(tmp_path / f"toy-{method}.json")["metric"] == pytest.approx(result["metric"])
-    baseline = load_result(tmp_path / f"toy-{method}-baseline.json")  # computed since none was given
-    assert baseline["method"] == "public-only" and baseline["epsilon"] == 0.0
-    assert result["baseline_metric"] == pytest.approx(baseline["metric"])
-    if method == "non-private":
+    assert result["non_private_result"] == 0.5
+    assert "method" not in result and "metric" not in result and "baseline_metric" not in result
+    assert load_result(tmp_path / f"toy-{mechanism}.json")["eval_result"] == pytest.approx(result["eval_result"])
+    baseline = load_result(tmp_path / f"toy-{mechanism}-baseline.json")  # computed since none was given
+    assert baseline["mechanism"] == "public-only" and baseline["epsilon"] == 0.0
+    assert result["baseline_result"] == pytest.approx(baseline["eval_result"])
+    assert result["config"]["user_id_column"] == "author"
+    if mechanism == "non-private":
         assert result["privacy"] is None and result["epsilon"] is None and result["target_epsilon"] is None
+        assert "target_epsilon" not in result["config"]  # no privacy settings recorded for a non-private run
     else:
         privacy = result["privacy"]
-        assert privacy["sampling"] == method and privacy["steps"] == 3
-        assert 0 < result["epsilon"] <= config.target_epsilon == result["target_epsilon"]
-        assert privacy["privacy_unit"] == ("example" if method == "example" else "user")
+        assert privacy["steps"] == 3
+        assert 0 < result["epsilon"] <= 8.0 == result["target_epsilon"] == result["config"]["target_epsilon"]
+        assert privacy["privacy_unit"] == MECHANISMS[mechanism].privacy_unit
     model_dir = tmp_path / result["model_dir"]
-    assert model_dir == tmp_path / "models" / f"toy-{method}"
+    assert model_dir == tmp_path / "models" / f"toy-{mechanism}"
     card = (model_dir / "README.md").read_text()
-    assert "accuracy" in card and f"{result['baseline_metric']:.4g}" in card
-    assert ("differential-privacy" in card) != (method == "non-private")
+    assert "accuracy" in card and f"{result['baseline_result']:.4g}" in card
+    assert ("differential-privacy" in card) != (mechanism == "non-private")
+    if mechanism != "non-private":  # the card's evaluation block has the result JSON's names and values
+        from huggingface_hub.repocard import metadata_load
+
+        evaluation = metadata_load(model_dir / "README.md")["dp_evaluation"]
+        assert {key: evaluation[key] for key in EVAL_KEYS} == {key: result[key] for key in EVAL_KEYS}
+        from hf_dp.hub import check_privacy_card
+
+        # the trainer's card and ledger agree: `hf-dp publish` would accept them (the report's keys, as written)
+        assert check_privacy_card(model_dir)["mechanism"] == mechanism == result["privacy"]["mechanism"]
     # The saved model (LoRA merged) reloads and predicts like the trained one.
     from hf_dp.workflows.tasks.classification import load_classifier, predict_labels
 
@@ -214,9 +269,20 @@ def test_run_classification_end_to_end(tmp_path, toy_jsonl, tiny_bert_dir, metho
     assert not any("lora" in name for name, _ in model.named_parameters())
     data = load_classification_data(config)
     predictions = predict_labels(model, tokenizer, data.test["body"], max_length=12)
-    assert accuracy(predictions, data.test["labels"]) == pytest.approx(result["metric"])
+    assert accuracy(predictions, data.test["labels"]) == pytest.approx(result["eval_result"])
     names = model.label_names if head == "similarity" else list(model.config.id2label.values())
     assert names == ["comedy", "history", "tragedy"]
+
+
+def test_a_user_column_that_differs_between_config_and_arguments_is_refused(tmp_path, toy_jsonl, tiny_bert_dir):
+    from hf_dp import DPTrainingArguments
+
+    config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl)  # user_id_column="author"
+    args = DPTrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1)  # user_id_column="user_id"
+    with pytest.raises(ValueError, match="user_id_column: the training arguments say 'user_id', the run config "
+                                         "'author'") as error:
+        run_classification(config, args)
+    assert "\n" not in str(error.value)
 
 
 def test_similarity_model_starts_as_the_zero_shot_baseline(tmp_path, toy_jsonl, tiny_bert_dir):
@@ -235,9 +301,8 @@ def test_similarity_model_starts_as_the_zero_shot_baseline(tmp_path, toy_jsonl, 
 
 
 def test_non_private_training_learns_the_toy_task(tmp_path, toy_jsonl, tiny_bert_dir):
-    config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl, run="learn", method="non-private", use_lora=False,
-                        max_steps=60, baseline_metric=0.0)
-    assert run_classification(config)["metric"] > 0.6  # chance is 1/3
+    config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl, run="learn", use_lora=False, baseline_result=0.0)
+    assert run_classification(config, toy_training(config, "non-private", max_steps=60))["eval_result"] > 0.6  # 1/3
 
 
 # ---- the recipe ------------------------------------------------------------------------------------------
@@ -258,18 +323,54 @@ def test_classify_recipe_parser_accepts_its_flags(tmp_path):
 
     recipe = _load_recipe("classify")
     script_args, training_args = recipe.make_parser().parse_args_into_dataclasses([
-        "--output_dir", str(tmp_path / "out"), "--dataset", "data.jsonl", "--user_column", "customer",
+        "--output_dir", str(tmp_path / "out"), "--dataset", "data.jsonl", "--user_id_column", "customer",
         "--text_column", "body", "--label_column", "topic", "--use_lora", "--lora_target_modules", "query", "value",
         "--non_private", "--sampling", "els", "--target_epsilon", "3", "--expected_batch_size", "32",
-        "--contribution_bound", "4", "--max_length", "48", "--max_steps", "10",
+        "--contribution_bound", "4", "--max_length", "48", "--max_steps", "10", "--results-dir", "out",
     ])
-    assert (script_args.dataset, script_args.user_column, script_args.text_column) == ("data.jsonl", "customer", "body")
+    assert (script_args.dataset, script_args.text_column, script_args.results_dir) == ("data.jsonl", "body", "out")
+    assert training_args.user_id_column == "customer"  # the DPTrainingArguments field: one flag, one place
+    assert not hasattr(script_args, "user_column")
     assert script_args.use_lora and script_args.non_private and script_args.lora_target_modules == ["query", "value"]
     assert script_args.model_name_or_path is None  # the embedded MiniLM
     assert (training_args.sampling, training_args.target_epsilon, training_args.contribution_bound) == ("els", 3.0, 4)
-    from hf_dp.workflows.runs import plain_training_arguments
+    from hf_dp.workflows.runs import plain_training_arguments, recipe_run
 
     assert type(plain_training_arguments(training_args)) is TrainingArguments
+    config, plain = recipe_run(ClassificationConfig, script_args, training_args)
+    assert type(plain) is TrainingArguments and config.user_id_column == "customer"  # non-private: the split's
+
+
+def test_classify_recipe_dp_run_with_its_own_user_column(tmp_path, toy_jsonl, tiny_bert_dir, capsys):
+    """The docstring's "your own data" command in a DP run: --user_id_column reaches DPTrainer, and the result's
+    config records the privacy settings the run used (not defaults of a second copy of them)."""
+    rows = [json.loads(line) for line in Path(toy_jsonl).read_text().splitlines()]
+    data = tmp_path / "tickets.jsonl"
+    data.write_text("".join(json.dumps({"customer": r["author"], "body": r["body"], "topic": r["genre"]}) + "\n"
+                            for r in rows))
+    recipe = _load_recipe("classify")
+    script_args, training_args = recipe.make_parser().parse_args_into_dataclasses([
+        "--dataset", str(data), "--user_id_column", "customer", "--text_column", "body", "--label_column", "topic",
+        "--model_name_or_path", tiny_bert_dir, "--max_length", "12", "--use_lora", "--lora_target_modules", "query",
+        "value", "--output_dir", str(tmp_path / "models" / "tickets-uls"), "--results_dir", str(tmp_path),
+        "--target_epsilon", "3", "--contribution_bound", "2", "--expected_batch_size", "8", "--max_steps", "2",
+        "--learning_rate", "1e-2", "--per_device_train_batch_size", "16", "--noise_seed", "0",
+        "--disable_tqdm", "true", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "true",
+    ])
+    result = recipe.main(script_args, training_args)
+    assert result["mechanism"] == "uls" and result["steps"] == 2
+    from hf_dp.card import round_count
+
+    # DPTrainer's users are the customers of the training split (the report rounds its count)
+    assert 40 <= result["num_train_users"] < 60 and result["privacy"]["num_users"] == round_count(
+        result["num_train_users"])
+    saved = load_result(tmp_path / "tickets-uls.json")
+    config = saved["config"]
+    assert (config["target_epsilon"], config["contribution_bound"], config["expected_batch_size"]) == (3.0, 2, 8)
+    assert (config["user_id_column"], config["privacy_unit"], config["sampling"]) == ("customer", "user", "uls")
+    assert saved["privacy"]["contribution_bound"] == 2 and saved["privacy"]["expected_batch_size"] == 8
+    assert 0 < saved["epsilon"] <= 3.0 == saved["target_epsilon"]
+    assert "user-level DP, ULS" in capsys.readouterr().out  # the summary line names the mechanism by its label
 
 
 @pytest.mark.slow
@@ -277,7 +378,8 @@ def test_classify_recipe_help():
     result = subprocess.run([sys.executable, str(ROOT / "recipes" / "classify.py"), "--help"], capture_output=True,
                             text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
-    for flag in ("--non_private", "--use_lora", "--dataset", "--user_column", "--target_epsilon", "--sampling"):
+    for flag in ("--non_private", "--use_lora", "--dataset", "--user_id_column", "--target_epsilon", "--sampling",
+                 "--results_dir"):
         assert flag in result.stdout
 
 
@@ -298,7 +400,7 @@ def test_accelerate_launch_classify_recipe_on_cpu(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     saved = load_result(tmp_path / "uls.json")
-    assert saved is not None and saved["method"] == "uls" and saved["num_eval_examples"] == 32
+    assert saved is not None and saved["mechanism"] == "uls" and saved["num_eval_examples"] == 32
     assert saved["privacy"]["num_users"] == 40 and saved["epsilon"] <= 8.0
     assert (tmp_path / "models" / "uls" / "README.md").is_file()
     assert "public-only baseline" in result.stdout
@@ -310,9 +412,9 @@ def test_a_run_does_not_depend_on_what_ran_before(tmp_path, toy_jsonl, tiny_bert
     for draws in (0, 7):
         torch.manual_seed(123)
         torch.rand(draws)  # another run or an evaluation used the global generator
-        config = toy_config(tmp_path / str(draws), tiny_bert_dir, toy_jsonl, run="seeded", method="non-private",
-                            use_lora=True, head="linear", baseline_metric=0.0, max_steps=5)
-        run_classification(config)
+        config = toy_config(tmp_path / str(draws), tiny_bert_dir, toy_jsonl, run="seeded", use_lora=True,
+                            head="linear", baseline_result=0.0)
+        run_classification(config, toy_training(config, "non-private", max_steps=5))
         model, _ = load_classifier(tmp_path / str(draws) / "models" / "seeded")
         metrics.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(metrics[0], metrics[1], rtol=0, atol=0)

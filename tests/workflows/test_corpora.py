@@ -439,7 +439,7 @@ def test_load_user_dataset_local_files(tmp_path, suffix):
         frame.to_csv(path, index=False, sep="\t")
     else:
         frame.to_parquet(path)
-    loaded = load_user_dataset(path, user_column="customer", text_column="body", label_column="y")
+    loaded = load_user_dataset(path, user_id_column="customer", text_column="body", label_column="y")
     assert len(loaded) == 4
     assert list(loaded["customer"]) == ROWS["customer"] and list(loaded["body"]) == ROWS["body"]
 
@@ -455,12 +455,12 @@ def test_load_user_dataset_folder_and_split_name(tmp_path):
 def test_load_user_dataset_missing_columns(tmp_path):
     path = tmp_path / "data.jsonl"
     datasets.Dataset.from_dict(ROWS).to_json(path)
-    with pytest.raises(ValueError, match=r"User column 'user_id'.*\['customer', 'body', 'y'\].*user_column"):
+    with pytest.raises(ValueError, match=r"User column 'user_id'.*\['customer', 'body', 'y'\].*user_id_column"):
         load_user_dataset(path)
     with pytest.raises(ValueError, match=r"Text column 'text'.*text_column"):
-        load_user_dataset(path, user_column="customer")
+        load_user_dataset(path, user_id_column="customer")
     with pytest.raises(ValueError, match=r"Label column 'label'.*label_column"):
-        load_user_dataset(path, user_column="customer", text_column="body", label_column="label")
+        load_user_dataset(path, user_id_column="customer", text_column="body", label_column="label")
 
 
 def test_load_user_dataset_bad_sources(tmp_path):

@@ -97,32 +97,40 @@ def test_perplexity_of_uniform_model_is_vocab_size():
     assert perplexity(Uniform(11), data, CausalLMCollator(0), batch_size=1) == pytest.approx(11.0)
 
 
-@pytest.mark.parametrize("arch,method,use_lora", [
+@pytest.mark.parametrize("arch,mechanism,use_lora", [
     ("gpt2", "uls", True),
     ("llama", "els", False),
     ("llama", "example", True),
     ("gpt2", "non-private", False),
 ])
-def test_run_language_modeling_end_to_end(tmp_path, arch, method, use_lora):
+def test_run_language_modeling_end_to_end(tmp_path, arch, mechanism, use_lora):
     config = LanguageModelingConfig(
-        run=f"{arch}-{method}", method=method, results_dir=str(tmp_path), model_name_or_path=f"tiny-{arch}",
-        use_lora=use_lora, lora_target_modules=["c_attn"] if arch == "gpt2" else ["q_proj", "v_proj"],
-        expected_batch_size=8, contribution_bound=3, max_steps=4, per_device_train_batch_size=8,
-        learning_rate=5e-2, nonprivate_learning_rate=5e-2, nonprivate_batch_size=8, noise_seed=0,
-        target_epsilon=8.0, progress=False,
+        run=f"{arch}-{mechanism}", results_dir=str(tmp_path), model_name_or_path=f"tiny-{arch}",
+        use_lora=use_lora, lora_target_modules=["c_attn"] if arch == "gpt2" else ["q_proj", "v_proj"], progress=False,
     )
-    result = run_language_modeling(config, model=tiny_lm(arch), tokenizer=word_tokenizer(), data=text_data())
+    if mechanism == "non-private":
+        training_args = config.training_arguments(mechanism, max_steps=4, per_device_train_batch_size=8,
+                                                  learning_rate=5e-2)
+    else:
+        bound = {} if mechanism == "example" else {"contribution_bound": 3}
+        training_args = config.training_arguments(mechanism, expected_batch_size=8, max_steps=4, target_epsilon=8.0,
+                                                  per_device_train_batch_size=8, learning_rate=5e-2, noise_seed=0,
+                                                  **bound)
+    result = run_language_modeling(config, training_args, model=tiny_lm(arch), tokenizer=word_tokenizer(),
+                                   data=text_data())
     assert set(RESULT_KEYS) <= set(result)
     assert result["task"] == "causal-lm" and result["metric_name"] == "perplexity"
-    assert result["method"] == method and result["steps"] == 4
-    assert math.isfinite(result["metric"]) and math.isfinite(result["baseline_metric"])
-    if method == "non-private":
+    assert result["mechanism"] == mechanism and result["steps"] == 4
+    assert math.isfinite(result["eval_result"]) and math.isfinite(result["baseline_result"])
+    if mechanism == "non-private":
         assert result["epsilon"] is None and result["privacy"] is None
-        assert result["metric"] < result["baseline_metric"]  # 4 plain steps at a high LR learn the toy data
+        assert result["eval_result"] < result["baseline_result"]  # 4 plain steps at a high LR learn the toy data
     else:
-        assert 0 < result["epsilon"] <= 8.0 and result["privacy"]["sampling"] == method
-    on_disk = json.loads((tmp_path / f"{arch}-{method}.json").read_text())
-    assert on_disk["metric"] == pytest.approx(result["metric"])
+        assert 0 < result["epsilon"] <= 8.0 == result["config"]["target_epsilon"]
+        assert result["privacy"]["mechanism"] == mechanism
+        assert result["config"]["expected_batch_size"] == 8
+    on_disk = json.loads((tmp_path / f"{arch}-{mechanism}.json").read_text())
+    assert on_disk["eval_result"] == pytest.approx(result["eval_result"])
     model_dir = tmp_path / result["model_dir"]
     assert (model_dir / "README.md").is_file() and (model_dir / "config.json").is_file()
     card = (model_dir / "README.md").read_text()
@@ -131,6 +139,18 @@ def test_run_language_modeling_end_to_end(tmp_path, arch, method, use_lora):
 
     reloaded = AutoModelForCausalLM.from_pretrained(model_dir)  # LoRA merged: a plain model
     assert not any("lora" in name for name, _ in reloaded.named_parameters())
+
+
+def test_language_modeling_defaults_are_optimisation_only():
+    """The LM config changes learning-rate defaults, never a privacy default (those are DPTrainingArguments')."""
+    from hf_dp import DPTrainingArguments
+
+    config = LanguageModelingConfig(run="lm")
+    dp, plain = config.training_arguments("uls"), config.training_arguments("non-private")
+    assert (dp.learning_rate, plain.learning_rate) == (1e-3, 2e-4)
+    defaults = DPTrainingArguments(output_dir="unused")
+    for field in ("target_epsilon", "expected_batch_size", "contribution_bound", "max_grad_norm", "target_delta"):
+        assert getattr(dp, field) == getattr(defaults, field), field
 
 
 def test_causal_lm_recipe_parser_accepts_its_flags(tmp_path):
@@ -145,11 +165,11 @@ def test_causal_lm_recipe_parser_accepts_its_flags(tmp_path):
     spec.loader.exec_module(recipe)
     script_args, training_args = recipe.make_parser().parse_args_into_dataclasses([
         "--model_name_or_path", "some/lm", "--output_dir", str(tmp_path / "out"), "--dataset", "chats.jsonl",
-        "--user_column", "author", "--text_column", "message", "--use_lora", "--lora_target_modules", "q_proj",
+        "--user_id_column", "author", "--text_column", "message", "--use_lora", "--lora_target_modules", "q_proj",
         "--max_length", "128", "--sampling", "els", "--contribution_bound", "8", "--target_epsilon", "3",
         "--non_private",
     ])
-    assert (script_args.model_name_or_path, script_args.user_column, script_args.text_column) == (
+    assert (script_args.model_name_or_path, training_args.user_id_column, script_args.text_column) == (
         "some/lm", "author", "message")
     assert script_args.use_lora and script_args.non_private and script_args.max_length == 128
     assert (training_args.sampling, training_args.contribution_bound, training_args.target_epsilon) == ("els", 8, 3.0)
@@ -182,6 +202,7 @@ def test_causal_lm_recipe_runs_on_a_saved_tiny_model(tmp_path):
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
     result = json.loads((tmp_path / "lm-uls.json").read_text())
-    assert result["method"] == "uls" and result["metric_name"] == "perplexity" and result["steps"] == 3
-    assert math.isfinite(result["metric"]) and result["privacy"]["num_users"] == 30
+    assert result["mechanism"] == "uls" and result["metric_name"] == "perplexity" and result["steps"] == 3
+    assert math.isfinite(result["eval_result"]) and result["privacy"]["num_users"] == 30
+    assert (result["config"]["target_epsilon"], result["config"]["contribution_bound"]) == (8.0, 2)
     assert "perplexity" in completed.stdout

@@ -12,30 +12,33 @@ The pieces of a classification run, in the order the data flows:
    Carlini 2024): zero-shot, no private data. Fine-tuning starts from it (`head="similarity"`, the default):
    the objective stays the one the encoder was pretrained with, as Li et al. (2021) advise for DP.
    `head="linear"` fine-tunes `AutoModelForSequenceClassification` with a new head instead (any architecture).
-4. [`run_classification`]: fine-tunes one configuration ([`~hf_dp.DPTrainer`] for `"uls"`, `"els"`,
-   `"example"`, plain [`~transformers.Trainer`] for `"non-private"`), evaluates test accuracy (computed
-   locally, no `evaluate.load`), saves the model and tokenizer (LoRA adapters merged; [`load_classifier`]
-   loads either head kind), writes the privacy card beside them with the DP accuracy and the baseline, and
-   returns (and writes) the result below.
+4. [`run_classification`]: fine-tunes one configuration with its training arguments ([`~hf_dp.DPTrainer`] for
+   [`~hf_dp.DPTrainingArguments`], mechanism `"uls"`, `"els"` or `"example"`; plain [`~transformers.Trainer`] for
+   `TrainingArguments`, mechanism `"non-private"`), evaluates test accuracy (computed locally, no `evaluate.load`),
+   saves the model and tokenizer (LoRA adapters merged; [`load_classifier`] loads either head kind), writes the
+   privacy card beside them with the DP accuracy and the baseline, and returns (and writes) the result below.
 
 Everything after training (evaluation, the card, the JSON) is post-processing: it does not change ε. What the
 guarantee does not cover: the choice of hyperparameters if they were tuned on the private data, and the
 pretraining data of the public model.
 
-Result JSON (`<results_dir>/<run>.json`; the Gradio app and [`hf_dp.workflows.study`] read it):
+Result JSON (`<results_dir>/<run>.json`, keys [`~hf_dp.workflows.runs.RESULT_KEYS`]; the Gradio app and
+[`hf_dp.workflows.study`] read it; evaluation figures named by [`~hf_dp.vocabulary.EVAL_KEYS`] as in the card):
 
 ```
 {
   "run": str,                      # run name, also the JSON's file stem
-  "method": str,                   # "uls" | "els" | "example" | "non-private" | "public-only"
+  "mechanism": str,                # a key of hf_dp.vocabulary.MECHANISMS: "uls" | "els" | "example" |
+                                   # "non-private" | "public-only"
   "target_epsilon": float | None,  # None for non-private and the public-only baseline
   "epsilon": float | None,         # ε spent (accountant's upper bound); 0.0 for the public-only
                                    # baseline (no private data used); None for non-private (no guarantee)
   "delta": float | None,           # δ of the guarantee (0.0 for the baseline, None for non-private)
   "privacy": dict | None,          # DPTrainer.privacy_report(), None for non-private and the baseline
   "metric_name": "accuracy",
-  "metric": float,                 # test accuracy of this run
-  "baseline_metric": float,        # test accuracy of the public-only (zero-shot) baseline, same test rows
+  "eval_result": float,            # test accuracy of this run
+  "baseline_result": float,        # test accuracy of the public-only (zero-shot) baseline, same test rows
+  "non_private_result": float,     # only when known: a non-private run's test accuracy, same test rows
   "model_dir": str | None,         # model + tokenizer + privacy card, relative to the results folder
                                    # (None for the baseline: it is the base model itself)
   "base_model": str,               # Hub id (or path) of the pretrained model
@@ -44,8 +47,10 @@ Result JSON (`<results_dir>/<run>.json`; the Gradio app and [`hf_dp.workflows.st
   "eval_seconds": float,           # wall-clock seconds of the test evaluation
   "label_names": [str, ...],       # class index -> name
   "num_eval_examples": int,
-  "config": {...}                  # the ClassificationConfig as a dict (model_name_or_path None = embedded
-                                   # MiniLM), plus "label_descriptions" for the baseline
+  "config": {...}                  # the ClassificationConfig's fields (model_name_or_path None = embedded
+                                   # MiniLM) and the training arguments' values the run used, each under its
+                                   # own name (target_epsilon, expected_batch_size, contribution_bound, ...),
+                                   # plus "label_descriptions"
 }
 ```
 
@@ -53,8 +58,9 @@ Example:
 
 ```python
 >>> from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
->>> result = run_classification(ClassificationConfig(run="uls-eps8", method="uls", target_epsilon=8.0))
->>> result["metric"], result["baseline_metric"], result["epsilon"]
+>>> config = ClassificationConfig(run="uls-eps8")
+>>> result = run_classification(config, config.training_arguments("uls", target_epsilon=8.0))
+>>> result["eval_result"], result["baseline_result"], result["epsilon"]
 ```
 """
 
@@ -73,12 +79,13 @@ import numpy as np
 import torch
 
 from hf_dp.workflows.runs import (
-    METHODS,
     RunConfig,
+    check_user_id_column,
     fit,
     load_splits,
-    method_of,
+    mechanism_of_arguments,
     result_record,
+    run_config_record,
     save_result,
     save_run,
     subsample_rows,
@@ -90,7 +97,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_BASE_MODEL",
     "LABEL_DESCRIPTIONS",
-    "METHODS",
     "ClassificationConfig",
     "ClassificationData",
     "EmbeddingClassifier",
@@ -166,8 +172,8 @@ def _base_model_name(model_name_or_path: str | None) -> str:
 @dataclass
 class ClassificationConfig(RunConfig):
     r"""
-    One classification run: the fields of [`~hf_dp.workflows.runs.RunConfig`] (run, method, data, model, privacy,
-    optimisation) plus the labels.
+    One classification run: the fields of [`~hf_dp.workflows.runs.RunConfig`] (run, data, model, evaluation) plus
+    the labels. Privacy and optimisation settings are the training arguments' ([`RunConfig.training_arguments`]).
 
     Args:
         label_column (`str`, *optional*, defaults to `"label"`): column with the class (a `ClassLabel`, or any
@@ -183,8 +189,10 @@ class ClassificationConfig(RunConfig):
     Example:
 
     ```python
-    >>> ClassificationConfig(run="uls-eps8", method="uls", target_epsilon=8.0).training_arguments().sampling
-    'uls'
+    >>> args = ClassificationConfig(run="els-eps8").training_arguments("els", target_epsilon=8.0)
+    >>> args.sampling, args.target_epsilon
+    ('els', 8.0)
+
     ```
     """
 
@@ -225,7 +233,7 @@ def load_classification_data(config: ClassificationConfig) -> ClassificationData
     train, test = load_splits(config, label_column=config.label_column)
     name = "shakespeare-first-folio-genres" if config.dataset == "shakespeare" else str(config.dataset)
     label_names, train, test = _encode_labels(train, test, config.label_column)
-    train = subsample_users(train, config.user_column, config.max_train_users, config.seed)
+    train = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if not isinstance(train, datasets.Dataset) or len(train) == 0:
         raise ValueError("No training rows left: check the data and max_train_users.")
@@ -360,7 +368,8 @@ class EmbeddingClassifier(torch.nn.Module):
     SETTINGS_NAME = "embedding_classifier.json"
     HEAD_NAME = "embedding_classifier.safetensors"
 
-    def __init__(self, encoder, num_labels: int, *, logit_scale: float = 20.0, label_names: Sequence[str] | None = None):
+    def __init__(self, encoder, num_labels: int, *, logit_scale: float = 20.0,
+                 label_names: Sequence[str] | None = None):
         super().__init__()
         self.encoder = encoder
         self.config = encoder.config
@@ -476,7 +485,8 @@ def load_classifier(model_dir):
     if (Path(model_dir) / EmbeddingClassifier.SETTINGS_NAME).is_file():
         model = EmbeddingClassifier.from_pretrained(model_dir)
         return model, model.tokenizer
-    return AutoModelForSequenceClassification.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
 
 
 def _label_descriptions(config: ClassificationConfig, label_names: Sequence[str]) -> dict:
@@ -509,14 +519,14 @@ def run_zero_shot_baseline(config: ClassificationConfig, data: ClassificationDat
     eval_seconds = time.perf_counter() - start
     result = {
         "run": config.run,
-        "method": "public-only",
+        "mechanism": "public-only",
         "target_epsilon": None,
         "epsilon": 0.0,
         "delta": 0.0,
         "privacy": None,
         "metric_name": "accuracy",
-        "metric": metric,
-        "baseline_metric": metric,
+        "eval_result": metric,
+        "baseline_result": metric,
         "model_dir": None,
         "base_model": _base_model_name(config.model_name_or_path),
         "task": "classification",
@@ -524,7 +534,7 @@ def run_zero_shot_baseline(config: ClassificationConfig, data: ClassificationDat
         "eval_seconds": eval_seconds,
         "label_names": list(data.label_names),
         "num_eval_examples": len(data.test),
-        "config": {**config.to_dict(), "label_descriptions": descriptions,
+        "config": {**run_config_record(config), "label_descriptions": descriptions,
                    "baseline": "zero-shot: cosine similarity of mean-pooled embeddings to label descriptions"},
     }
     save_result(result, config.results_dir)
@@ -582,44 +592,46 @@ def run_classification(config: ClassificationConfig, training_args=None, *,
     """Fine-tune one configuration, evaluate it beside the public-only baseline, save model, card and JSON.
 
     Args:
-        config ([`ClassificationConfig`]): data, model and method (and hyperparameters when
-            `training_args` is `None`).
+        config ([`ClassificationConfig`]): data, model and evaluation.
         training_args ([`~hf_dp.DPTrainingArguments`] or [`~transformers.TrainingArguments`], *optional*):
-            used instead of `config.training_arguments()` (the recipes pass their parsed flags). Plain
-            `TrainingArguments` mean a non-private run; `DPTrainingArguments` a DP run whose method follows
-            their `privacy_unit`/`sampling`. Their `output_dir` receives the model, tokenizer and card.
+            every privacy and optimisation setting of the run (the recipes pass their parsed flags). Plain
+            `TrainingArguments` mean a non-private run; `DPTrainingArguments` a DP run whose mechanism follows
+            from their `privacy_unit`/`sampling`, and whose `user_id_column` must be `config.user_id_column`.
+            Their `output_dir` receives the model, tokenizer and card. Default:
+            `config.training_arguments("uls")` (DPTrainingArguments' privacy defaults).
         data ([`ClassificationData`], *optional*): already loaded data (the study loads it once).
-        card_extra (`dict`, *optional*): more fields for the privacy card, e.g. `nonprivate_result`.
+        card_extra (`dict`, *optional*): more fields for the privacy card ([`~hf_dp.card.render_privacy_card`]).
         callbacks (`list[TrainerCallback]`, *optional*): added to the trainer (progress reporting).
 
     Returns:
         `dict`: the result (schema in the module docstring), also written to `results_dir/<run>.json`.
 
     Raises:
-        ValueError: a bad configuration (see [`~hf_dp.DPTrainingArguments`] and [`~hf_dp.DPTrainer`]).
+        ValueError: a bad configuration (see [`~hf_dp.DPTrainingArguments`] and [`~hf_dp.DPTrainer`]), or a
+            `user_id_column` that differs between config and training arguments.
     """
     from transformers import AutoTokenizer, DataCollatorWithPadding, set_seed
 
     if training_args is None:
         training_args = config.training_arguments()
-    method = method_of(training_args)
-    if method != config.method:
-        config = dataclasses.replace(config, method=method)
+    check_user_id_column(config, training_args)
+    mechanism = mechanism_of_arguments(training_args)
     data = data if data is not None else load_classification_data(config)
-    baseline_metric = config.baseline_metric
-    if baseline_metric is None:
+    baseline_result = config.baseline_result
+    if baseline_result is None:
         baseline = run_zero_shot_baseline(dataclasses.replace(config, run=f"{config.run}-baseline"), data)
-        baseline_metric = baseline["metric"]
+        baseline_result = baseline["eval_result"]
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model_name_or_path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    keep = (config.user_column,) if method != "non-private" else ()
+    keep = (config.user_id_column,) if mechanism != "non-private" else ()
     train = tokenize_classification(data.train, tokenizer, text_column=config.text_column,
                                     max_length=config.max_length, keep_columns=keep)
     base_model = _base_model_name(config.model_name_or_path)
-    card = dict(dataset_name=data.dataset_name, metric_name="accuracy", baseline_result=baseline_metric,
-                base_model=base_model, task="text-classification", **(card_extra or {}))
+    card = dict(dataset_name=data.dataset_name, metric_name="accuracy", baseline_result=baseline_result,
+                non_private_result=config.non_private_result, base_model=base_model, task="text-classification",
+                **(card_extra or {}))
     set_seed(training_args.seed)  # LoRA and new heads start from the run's seed, whatever ran before
     trainer, train_seconds = fit(build_model(config, data.label_names), training_args, train,
                                  data_collator=DataCollatorWithPadding(tokenizer), tokenizer=tokenizer, card=card,
@@ -629,18 +641,17 @@ def run_classification(config: ClassificationConfig, training_args=None, *,
     predictions = predict_labels(trainer.model, tokenizer, data.test[config.text_column],
                                  max_length=config.max_length, batch_size=config.eval_batch_size,
                                  progress=config.progress)
-    metric = accuracy(predictions, data.test["labels"])
+    eval_result = accuracy(predictions, data.test["labels"])
     eval_seconds = time.perf_counter() - start
 
     model_dir = Path(training_args.output_dir)
-    privacy = save_run(trainer, tokenizer, model_dir, eval_result=metric, card=card)
+    privacy = save_run(trainer, tokenizer, model_dir, eval_result=eval_result, card=card)
     result = result_record(
-        config, method=method, training_args=training_args, privacy=privacy, task="classification",
-        metric_name="accuracy", metric=metric, baseline_metric=baseline_metric, model_dir=model_dir,
-        base_model=base_model, train_seconds=train_seconds, eval_seconds=eval_seconds,
-        label_names=list(data.label_names), num_eval_examples=len(data.test),
-        num_train_users=len(data.train.unique(config.user_column)), num_train_examples=len(data.train),
-        steps=int(trainer.state.global_step),
+        config, training_args=training_args, privacy=privacy, task="classification", metric_name="accuracy",
+        eval_result=eval_result, baseline_result=baseline_result, model_dir=model_dir, base_model=base_model,
+        train_seconds=train_seconds, eval_seconds=eval_seconds, label_names=list(data.label_names),
+        num_eval_examples=len(data.test), num_train_users=len(data.train.unique(config.user_id_column)),
+        num_train_examples=len(data.train), steps=int(trainer.state.global_step),
     )
     result["config"]["label_descriptions"] = _label_descriptions(config, data.label_names)
     save_result(result, config.results_dir)

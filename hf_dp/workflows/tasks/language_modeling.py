@@ -1,7 +1,7 @@
 """Causal language modelling on user-partitioned text: tokenization, the public-only baseline, one run.
 
-The same shape as [`hf_dp.workflows.tasks.classification`], for next-token fine-tuning of any causal LM (a local path or a
-Hub id; LoRA or full):
+The same shape as [`hf_dp.workflows.tasks.classification`], for next-token fine-tuning of any causal LM (a local
+path or a Hub id; LoRA or full):
 
 1. [`load_text_data`]: the Shakespeare speeches or the user's own file, split so that no test user is ever
    trained on.
@@ -13,7 +13,8 @@ Hub id; LoRA or full):
 4. [`run_language_modeling`]: baseline, fine-tuning ([`~hf_dp.DPTrainer`] or [`~transformers.Trainer`]),
    test perplexity, model + tokenizer (LoRA merged) and privacy card in `results_dir/models/<run>/`, and
    `results_dir/<run>.json` with the schema of [`hf_dp.workflows.tasks.classification`], except that `"task"` is
-   `"causal-lm"` and `"metric_name"` is `"perplexity"` (lower is better).
+   `"causal-lm"` and `"metric_name"` is `"perplexity"` (lower is better): `eval_result` is the fine-tuned model's
+   perplexity, `baseline_result` the untouched model's.
 
 Evaluation, cards and results are post-processing: they do not change ε.
 
@@ -21,29 +22,29 @@ Example:
 
 ```python
 >>> from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, run_language_modeling
->>> config = LanguageModelingConfig(run="gpt2-uls", model_name_or_path="gpt2", target_epsilon=8.0)
->>> result = run_language_modeling(config)
->>> result["metric"], result["baseline_metric"]  # perplexity after DP fine-tuning, and before
+>>> config = LanguageModelingConfig(run="gpt2-uls", model_name_or_path="gpt2")
+>>> result = run_language_modeling(config, config.training_arguments("uls", target_epsilon=8.0))
+>>> result["eval_result"], result["baseline_result"]  # perplexity after DP fine-tuning, and before
 ```
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from hf_dp.workflows.runs import (
     RunConfig,
+    check_user_id_column,
     fit,
     load_splits,
-    method_of,
+    mechanism_of_arguments,
     result_record,
     save_result,
     save_run,
@@ -65,7 +66,9 @@ __all__ = [
 @dataclass
 class LanguageModelingConfig(RunConfig):
     r"""
-    One causal-LM run: the fields of [`~hf_dp.workflows.runs.RunConfig`] with LM defaults.
+    One causal-LM run: the fields of [`~hf_dp.workflows.runs.RunConfig`] with LM defaults (privacy and
+    optimisation settings are the training arguments', [`RunConfig.training_arguments`]; its learning-rate
+    defaults here are 1e-3 for DP runs and 2e-4 for non-private ones).
 
     Args:
         model_name_or_path (`str`): the causal LM (local path or Hub id). Required unless a model object is
@@ -75,9 +78,10 @@ class LanguageModelingConfig(RunConfig):
     """
 
     max_length: int = 64
-    learning_rate: float = 1e-3
-    nonprivate_learning_rate: float = 2e-4
     tokenizer_name_or_path: str | None = None
+
+    DP_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.DP_TRAINING_DEFAULTS, "learning_rate": 1e-3}
+    NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.NON_PRIVATE_TRAINING_DEFAULTS, "learning_rate": 2e-4}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -102,7 +106,7 @@ def load_text_data(config: LanguageModelingConfig) -> TextData:
     """
     train, test = load_splits(config)
     name = "shakespeare-speeches" if config.dataset == "shakespeare" else str(config.dataset)
-    train = subsample_users(train, config.user_column, config.max_train_users, config.seed)
+    train = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if len(train) == 0 or len(test) == 0:
         raise ValueError("No training or no test rows left: check the data, max_train_users and max_eval_examples.")
@@ -232,10 +236,10 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
     """Baseline perplexity, fine-tuning, test perplexity; save model, tokenizer, card and JSON.
 
     Args:
-        config ([`LanguageModelingConfig`]): data, model and method (and hyperparameters when
-            `training_args` is `None`).
+        config ([`LanguageModelingConfig`]): data, model and evaluation.
         training_args ([`~hf_dp.DPTrainingArguments`] or [`~transformers.TrainingArguments`], *optional*):
-            used instead of `config.training_arguments()`; plain `TrainingArguments` mean non-private.
+            every privacy and optimisation setting of the run; plain `TrainingArguments` mean non-private.
+            Default: `config.training_arguments("uls")`.
         model (`PreTrainedModel`, *optional*): a causal LM object (e.g. built from a config in tests), used
             instead of loading `config.model_name_or_path`; LoRA is applied to it when `config.use_lora`.
         tokenizer (`PreTrainedTokenizerBase`, *optional*): used instead of loading one.
@@ -243,8 +247,8 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
         callbacks (`list[TrainerCallback]`, *optional*): added to the trainer (progress reporting).
 
     Returns:
-        `dict`: the result (schema of [`hf_dp.workflows.tasks.classification`], `metric_name="perplexity"`), also written to
-        `results_dir/<run>.json`.
+        `dict`: the result (schema of [`hf_dp.workflows.tasks.classification`], `metric_name="perplexity"`), also
+        written to `results_dir/<run>.json`.
 
     Raises:
         ValueError: no model name and no model, no tokenizer, or a bad configuration.
@@ -253,9 +257,8 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
 
     if training_args is None:
         training_args = config.training_arguments()
-    method = method_of(training_args)
-    if method != config.method:
-        config = dataclasses.replace(config, method=method)
+    check_user_id_column(config, training_args)
+    mechanism = mechanism_of_arguments(training_args)
     data = data if data is not None else load_text_data(config)
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
     if tokenizer.pad_token_id is None:
@@ -265,34 +268,35 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
     set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     model = wrap_lora(model, config) if model is not None else build_model(config)
     collator = CausalLMCollator(tokenizer.pad_token_id)
-    keep = (config.user_column,) if method != "non-private" else ()
+    keep = (config.user_id_column,) if mechanism != "non-private" else ()
     train = tokenize_causal_lm(data.train, tokenizer, text_column=config.text_column, max_length=config.max_length,
                                keep_columns=keep)
     test = tokenize_causal_lm(data.test, tokenizer, text_column=config.text_column, max_length=config.max_length,
                               keep_columns=())
 
-    baseline_metric = config.baseline_metric
-    if baseline_metric is None:  # the untouched model (LoRA's B matrices start at zero: same function)
-        baseline_metric = perplexity(model, test, collator, batch_size=config.eval_batch_size,
+    baseline_result = config.baseline_result
+    if baseline_result is None:  # the untouched model (LoRA's B matrices start at zero: same function)
+        baseline_result = perplexity(model, test, collator, batch_size=config.eval_batch_size,
                                      progress=config.progress)
     base_model = config.model_name_or_path or _model_name(model)
-    card = dict(dataset_name=data.dataset_name, metric_name="perplexity", baseline_result=baseline_metric,
-                base_model=base_model, task="text-generation")
+    card = dict(dataset_name=data.dataset_name, metric_name="perplexity", baseline_result=baseline_result,
+                non_private_result=config.non_private_result, base_model=base_model, task="text-generation")
     trainer, train_seconds = fit(model, training_args, train, data_collator=collator, tokenizer=tokenizer,
                                  card=card, callbacks=callbacks)
 
     start = time.perf_counter()
-    metric = perplexity(trainer.model, test, collator, batch_size=config.eval_batch_size, progress=config.progress)
+    eval_result = perplexity(trainer.model, test, collator, batch_size=config.eval_batch_size,
+                             progress=config.progress)
     eval_seconds = time.perf_counter() - start
 
     model_dir = Path(training_args.output_dir)
-    privacy = save_run(trainer, tokenizer, model_dir, eval_result=metric, card=card)
+    privacy = save_run(trainer, tokenizer, model_dir, eval_result=eval_result, card=card)
     result = result_record(
-        config, method=method, training_args=training_args, privacy=privacy, task="causal-lm",
-        metric_name="perplexity", metric=metric, baseline_metric=baseline_metric, model_dir=model_dir,
-        base_model=base_model, train_seconds=train_seconds, eval_seconds=eval_seconds,
-        num_eval_examples=len(test), num_train_users=len(data.train.unique(config.user_column)),
-        num_train_examples=len(data.train), steps=int(trainer.state.global_step),
+        config, training_args=training_args, privacy=privacy, task="causal-lm", metric_name="perplexity",
+        eval_result=eval_result, baseline_result=baseline_result, model_dir=model_dir, base_model=base_model,
+        train_seconds=train_seconds, eval_seconds=eval_seconds, num_eval_examples=len(test),
+        num_train_users=len(data.train.unique(config.user_id_column)), num_train_examples=len(data.train),
+        steps=int(trainer.state.global_step),
     )
     save_result(result, config.results_dir)
     return result
