@@ -16,9 +16,9 @@ class DPTrainingArguments(TrainingArguments):
     r"""
     [`~transformers.TrainingArguments`] plus the privacy fields of [`DPTrainer`].
 
-    Every field below affects accounting unless marked otherwise. Invalid combinations raise
-    `ValueError` at construction, saying what to change; checks that need the data (δ < 1/units,
-    sample rate ≤ 1) happen in [`DPTrainer`].
+    Every field below affects accounting unless marked otherwise. Invalid values raise `ValueError` at
+    construction (and again in [`DPTrainer`], for fields set afterwards), one line per field saying what to
+    change; checks that need the data (δ < 1/units, sample rate ≤ 1) happen in [`DPTrainer`].
 
     Parameters:
         > Privacy
@@ -50,7 +50,8 @@ class DPTrainingArguments(TrainingArguments):
             G, the most rows one user may contribute (a random subset is kept, drawn per user from a secret and
             the user id only). `"auto"`: chosen with ε-DP from a public grid (1, 2, 3, 4, 6, 8, 12, ..., 256):
             for ELS a DP median of the rows per user; for ULS the noise-prediction heuristic
-            ([`~hf_dp.accounting.planner.private_contribution_bound`]) run on that DP median. Not used for example-level.
+            ([`~hf_dp.accounting.planner.private_contribution_bound`]) run on that DP median. Not used for
+            example-level.
             `None` (every row kept) is refused for ELS, whose user-level accounting needs G.
         contribution_bound_epsilon (`float`, *optional*, defaults to `0.1`):
             ε spent choosing G when `contribution_bound="auto"` (the exponential mechanism); it is part of
@@ -89,7 +90,9 @@ class DPTrainingArguments(TrainingArguments):
     Defaults that differ from [`~transformers.TrainingArguments`]: `max_grad_norm` means the per-unit clip
     norm; `gradient_accumulation_steps` must stay 1 (the logical batch is `expected_batch_size`, split into
     micro-batches of `per_device_train_batch_size` examples); `num_train_epochs` counts expected passes over
-    the units (steps = epochs / sample rate); `fp16` is refused (its loss scaling bypasses clipping): use `bf16`.
+    the units (steps = epochs / sample rate); `fp16` is refused (its loss scaling bypasses clipping): use `bf16`;
+    with `push_to_hub`, `hub_strategy` `"checkpoint"` and `"all_checkpoints"` are refused (a checkpoint's ledger holds
+    the secret that drew G and each user's rows).
 
     Example:
 
@@ -103,7 +106,8 @@ class DPTrainingArguments(TrainingArguments):
 
     target_epsilon: float | None = field(
         default=8.0,
-        metadata={"help": "Privacy budget ε for the whole run; σ is calibrated to it when --noise_multiplier is unset."},
+        metadata={"help": "Privacy budget ε for the whole run; σ is calibrated to it when --noise_multiplier is "
+                          "unset."},
     )
     target_delta: float | None = field(
         default=None,
@@ -166,38 +170,57 @@ class DPTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         if self.fp16:  # before Trainer's own checks, which would complain about the device instead
-            raise ValueError(
-                "Invalid DPTrainingArguments:\n  - fp16=True: fp16 training scales the loss (GradScaler), which the "
-                "per-unit clipping and noise do not go through, so updates would be silently wrong. Use --bf16 "
-                "(bfloat16 needs no loss scaling) or full precision."
-            )
+            raise ValueError(_message([_FP16]))
         super().__post_init__()
+        self.validate_privacy_fields()
+
+    def validate_privacy_fields(self) -> None:
+        """Check the privacy fields (and the Trainer fields DP training constrains); normalise `contribution_bound`
+        and `expected_batch_size`.
+
+        Runs at construction and again in [`DPTrainer`], so a field set after construction (`args.noise_seed = ...`)
+        is checked too.
+
+        Raises:
+            ValueError: one line naming the field and what to change (one line per field when several are wrong).
+        """
         problems = []
+        if self.fp16:
+            problems.append(_FP16)
         if self.privacy_unit not in PRIVACY_UNITS:
             problems.append(f"privacy_unit={self.privacy_unit!r}: use one of {PRIVACY_UNITS}.")
         if self.sampling not in SAMPLING_SCHEMES:
             problems.append(f"sampling={self.sampling!r}: use one of {SAMPLING_SCHEMES}.")
         if self.target_epsilon is not None and not _positive_finite(self.target_epsilon):
-            problems.append(f"target_epsilon={self.target_epsilon}: must be a finite number > 0.")
+            problems.append(f"target_epsilon={self.target_epsilon!r}: ε must be a finite number > 0 (e.g. 8); an "
+                            "infinite ε is no guarantee (train with transformers.Trainer for a non-private run).")
         if self.target_epsilon is None and self.noise_multiplier is None:
             problems.append("set target_epsilon (to calibrate the noise) or noise_multiplier (or both).")
         if self.target_delta is not None and not (_positive_finite(self.target_delta) and self.target_delta < 1):
-            problems.append(f"target_delta={self.target_delta}: must be in (0, 1); leave it unset for 1/(10·units).")
+            problems.append(f"target_delta={self.target_delta!r}: must be in (0, 1); leave it unset for "
+                            "1/(10·units).")
         if self.noise_multiplier is not None and not _positive_finite(self.noise_multiplier):
-            problems.append(f"noise_multiplier={self.noise_multiplier}: must be a finite number > 0 (unset it to "
+            problems.append(f"noise_multiplier={self.noise_multiplier!r}: must be a finite number > 0 (unset it to "
                             "calibrate).")
         if not _positive_finite(self.max_grad_norm):
-            problems.append(f"max_grad_norm={self.max_grad_norm}: the per-unit clip norm must be a finite number > 0.")
+            problems.append(f"max_grad_norm={self.max_grad_norm!r}: the per-unit clip norm must be a finite number "
+                            "> 0.")
         seed = self.noise_seed
         if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed >= 0):
             problems.append(f"noise_seed={self.noise_seed!r}: use a non-negative integer, or leave it unset "
                             "(fresh OS entropy).")
-        if not (self.logging_noise_ratio > 0 and math.isfinite(self.logging_noise_ratio)):
-            problems.append(f"logging_noise_ratio={self.logging_noise_ratio}: must be a positive number.")
-        if not (self.max_loss > 0 and math.isfinite(self.max_loss)):
-            problems.append(f"max_loss={self.max_loss}: the clip of each unit's logged loss must be > 0.")
+        if not _positive_finite(self.logging_noise_ratio):
+            problems.append(f"logging_noise_ratio={self.logging_noise_ratio!r}: must be a finite number > 0.")
+        if not _positive_finite(self.max_loss):
+            problems.append(f"max_loss={self.max_loss!r}: the clip of each unit's logged loss must be a finite "
+                            "number > 0.")
         if not (_is_integer(self.expected_batch_size) and self.expected_batch_size >= 1):
-            problems.append(f"expected_batch_size={self.expected_batch_size!r}: must be an integer >= 1.")
+            problems.append(f"expected_batch_size={self.expected_batch_size!r}: set an integer >= 1, the expected "
+                            "users per step (ULS) or examples per step (ELS, example-level), e.g. 64.")
+        if not (_is_integer(self.max_steps) and (self.max_steps >= 1 or _positive_finite(self.num_train_epochs))):
+            problems.append(f"num_train_epochs={self.num_train_epochs!r} with max_steps={self.max_steps!r}: nothing "
+                            "to train; set num_train_epochs > 0 (expected passes over the units, e.g. 1) or "
+                            "max_steps >= 1.")
         if self.gradient_accumulation_steps != 1:
             problems.append(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: DP training forms its logical "
@@ -214,25 +237,42 @@ class DPTrainingArguments(TrainingArguments):
                 "FSDP / DeepSpeed: sharded parameters and gradients are not supported by the clipping engine yet; "
                 "use data parallelism (accelerate launch with a multi-GPU DDP config, recipes/configs/multi_gpu.yaml)."
             )
+        if self.push_to_hub and self.hub_strategy in ("checkpoint", "all_checkpoints"):
+            problems.append(
+                f"hub_strategy={str(getattr(self.hub_strategy, 'value', self.hub_strategy))!r}: it uploads checkpoint "
+                "folders, whose privacy ledger (dp_state.json) holds the secret that drew G and each user's rows; "
+                "use hub_strategy='every_save' or 'end' (the model and the privacy card only)."
+            )
         if self.privacy_unit == "user" and self.sampling == "els" and self.contribution_bound is None:
             problems.append("contribution_bound=None with sampling='els': ELS accounts users through the bound G; "
                             "set contribution_bound to an integer or 'auto'.")
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
         if not _positive_finite(self.contribution_bound_epsilon):
-            problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon}: must be a finite "
+            problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon!r}: must be a finite "
                             "number > 0.")
         elif self.contribution_bound == "auto" and self.privacy_unit == "user" \
                 and _positive_finite(self.target_epsilon) and self.contribution_bound_epsilon >= self.target_epsilon:
             problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon} leaves nothing of "
                             f"target_epsilon={self.target_epsilon} for training: lower it or set contribution_bound.")
         if problems:
-            raise ValueError("Invalid DPTrainingArguments:\n  - " + "\n  - ".join(problems))
+            raise ValueError(_message(problems))
         self.expected_batch_size = int(self.expected_batch_size)
 
     @property
     def mechanism(self) -> str:
         """`"uls"`, `"els"` or `"example"`: the key of [`~hf_dp.vocabulary.MECHANISMS`] these arguments select."""
         return mechanism_of(self.privacy_unit, self.sampling)
+
+
+_FP16 = ("fp16=True: fp16 training scales the loss (GradScaler), which the per-unit clipping and noise do not go "
+         "through, so updates would be silently wrong; use --bf16 (bfloat16 needs no loss scaling) or full precision.")
+
+
+def _message(problems: list[str]) -> str:
+    """One line for one problem; a line per problem when there are several."""
+    if len(problems) == 1:
+        return f"Invalid DPTrainingArguments: {problems[0]}"
+    return "Invalid DPTrainingArguments:\n  - " + "\n  - ".join(problems)
 
 
 def _positive_finite(value) -> bool:

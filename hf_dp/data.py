@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import numbers
 from collections import Counter
 from dataclasses import dataclass
 
@@ -48,7 +49,9 @@ class UserPartition:
 def examples_per_user(dataset, user_id_column: str) -> np.ndarray:
     """Rows per user (ignoring rows without a user id): what the contribution-bound heuristics read."""
     _check_user_column(dataset, user_id_column)
-    counts = Counter(u for u in _as_keys(dataset[user_id_column]) if u is not None)
+    keys = _as_keys(dataset[user_id_column])
+    _check_one_id_type(keys, user_id_column)
+    counts = Counter(u for u in keys if u is not None)
     return np.array(sorted(counts.values()), dtype=np.int64)
 
 
@@ -59,15 +62,19 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
     changes no other user's rows. Keep `secret` out of anything released (it picks the rows).
 
     Raises:
-        ValueError: the column is missing, or no row with a user id remains.
+        TypeError: not a `datasets.Dataset` (a streamed `IterableDataset` included: materialise it first).
+        ValueError: the column is missing, its ids mix types (3 and "3" would be two users), or no row with a user
+            id remains.
     """
     _check_user_column(dataset, user_id_column)
     ids = dataset[user_id_column]
     missing = sum(_is_missing(u) for u in ids)
     if missing:
         logger.warning("Dropping %d training rows without a %r value.", missing, user_id_column)
+    keys = _as_keys(ids)
+    _check_one_id_type(keys, user_id_column)
     rows_by_user: dict = {}
-    for row, user in enumerate(_as_keys(ids)):
+    for row, user in enumerate(keys):
         if user is not None:
             rows_by_user.setdefault(user, []).append(row)
     if not rows_by_user:
@@ -127,14 +134,58 @@ def keyed_uniform(secret, user_id, purpose: str) -> float:
 
 
 def _check_user_column(dataset, user_id_column: str) -> None:
+    if _is_iterable_dataset(dataset):
+        raise TypeError(
+            f"train_dataset is a streamed dataset ({type(dataset).__name__}, an IterableDataset): Poisson sampling "
+            "draws every user's rows at random each step; materialise it as a datasets.Dataset first, e.g. "
+            "Dataset.from_generator(lambda: (yield from stream)) (a datasets stream: stream.take(n) bounds it)."
+        )
     columns = getattr(dataset, "column_names", None)
     if columns is None:
-        raise TypeError(f"DP training needs a datasets.Dataset with a user column, got {type(dataset).__name__}.")
+        raise TypeError(f"DP training needs a datasets.Dataset with a user column, got {type(dataset).__name__}: "
+                        "build one, e.g. datasets.Dataset.from_list(rows), with user ids of one type (e.g. all str).")
     if user_id_column not in columns:
         raise ValueError(
             f"The training dataset has no user column {user_id_column!r} (columns: {columns}). "
             "Add one, or set user_id_column to the column that identifies users."
         )
+
+
+def _is_iterable_dataset(dataset) -> bool:
+    """A streamed dataset (datasets' or torch's IterableDataset): no random access to rows."""
+    import torch.utils.data
+
+    try:
+        from datasets import IterableDataset
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        IterableDataset = ()
+    return isinstance(dataset, (IterableDataset, torch.utils.data.IterableDataset))
+
+
+def _check_one_id_type(keys, user_id_column: str) -> None:
+    """Refuse ids that mix numbers and strings (or other kinds): one user written as 3 and as "3" would count as two
+    users, each kept to the contribution bound, so that user could contribute twice as much as the guarantee says."""
+    examples: dict = {}
+    for key in keys:
+        if key is not None:
+            examples.setdefault(_id_kind(key), key)
+            if len(examples) > 1:
+                shown = ", ".join(f"{kind} ({value!r})" for kind, value in examples.items())
+                raise ValueError(
+                    f"user_id_column {user_id_column!r} mixes user ids of different types: {shown}; one user written "
+                    "both ways (3 and '3') would count as two users. Give every id one type where the rows are built, "
+                    "e.g. str(user_id)."
+                )
+
+
+def _id_kind(user) -> str:
+    if isinstance(user, (str, bytes)):
+        return "string"
+    if isinstance(user, (numbers.Number, np.number)):
+        return "number"
+    if isinstance(user, tuple):
+        return "list"
+    return type(user).__name__
 
 
 def _as_keys(ids):

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import math
 import os
 import secrets
+import warnings
 from dataclasses import dataclass
 
 try:
@@ -28,11 +31,13 @@ except ImportError:  # Windows
 
 import numpy as np
 import torch
+import transformers
+from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from . import accounting
 from .accounting import planner
@@ -45,12 +50,16 @@ from .data import examples_per_user, keyed_seed, partition_by_user
 from .losses import is_causal_lm, packed_per_example_loss, per_example_loss
 from .noise import add_noise, add_scalar_noise, fresh_seed
 from .sampling import PoissonBatchSampler
+from .vocabulary import MECHANISMS
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "_hf_dp.lock"  # in output_dir while a run trains there
 LEDGER_NAME = "dp_state.json"  # in every checkpoint (never uploaded)
 ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency directions"
+# The transformers versions DPTrainer is tested with (pyproject.toml declares the same range): the private Trainer
+# methods it overrides or calls are checked against them (`check_trainer_hooks`).
+SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class PrivacyPlan:
     accountant applies with that σ too. The ledger records it.
     """
 
-    mode: str  # "uls" | "els" | "example"
+    mechanism: str  # "uls" | "els" | "example": a key of hf_dp.vocabulary.MECHANISMS
     num_units: int  # units sampled: users (ULS) or rows (ELS, example-level)
     num_privacy_units: int  # units protected: users, or rows for example-level
     sample_rate: float
@@ -81,7 +90,7 @@ class PrivacyPlan:
         """Everything a resumed run must share with the checkpoint for the ledger to stay true."""
         return {
             "privacy_unit": args.privacy_unit,
-            "sampling": self.mode,
+            "mechanism": self.mechanism,
             "max_grad_norm": args.max_grad_norm,
             "noise_multiplier": self.noise_multiplier,
             "logging_noise_multiplier": self.logging_noise_multiplier,
@@ -110,17 +119,48 @@ class DPTrainer(Trainer):
     own loss, tokens and user, so clipping, noise and ε are exactly those of the padded run, without the padding.
 
     Args:
-        model, args, train_dataset, ...: as for [`~transformers.Trainer`]; `args` must be [`DPTrainingArguments`].
+        model, args, data_collator, train_dataset, eval_dataset, processing_class, ...: Trainer's parameters, in
+            Trainer's order; `args` must be [`DPTrainingArguments`] and `train_dataset` a `datasets.Dataset` with
+            the user column. `model_init` is refused (the clipping hooks are attached to the model at construction).
+        compute_loss_func (`Callable`, *optional*):
+            As for Trainer, `compute_loss_func(outputs, labels, num_items_in_batch=None)`, but it must return **one
+            loss per example**, shape `(batch,)` (DP-SGD clips each unit's gradient, so a batch mean cannot be used),
+            each depending on its own example only. Checked on the first training rows at construction; a scalar is
+            refused. Not supported with packed rows (`DataCollatorWithFlattening`). Without it the loss is
+            cross-entropy (shifted for causal LMs) or squared error for a one-output regression head.
         privacy_card_kwargs (`dict`, *optional*):
             Extra fields for the privacy card, e.g. `dataset_name`, `eval_result`, `baseline_result`
-            (the public-only baseline), `nonprivate_result`, `metric_name`. Post-processing: no effect on ε.
+            (the public-only baseline), `non_private_result`, `metric_name`. Post-processing: no effect on ε.
+
+    Trainer's extension points:
+    - a subclass overriding `compute_loss` is refused (the DP step needs per-example losses; pass a per-example
+      `compute_loss_func`);
+    - `create_model_card` (what `push_to_hub` calls) writes the privacy card with Trainer's fields: `model_name`
+      (its title), `finetuned_from` (its `base_model`), `tasks` (its pipeline tag), `dataset_tags` or `dataset`
+      (its dataset), `language`, `license` and `tags` (its metadata); what `privacy_card_kwargs` sets wins;
+      `dataset_args`, several tasks or several datasets are refused;
+    - `hyperparameter_search` is refused: each trial would spend ε that no ledger composes;
+    - the ledger is written into each checkpoint by an `on_save` callback and restored by
+      `train(resume_from_checkpoint=...)`; `training_step` is the DP step.
+
+    Private Trainer hooks still overridden, for want of public ones (checked at construction against
+    `SUPPORTED_TRANSFORMERS`, the range pyproject.toml declares; a `RuntimeError` naming it if one is missing or no
+    longer called): `_clip_grad_norm` (off: every unit was clipped already, and Trainer's global clipping would
+    rescale the noised gradient), `_get_grad_norm` (nothing logged: it would be the norm of the noise),
+    `_get_num_items_in_batch` (DP normalises by the expected batch size; a logical batch is no dict of tensors to
+    count). The private helper `_remove_unused_columns` is called to drop the columns the model does not take.
 
     Raises:
-        ValueError: missing user column, no user, an impossible budget or sample rate, a first step that alone
-            exceeds `target_epsilon`, a model whose layers mix the examples of a batch (before any step), a
-            checkpoint from a different privacy configuration or whose ledger does not match it.
+        ValueError: missing user column, user ids of mixed types, no user, an impossible budget or sample rate,
+            a first step that alone exceeds `target_epsilon`, an invalid privacy field (also one set after the
+            arguments were built), a model whose layers mix the examples of a batch (before any step), a
+            `torch.compile`d model, `model_init`, a `compute_loss` override or a `compute_loss_func` without
+            per-example losses, a checkpoint from a different privacy configuration or whose ledger does not match it.
+        TypeError: `args` not [`DPTrainingArguments`]; `train_dataset` not a `datasets.Dataset` (a streamed
+            `IterableDataset` included: materialise it first).
         UnsupportedLayerError: a trainable module the clipping engine has no rule for (before any step).
-        RuntimeError: (`train`) another live run holds `output_dir`.
+        RuntimeError: a transformers version whose Trainer lacks a hook DPTrainer overrides; (`train`) another
+            live run holds `output_dir`.
 
     Example:
 
@@ -132,10 +172,32 @@ class DPTrainer(Trainer):
     ```
     """
 
-    def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, *,
-                 privacy_card_kwargs: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args: DPTrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        compute_loss_func=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        *,
+        privacy_card_kwargs: dict | None = None,
+    ):
+        check_trainer_hooks()
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (they carry the privacy settings).")
+        # A copy: the plan sets max_steps and this flag, and the caller may reuse its arguments for another run.
+        args = copy.copy(args)
+        args.validate_privacy_fields()  # again: a field may have been set after the arguments were built
+        _check_no_loss_override(type(self))
+        _check_model(model, model_init)
         if train_dataset is None:
             raise ValueError("DPTrainer needs a train_dataset with a user column to account privacy.")
         if args.include_num_input_tokens_seen not in ("no", False, None):
@@ -143,22 +205,28 @@ class DPTrainer(Trainer):
                 "include_num_input_tokens_seen: the exact number of tokens in each Poisson sample is data-dependent "
                 "and not covered by ε; set it to 'no' for DP training."
             )
-        # A copy: the plan sets max_steps and this flag, and the caller may reuse its arguments for another run.
-        args = copy.copy(args)
         # Sampling resumes from the ledger's step, so Trainer's batch skipping is not needed.
         args.ignore_data_skip = True
         # The secret keys G's private draw and each user's rows; saved with checkpoints, never released.
         self._data_secret = _data_secret(args)
         self._user_dataset, self._requested_max_steps = train_dataset, args.max_steps
         self.partition = _partition(train_dataset, args, self._data_secret)
-        super().__init__(model=model, args=args, train_dataset=self.partition.dataset, **kwargs)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=self.partition.dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, model_init=None,
+            compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+            optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
         if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
             raise ValueError("FSDP / DeepSpeed (from the accelerate config): sharded parameters are not supported by "
                              "the clipping engine yet; launch with a DDP config (recipes/configs/multi_gpu.yaml).")
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(_PACKED_NEEDS_TOKEN_HEAD.format(model=type(_unwrapped(self.model)).__name__))
-        check_batch_independence(self.model, self._probe_batch())
+        probe = self._probe_batch()
+        check_batch_independence(self.model, probe)
+        self._check_loss_func(probe)
         self.clipper = GhostClipper(self.model)
         self.privacy_plan = self._plan_privacy()
         self._plan_fits: bool | None = None  # see _plan_within_budget
@@ -170,15 +238,16 @@ class DPTrainer(Trainer):
         self._epsilon_spent = 0.0
         self._window = {"clipped_fraction": 0.0, "steps": 0}  # noised per-step fractions since the last log
         self.add_callback(_PrivacyProgress(self))
+        self.add_callback(_LedgerCheckpoints(self))
         logger.info("DP plan: %s", self.privacy_plan)
 
     # ---- plan -------------------------------------------------------------------------------
 
     def _plan_privacy(self) -> PrivacyPlan:
         args, part = self.args, self.partition
-        mode = args.mechanism
-        num_units = part.num_users if mode == "uls" else part.num_examples
-        num_privacy_units = part.num_examples if mode == "example" else part.num_users
+        mechanism = args.mechanism
+        num_units = part.num_users if mechanism == "uls" else part.num_examples
+        num_privacy_units = part.num_examples if mechanism == "example" else part.num_users
         unit_name = "users" if args.privacy_unit == "user" else "examples"
         if num_privacy_units < 2:
             raise ValueError(
@@ -189,7 +258,7 @@ class DPTrainer(Trainer):
         if sample_rate > 1:
             raise ValueError(
                 f"expected_batch_size={args.expected_batch_size} exceeds the {num_units} "
-                f"{'users' if mode == 'uls' else 'examples'} available: lower --expected_batch_size."
+                f"{'users' if mechanism == 'uls' else 'examples'} available: lower --expected_batch_size."
             )
         steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
         args.max_steps = steps
@@ -199,7 +268,7 @@ class DPTrainer(Trainer):
                 f"target_delta={delta:g} is not below 1/{num_privacy_units} {unit_name}: such a δ allows "
                 f"releasing a whole {args.privacy_unit}'s data. Lower --target_delta (default 1/(10·{unit_name}))."
             )
-        group_size = part.contribution_bound if mode == "els" else 1
+        group_size = part.contribution_bound if mechanism == "els" else 1
         # σ_log = r·σ for the logged loss and count: σ_eff = (σ⁻² + 2·σ_log⁻²)^(-1/2) = σ / spread.
         ratio = args.logging_noise_ratio if args.private_logging else None
         spread = math.sqrt(1.0 + 2.0 / ratio**2) if ratio else 1.0
@@ -236,12 +305,12 @@ class DPTrainer(Trainer):
                     "training will stop early, before the budget is exceeded.", sigma, planned, steps,
                     args.target_epsilon,
                 )
-        return PrivacyPlan(mode, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta, group_size,
+        return PrivacyPlan(mechanism, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta, group_size,
                            part.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
                            effective_noise_multiplier=float(effective))
 
     def _probe_batch(self) -> dict:
-        """The first training rows collated like a micro-batch, for the batch-independence probe."""
+        """The first training rows collated like a micro-batch, for the batch-independence and loss probes."""
         dataset = self._remove_unused_columns(self.partition.dataset, description="training")
         examples = [dataset[i] for i in range(min(len(dataset), max(2, self.args.per_device_train_batch_size), 4))]
         features = self.data_collator(examples)
@@ -252,7 +321,30 @@ class DPTrainer(Trainer):
             width = min(single["position_ids"].shape[-1] for single in singles)
             features = {key: torch.cat([single[key][:, :width] for single in singles])
                         for key, value in singles[0].items() if torch.is_tensor(value) and value.dim() == 2}
-        return self._prepare_inputs(features)
+        return send_to_device(features, self.args.device)
+
+    def _check_loss_func(self, features: dict) -> None:
+        """Refuse a `compute_loss_func` that does not return one loss per example (tried on the probe batch: it only
+        decides whether to train, nothing is released)."""
+        if self.compute_loss_func is None:
+            return
+        if isinstance(self.data_collator, DataCollatorWithFlattening):
+            raise ValueError(_LOSS_FUNC_PACKED)
+        rows = next(v.shape[0] for v in features.values() if torch.is_tensor(v) and v.dim() > 0)
+        inputs = {k: v for k, v in features.items() if k != "labels"}
+        was_training = self.model.training
+        try:
+            with torch.no_grad():
+                outputs = self.model(**inputs)
+                losses = self.compute_loss_func(outputs, features.get("labels"), num_items_in_batch=None)
+        except Exception as error:
+            reason = (str(error).strip().splitlines() or [""])[0]
+            raise ValueError(f"compute_loss_func failed on the first training rows ({type(error).__name__}: "
+                             f"{reason}); DPTrainer calls it as compute_loss_func(outputs, labels, "
+                             "num_items_in_batch=None) and needs one loss per example, shape (batch,).") from error
+        finally:
+            self.model.train(was_training)
+        _check_per_example(losses, rows)
 
     def _shared_seed(self) -> int:
         seed = self.args.noise_seed if self.args.noise_seed is not None else fresh_seed()
@@ -270,7 +362,7 @@ class DPTrainer(Trainer):
         dataset = self._remove_unused_columns(self.partition.dataset, description="training")
         batches = LogicalBatches(
             dataset,
-            unit_rows=self.partition.user_rows if plan.mode == "uls" else None,
+            unit_rows=self.partition.user_rows if plan.mechanism == "uls" else None,
             data_collator=self.data_collator,
             micro_batch_size=self.args.per_device_train_batch_size,
         )
@@ -324,7 +416,7 @@ class DPTrainer(Trainer):
         totals = torch.zeros(2, dtype=torch.float64, device=args.device)
         with self.accelerator.no_sync(model):  # clipped sums are all-reduced below, once
             for micro_batch in inputs.micro_batches:
-                features = self._prepare_inputs(dict(micro_batch.features))
+                features = send_to_device(dict(micro_batch.features), args.device)
                 labels = features.pop("labels", None)
                 if labels is None:
                     raise ValueError("DP training batches need 'labels' (per-example losses are computed from them).")
@@ -333,10 +425,17 @@ class DPTrainer(Trainer):
                 if example_ids is not None:
                     features["use_cache"] = False  # a cache turns off transformers' per-example attention masking
                 with self.compute_loss_context_manager():
-                    logits = model(**features).logits
-                if example_ids is None:
-                    losses = per_example_loss(logits, labels, causal_lm=self._causal_lm)
+                    outputs = model(**features)
+                if self.compute_loss_func is not None:  # the user's loss: one per example (checked)
+                    if example_ids is not None:
+                        raise ValueError(_LOSS_FUNC_PACKED)
+                    losses = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
+                    _check_per_example(losses, labels.shape[0])
+                    losses = losses.float()
+                elif example_ids is None:
+                    losses = per_example_loss(outputs.logits, labels, causal_lm=self._causal_lm)
                 else:
+                    logits = outputs.logits
                     if logits.dim() != 3:
                         raise ValueError(_PACKED_NEEDS_TOKEN_HEAD.format(model=type(_unwrapped(self.model)).__name__))
                     num_examples = int(example_ids.max()) + 1
@@ -347,7 +446,8 @@ class DPTrainer(Trainer):
                 if micro_batch.num_examples is not None and losses.shape[0] != micro_batch.num_examples:
                     raise ValueError(_examples_lost(losses.shape[0], micro_batch.num_examples))
                 if micro_batch.loss_weights is not None:  # ULS: a user's gradient is that of their mean loss
-                    weighted, unit_ids = losses * micro_batch.loss_weights.to(losses.device), micro_batch.unit_ids.to(losses.device)
+                    weighted = losses * micro_batch.loss_weights.to(losses.device)
+                    unit_ids = micro_batch.unit_ids.to(losses.device)
                 else:
                     weighted, unit_ids = losses, None
                 norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=args.max_grad_norm,
@@ -402,23 +502,25 @@ class DPTrainer(Trainer):
                                self.accountant.steps, next_epsilon, self.args.target_epsilon)
                 self.control.should_training_stop = True
 
+    # Private Trainer hooks with no public equivalent (their existence is checked by `check_trainer_hooks`).
+
     def _clip_grad_norm(self, model):
-        """Global norm clipping is off: every unit was clipped to max_grad_norm already."""
+        """Global norm clipping is off: every unit was clipped to max_grad_norm already (Trainer's clipping would
+        rescale the noised gradient)."""
         return None
 
     def _get_grad_norm(self, model, grad_norm=None):
+        """No `grad_norm` in the logs: the noised gradient's norm is mostly the noise's."""
         return None
 
     def _get_num_items_in_batch(self, batch_samples, device):
-        """DP normalises by the expected batch size, never by the items sampled."""
+        """DP normalises by the expected batch size, never by the items sampled (a logical batch is no dict of
+        tensors to count)."""
         return None
 
     def floating_point_ops(self, inputs) -> int:
         """Not counted (`total_flos` stays 0): the tokens of a Poisson sample are data-dependent, not covered by ε."""
         return 0
-
-    def _track_num_input_tokens(self, inputs):
-        """Not counted: `include_num_input_tokens_seen` is refused (exact token counts are not covered by ε)."""
 
     # ---- reporting --------------------------------------------------------------------------
 
@@ -453,7 +555,10 @@ class DPTrainer(Trainer):
     def privacy_report(self) -> dict:
         """The guarantee earned so far, in the project's vocabulary (what the card and the app show).
 
-        `num_users` and `num_examples` are rounded to 2 significant figures: they are not covered by ε.
+        `mechanism` is the key of [`~hf_dp.vocabulary.MECHANISMS`] (`"uls"`, `"els"` or `"example"`) and
+        `mechanism_description` its one-sentence account; `sampling` is the `sampling` argument at user level and
+        `None` at example level (where it is unused). `num_users` and `num_examples` are rounded to 2 significant
+        figures: they are not covered by ε.
         """
         from .card import round_count
 
@@ -471,8 +576,9 @@ class DPTrainer(Trainer):
             "delta": plan.delta,
             "target_epsilon": args.target_epsilon,
             "privacy_unit": args.privacy_unit,
-            "sampling": plan.mode,
-            "mechanism": _MECHANISMS[plan.mode],
+            "mechanism": plan.mechanism,
+            "mechanism_description": MECHANISMS[plan.mechanism].description,
+            "sampling": _sampling(args),
             "noise_multiplier": plan.noise_multiplier,
             "logging_noise_multiplier": plan.logging_noise_multiplier,
             "max_loss": args.max_loss if plan.logging_noise_multiplier is not None else None,
@@ -484,15 +590,15 @@ class DPTrainer(Trainer):
             "contribution_bound": plan.contribution_bound,
             # ε-DP choice of G ("auto": a DP median on the public grid; 0 when G was given) and DP-SGD's share of ε.
             "contribution_bound_epsilon": bound_epsilon,
-            "contribution_bound_choice": _bound_choice(args, plan.mode, bound_epsilon),
+            "contribution_bound_choice": _bound_choice(args, plan.mechanism, bound_epsilon),
             "epsilon_training": upper - self.accountant.pure_dp_epsilon,
             "num_users": round_count(self.partition.num_users),
             "num_examples": round_count(self.partition.num_examples),
-            "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mode == "els" else ""),
+            "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mechanism == "els" else ""),
             "epsilon_group_privacy": None,
             "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
         }
-        if plan.mode == "els" and steps:
+        if plan.mechanism == "els" and steps:
             report["epsilon_group_privacy"] = accounting.group_privacy_epsilon(
                 sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps,
                 delta=plan.delta, group_size=plan.group_size,
@@ -500,9 +606,11 @@ class DPTrainer(Trainer):
         return report
 
     def privacy_ledger(self) -> dict:
-        """What `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism."""
+        """What `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism (`privacy_unit`,
+        `mechanism` and `sampling` as in [`privacy_report`])."""
         plan = self.privacy_plan
-        return {"format": 1, "delta": plan.delta, "privacy_unit": self.args.privacy_unit, "sampling": plan.mode,
+        return {"format": 1, "delta": plan.delta, "privacy_unit": self.args.privacy_unit,
+                "mechanism": plan.mechanism, "sampling": _sampling(self.args),
                 "accountant": self.accountant.state_dict()}
 
     def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
@@ -514,10 +622,39 @@ class DPTrainer(Trainer):
         return write_privacy_card(self.privacy_report(), output_dir or self.args.output_dir,
                                   ledger=self.privacy_ledger(), **kwargs)
 
-    def create_model_card(self, *args, **kwargs) -> None:
-        """`push_to_hub` publishes the privacy card as the repo README."""
-        if self.is_world_process_zero():
-            self.write_privacy_card()
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None,
+        dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+    ) -> None:
+        """Write the privacy card as `output_dir/README.md` (what `push_to_hub` publishes), with Trainer's fields.
+
+        `model_name` is the card's title, `finetuned_from` its `base_model`, `tasks` its pipeline tag,
+        `dataset_tags` (or `dataset`) its dataset; `language`, `license` and `tags` join its metadata (after the
+        card's own tags). What `privacy_card_kwargs` sets wins. Post-processing: no effect on ε.
+
+        Raises:
+            ValueError: `dataset_args`, or several tasks or datasets (the card states one of each).
+        """
+        card_kwargs = _card_fields(model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
+                                   dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
+        if not self.is_world_process_zero():
+            return
+        path = self.write_privacy_card(**{k: v for k, v in card_kwargs.items() if k not in self.privacy_card_kwargs})
+        _add_card_metadata(path, language=language, license=license, tags=tags)
+
+    def hyperparameter_search(self, *args, **kwargs):
+        """Refused: each trial would train on the private data and spend its own ε, which no ledger composes."""
+        raise ValueError("hyperparameter_search: every trial trains on the private data and spends ε that no ledger "
+                         "composes, so the chosen model's card would understate its privacy cost; tune on public or "
+                         "synthetic data, then train once with DPTrainer.")
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Offline or unreachable Hub: one clear `HubUnreachableError` before any repo is created."""
@@ -534,34 +671,46 @@ class DPTrainer(Trainer):
         ensure_hub_reachable()
         return super().push_to_hub(*args, **kwargs)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
+              **kwargs):
         """Trainer's `train`, holding `output_dir`'s run lock, then the privacy card is written.
+
+        `resume_from_checkpoint` (a folder, or `True` for the newest in `output_dir`) first restores the privacy
+        ledger saved there, after checking it against the checkpoint and this run's privacy arguments.
 
         Raises:
             RuntimeError: another live run holds `output_dir` (its checkpoints and card would be mixed with these).
+            ValueError: the checkpoint has no ledger, or one that is edited or does not match (see `_restore_ledger`).
         """
         with _output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
-            output = super().train(*args, **kwargs)
+            if resume_from_checkpoint is True:  # as Trainer does: the newest checkpoint in output_dir
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+                if resume_from_checkpoint is None:
+                    raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            if resume_from_checkpoint:
+                self._restore_ledger(resume_from_checkpoint)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             if self.is_world_process_zero():
                 self.write_privacy_card()
         return output
 
     # ---- checkpoints: the ledger travels with every checkpoint ------------------------------
 
-    def _save_checkpoint(self, model, trial) -> None:
-        if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            os.makedirs(folder, exist_ok=True)
-            ledger = {
-                "format": 2,
-                "config": self.privacy_plan.fingerprint(self.args),
-                "accountant": self.accountant.state_dict(),
-                "data_secret": self._data_secret,  # a resumed run keeps G and the rows it chose; never released
-            }
-            ledger["digest"] = _ledger_digest(ledger)
-            with open(os.path.join(folder, LEDGER_NAME), "w") as f:
-                json.dump(ledger, f, indent=2)
-        super()._save_checkpoint(model, trial)
+    def _write_checkpoint_ledger(self, folder: str) -> None:
+        """Write the ledger (plan fingerprint, accountant, data secret, digest) into a checkpoint folder."""
+        if not os.path.isdir(folder):
+            raise RuntimeError(f"Trainer reported a checkpoint at {folder}, which does not exist: its privacy ledger "
+                               "cannot be saved with it.")
+        ledger = {
+            "format": 2,
+            "config": self.privacy_plan.fingerprint(self.args),
+            "accountant": self.accountant.state_dict(),
+            "data_secret": self._data_secret,  # a resumed run keeps G and the rows it chose; never released
+        }
+        ledger["digest"] = _ledger_digest(ledger)
+        with open(os.path.join(folder, LEDGER_NAME), "w") as f:
+            json.dump(ledger, f, indent=2)
 
     def _use_data_secret(self, secret: str) -> None:
         """Resume: redo G's draw and the row choice with the checkpoint's secret, so they match the checkpoint's."""
@@ -571,10 +720,6 @@ class DPTrainer(Trainer):
         self.args.max_steps = self._requested_max_steps  # the plan below sets it again
         self.privacy_plan = self._plan_privacy()
         self._plan_fits = None
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        self._restore_ledger(resume_from_checkpoint)
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _restore_ledger(self, checkpoint: str) -> None:
         """Restore the ledger after checking it against its checkpoint: digest, plan, step count.
@@ -597,7 +742,9 @@ class DPTrainer(Trainer):
                              "corrupted): resume from an intact checkpoint or start a new run.")
         if ledger.get("data_secret", self._data_secret) != self._data_secret:
             self._use_data_secret(ledger["data_secret"])
-        saved, current = ledger["config"], self.privacy_plan.fingerprint(self.args)
+        saved, current = dict(ledger["config"]), self.privacy_plan.fingerprint(self.args)
+        if "mechanism" not in saved and "sampling" in saved:  # written before "sampling" became "mechanism"
+            saved["mechanism"] = saved.pop("sampling")
         changed = {k: (saved.get(k), v) for k, v in current.items() if not _same(saved.get(k), v)}
         if changed:
             details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
@@ -646,12 +793,143 @@ class _PrivacyProgress(TrainerCallback):
                         refresh=False)
 
 
-_MECHANISMS = {
-    "uls": "user-level sampling (ULS): Poisson-sampled users, per-user clipped mean gradient, Gaussian noise",
-    "els": "example-level sampling (ELS): Poisson-sampled examples, per-example clipping, at most G examples "
-           "per user, user-level guarantee by the mixture-of-Gaussians accountant",
-    "example": "DP-SGD: Poisson-sampled examples, per-example clipping, Gaussian noise (example-level guarantee)",
+class _LedgerCheckpoints(TrainerCallback):
+    """Saves the privacy ledger into every checkpoint, right after Trainer wrote it (`on_save`)."""
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        if args.should_save:
+            self.trainer._write_checkpoint_ledger(
+                os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+
+
+# Private Trainer methods DPTrainer overrides or calls, with the leading parameters (after self) each must take.
+_TRAINER_HOOKS = {
+    "_clip_grad_norm": ("model",),
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_get_num_items_in_batch": ("batch_samples", "device"),
+    "_remove_unused_columns": ("dataset", "description"),
 }
+
+
+@functools.lru_cache(maxsize=None)
+def check_trainer_hooks(trainer_class: type = Trainer) -> None:
+    """Check that `trainer_class` has the private hooks DPTrainer overrides or calls, and that its training loop
+    calls the overridden ones (else, e.g., its global clipping would rescale the noised gradient).
+
+    Raises:
+        RuntimeError: one line naming the hooks missing, the transformers version and the supported range.
+    """
+    problems = []
+    for name, parameters in _TRAINER_HOOKS.items():
+        hook = getattr(trainer_class, name, None)
+        if not callable(hook):
+            problems.append(f"{name} is missing")
+            continue
+        try:
+            found = tuple(inspect.signature(hook).parameters)[1:]
+        except (TypeError, ValueError):
+            continue
+        if found[: len(parameters)] != parameters:
+            problems.append(f"{name}{tuple(found)} does not take {parameters}")
+    try:
+        source = inspect.getsource(trainer_class)
+    except (OSError, TypeError):  # no source shipped: the names above are all that can be checked
+        source = None
+    if source is not None:
+        problems += [f"its training loop never calls {name}" for name in _TRAINER_HOOKS
+                     if name != "_remove_unused_columns" and f"self.{name}(" not in source]
+    if problems:
+        raise RuntimeError(
+            f"hf_dp.DPTrainer supports transformers{SUPPORTED_TRANSFORMERS}; the installed transformers "
+            f"{transformers.__version__} has a Trainer where {'; '.join(problems)}: install a supported version "
+            f"(pip install 'transformers{SUPPORTED_TRANSFORMERS}')."
+        )
+    if trainer_class is Trainer and not _version_supported(transformers.__version__):
+        warnings.warn(f"hf_dp is tested with transformers{SUPPORTED_TRANSFORMERS}, not {transformers.__version__}: "
+                      "DPTrainer's Trainer hooks exist there, but install a tested version if anything misbehaves.",
+                      stacklevel=3)
+
+
+def _version_supported(version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True)
+
+
+def _check_no_loss_override(trainer_class: type) -> None:
+    """A subclass's `compute_loss` would be ignored by the DP step (it needs one loss per example): refused."""
+    if trainer_class.compute_loss is not Trainer.compute_loss:
+        raise ValueError(
+            f"{trainer_class.__name__} overrides compute_loss, which DP training cannot use (it clips each unit's "
+            "gradient, so it needs one loss per example, not a batch loss): remove the override and pass "
+            "compute_loss_func=f, where f(outputs, labels, num_items_in_batch=None) returns a (batch,) tensor."
+        )
+
+
+def _check_model(model, model_init) -> None:
+    if model_init is not None:
+        raise ValueError("model_init: DPTrainer attaches its per-unit clipping to the model at construction and "
+                         "Trainer would replace that model in train(); pass model=model_init() instead.")
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        raise ValueError(
+            "model is a torch.compile wrapper: the per-unit clipping hooks into the model's layers, which makes the "
+            "compiled graph break and recompile at every batch shape (slower, not faster); pass the model itself "
+            "(model._orig_mod)."
+        )
+
+
+def _check_per_example(losses, rows: int) -> None:
+    if not (torch.is_tensor(losses) and tuple(losses.shape) == (rows,)):
+        shape = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+        raise ValueError(
+            f"compute_loss_func returned {shape} for a batch of {rows} examples: DP training clips each unit's "
+            f"gradient, so it needs one loss per example, shape ({rows},) (e.g. reduction='none', then each "
+            "example's mean over its tokens); return that, or drop compute_loss_func."
+        )
+
+
+def _sampling(args: DPTrainingArguments) -> str | None:
+    """The `sampling` argument where it applies (user level), else `None`."""
+    return args.sampling if args.privacy_unit == "user" else None
+
+
+def _one(name: str, value):
+    """A card field Trainer may pass as a list: one value, or a clear refusal."""
+    if isinstance(value, (list, tuple)):
+        if len(value) > 1:
+            raise ValueError(f"create_model_card({name}={list(value)!r}): the privacy card states one; pass one.")
+        return value[0] if value else None
+    return value
+
+
+def _card_fields(*, model_name, finetuned_from, tasks, dataset_tags, dataset, dataset_args) -> dict:
+    """Trainer's `create_model_card` fields as privacy card arguments (those given)."""
+    if dataset_args is not None:
+        raise ValueError(f"create_model_card(dataset_args={dataset_args!r}): the privacy card names its dataset "
+                         "(dataset_tags or dataset) but no dataset configuration; leave dataset_args unset.")
+    fields = {"model_name": model_name, "base_model": finetuned_from, "task": _one("tasks", tasks),
+              "dataset_name": _one("dataset_tags", dataset_tags) or _one("dataset", dataset)}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _add_card_metadata(path, *, language=None, license=None, tags=None) -> None:
+    """Add `language`, `license` and `tags` (after the card's own) to a written card's front matter."""
+    if language is None and license is None and not tags:
+        return
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(path)
+    if language is not None:
+        card.data.language = language
+    if license is not None:
+        card.data.license = license
+    if tags:
+        own = list(card.data.tags or [])
+        card.data.tags = own + [tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in own]
+    card.save(path)
 
 
 _PACKED_NEEDS_TOKEN_HEAD = (
@@ -659,6 +937,13 @@ _PACKED_NEEDS_TOKEN_HEAD = (
     "supported for causal language models; {model} is not one: a sequence-classification head pools each row into "
     "one prediction, which cannot be split into the row's examples (DP needs per-example losses and gradients). "
     "Use a padding collator (DataCollatorWithPadding) for this model."
+)
+
+
+_LOSS_FUNC_PACKED = (
+    "compute_loss_func with packed rows (DataCollatorWithFlattening): its losses would be one per packed row, not one "
+    "per example; use a padding collator with compute_loss_func, or drop compute_loss_func (the built-in loss "
+    "splits packed rows into their examples)."
 )
 
 
@@ -734,13 +1019,13 @@ def _contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int 
     )
 
 
-def _bound_choice(args: DPTrainingArguments, mode: str, bound_epsilon: float) -> str:
+def _bound_choice(args: DPTrainingArguments, mechanism: str, bound_epsilon: float) -> str:
     """How G was chosen, for the report and the card."""
-    if mode == "example" or args.contribution_bound is None:
+    if mechanism == "example" or args.contribution_bound is None:
         return "none: every row is kept"
     if not bound_epsilon:
         return "given (contribution_bound): not read from the data"
-    rule = "the ELS median" if mode == "els" else "the ULS noise-prediction heuristic on that median"
+    rule = "the ELS median" if mechanism == "els" else "the ULS noise-prediction heuristic on that median"
     return (f"auto: an ε-DP median of the rows per user (exponential mechanism over the public grid "
             f"{', '.join(map(str, planner.CONTRIBUTION_BOUND_GRID))}; ε = {bound_epsilon:g}, in the ledger), "
             f"then {rule}")

@@ -19,7 +19,8 @@ def main(out_path: str, sampling: str = "uls") -> None:
         learning_rate=5e-2, target_epsilon=8.0, noise_seed=4321, sampling=sampling, contribution_bound=3,
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
     )
-    trainer = DPTrainer(model=tiny_bert(seed=3), args=args, train_dataset=user_dataset(seed=5), data_collator=pad_collator)
+    trainer = DPTrainer(model=tiny_bert(seed=3), args=args, train_dataset=user_dataset(seed=5),
+                        data_collator=pad_collator)
     trainer.train()
     if trainer.is_world_process_zero():
         state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}

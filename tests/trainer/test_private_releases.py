@@ -219,12 +219,12 @@ def _edit_front_matter(folder, key, value):
         ("epsilon", "0.01", "claims ε = 0.01 but its ledger accounts ε = 3.16"),
         ("epsilon", "-5", "not a finite number"),
         ("epsilon", ".nan", "not a finite number"),
-        ("epsilon", "true", "not a finite number"),
+        ("epsilon", "true", "not a number"),
         ("delta", "0.9", "δ = 0.9 but its ledger"),
         ("delta", "1.0e-06", "δ = 1e-06 but its ledger"),
         ("delta", "1.5", "not in \\(0, 1\\)"),
         ("privacy_unit", "example", "privacy_unit = 'example'"),
-        ("sampling", "els", "sampling = 'els'"),
+        ("mechanism", "els", "mechanism = 'els'"),
         ("steps", "4", "steps = 4"),
     ],
 )
@@ -271,7 +271,8 @@ def test_trainer_saves_the_ledger_with_the_card_and_publish_accepts_it(tmp_path)
     out = tmp_path / "out"
     ledger = json.loads((out / LEDGER_FILE).read_text())
     assert ledger["accountant"] == trainer.accountant.state_dict()
-    assert ledger["delta"] == trainer.privacy_plan.delta and ledger["sampling"] == "uls"
+    assert ledger["delta"] == trainer.privacy_plan.delta
+    assert (ledger["mechanism"], ledger["sampling"]) == ("uls", "uls")
     assert check_privacy_card(out)["epsilon"] == pytest.approx(trainer.privacy_report()["epsilon"])
     elsewhere = tmp_path / "models" / "run"  # what runs.save_run does when models are saved elsewhere
     trainer.write_privacy_card(str(elsewhere), eval_result=0.5)

@@ -269,7 +269,8 @@ def test_arguments_are_cli_flags():
         ["--output_dir", "x", "--target_epsilon", "3", "--sampling", "els", "--contribution_bound", "4",
          "--user_id_column", "author", "--use_cpu", "true"]
     )
-    assert (args.target_epsilon, args.sampling, args.contribution_bound, args.user_id_column) == (3.0, "els", 4, "author")
+    assert (args.target_epsilon, args.sampling, args.contribution_bound, args.user_id_column) == \
+        (3.0, "els", 4, "author")
     help_text = parser.format_help()
     for flag in ["--target_delta", "--privacy_unit", "--expected_batch_size", "--noise_seed", "--noise_multiplier"]:
         assert flag in help_text
