@@ -330,7 +330,7 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
 
     ```python
     >>> from hf_dp.hub import publish
-    >>> url = publish("results/models/uls-eps8", "alice/minilm-shakespeare-uls-eps8")  # the repo's URL
+    >>> url = publish("results/models/uls-eps8", "alice/minilm-shakespeare-uls-eps8")  # doctest: +SKIP
     ```
     """
     from huggingface_hub import HfApi, get_token

@@ -44,6 +44,7 @@ def noise_multiplier(*, target_epsilon: float, delta: float, sample_rate: float,
             (the message says what to change).
 
     Example:
+        >>> from hf_dp.accounting import epsilon, noise_multiplier
         >>> sigma = noise_multiplier(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=1000)
         >>> epsilon(sample_rate=0.01, noise_multiplier=sigma, steps=1000, delta=1e-5) <= 3.0
         True

@@ -601,8 +601,8 @@ def load_shakespeare(
 
     ```python
     >>> from hf_dp.workflows.corpora import load_shakespeare, summarize
-    >>> corpus = load_shakespeare()
-    >>> print(summarize(corpus))
+    >>> corpus = load_shakespeare()  # doctest: +SKIP
+    >>> print(summarize(corpus))  # doctest: +SKIP
     ```
     """
     if min_examples_per_user < 1:
@@ -780,7 +780,7 @@ def load_user_dataset(
 
     ```python
     >>> from hf_dp.workflows.corpora import load_user_dataset
-    >>> tickets = load_user_dataset("tickets.jsonl", user_id_column="customer", text_column="body")
+    >>> tickets = load_user_dataset("tickets.jsonl", user_id_column="customer", text_column="body")  # doctest: +SKIP
     ```
     """
     path = Path(path_or_id).expanduser()

@@ -59,8 +59,8 @@ Example:
 ```python
 >>> from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
 >>> config = ClassificationConfig(run="uls-eps8")
->>> result = run_classification(config, config.training_arguments("uls", target_epsilon=8.0))
->>> result["eval_result"], result["baseline_result"], result["epsilon"]
+>>> result = run_classification(config, config.training_arguments("uls", target_epsilon=8.0))  # doctest: +SKIP
+>>> result["eval_result"], result["baseline_result"], result["epsilon"]  # doctest: +SKIP
 ```
 """
 
