@@ -161,7 +161,9 @@ def loss_cap(prv: MixtureOfGaussiansMechanism, tail: float) -> float:
     return float(grid[below[0]]) if below.size else math.inf
 
 
-def discretise(prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float) -> DiscretePrivacyRandomVariable:
+def discretise(
+    prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float
+) -> DiscretePrivacyRandomVariable:
     """Cell-centred masses of `prv` on `domain`, shifted to the truncated mean (prv-accountant's
     `CellCentred` discretiser, with the masses and the mean computed for precision)."""
     t_min, t_max, mesh = domain.t_min(), domain.t_max(), domain.dt()
