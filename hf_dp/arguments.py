@@ -61,7 +61,30 @@ class DPTrainingArguments(TrainingArguments):
 
         max_grad_norm (`float`, *optional*, defaults to `1.0`):
             C, the clip norm of each unit's gradient over all trainable parameters jointly. Replaces
-            [`~transformers.TrainingArguments`]'s global clipping, which DP training does not use.
+            [`~transformers.TrainingArguments`]'s global clipping, which DP training does not use. With
+            `adaptive_clipping`, the initial C only. ε does not depend on C.
+        adaptive_clipping (`bool`, *optional*, defaults to `False`):
+            Private adaptive clipping (Andrew, Thakkar, McMahan & Ramaswamy 2021): C starts at `max_grad_norm` and
+            after every step moves geometrically towards the `target_unclipped_quantile` of the per-unit gradient
+            norms, estimated from a noised count of the units left unclipped, C ← C·exp(−η_C·(b̃ − γ)). The count
+            (noise std `clipping_count_noise`) is released every step, also with `private_logging=False`, and the
+            ledger composes it with the gradient: at a target ε the gradient noise grows, by 0.8 % with the default
+            count noise at 64 units per step and σ_eff = 0.8, but by 5 % at 16 units and σ_eff = 0.46 and 24 % at 16
+            units and σ_eff = 0.94 (raise `clipping_count_noise` for small batches). Affects accounting; the C
+            reached is in the logs (`dp/max_grad_norm`), the report and the card.
+        target_unclipped_quantile (`float`, *optional*, defaults to `0.5`):
+            γ ∈ (0, 1): the fraction of units whose gradient C should leave unclipped (0.5: C tracks the median
+            norm, the paper's choice). Only with `adaptive_clipping`; no effect on ε.
+        clipping_learning_rate (`float`, *optional*, defaults to `0.2`):
+            η_C > 0 of the geometric update (the paper's value): log C moves by at most η_C·max(γ, 1 − γ) per step,
+            so a C off by a factor 100 is recovered in about 50-100 steps. Only with `adaptive_clipping`; no effect
+            on ε.
+        clipping_count_noise (`float`, *optional*):
+            σ_b, the std of the Gaussian noise on the count of unclipped units, in units (not a multiplier). Defaults
+            to `expected_batch_size / 20` (the paper's; the estimated unclipped fraction then has noise std 0.05 per
+            step). It must exceed σ_eff / 2; the larger it is, the less of ε the count takes and the noisier each
+            step's estimate (std `clipping_count_noise / expected_batch_size`). Only with `adaptive_clipping`.
+            Affects accounting.
 
         > Accounting
 
@@ -78,7 +101,10 @@ class DPTrainingArguments(TrainingArguments):
             loss clipped to [0, `max_loss`] plus N(0, (σ_log·max_loss)²), and the number of clipped units plus
             N(0, σ_log²), both divided by the expected batch size. The ledger composes the gradient, loss and
             count releases as one Gaussian mechanism of noise multiplier (σ⁻² + 2·σ_log⁻²)^(-1/2). `False`: log
-            only ε, δ, σ and q, nothing computed from the data. Affects accounting.
+            only ε, δ, σ and q, nothing computed from the data. With `adaptive_clipping` the noised count of
+            unclipped units that sets C replaces the clipped-count release (σ_eff = (σ⁻² + (2σ_b)⁻² +
+            σ_log⁻²)^(-1/2)); it is released with or without private logging, so `dp/clipped_fraction` and
+            `dp/max_grad_norm` (post-processing of it) are logged either way. Affects accounting.
         logging_noise_ratio (`float`, *optional*, defaults to `10.0`):
             r = σ_log / σ. At a target ε the gradient noise grows by a factor √(1 + 2/r²): about 1 % for r = 10.
             Affects accounting.
@@ -92,7 +118,8 @@ class DPTrainingArguments(TrainingArguments):
     micro-batches of `per_device_train_batch_size` examples); `num_train_epochs` counts expected passes over
     the units (steps = epochs / sample rate); `fp16` is refused (its loss scaling bypasses clipping): use `bf16`;
     with `push_to_hub`, `hub_strategy` `"checkpoint"` and `"all_checkpoints"` are refused (a checkpoint's ledger holds
-    the secret that drew G and each user's rows).
+    the secret that drew G and each user's rows); `torch_compile` is refused (the per-unit clipping hooks the
+    model's layers: pass an uncompiled model).
 
     Example:
 
@@ -145,6 +172,26 @@ class DPTrainingArguments(TrainingArguments):
         default=1.0,
         metadata={"help": "C, the clip norm of each unit's gradient (replaces Trainer's global clipping)."},
     )
+    adaptive_clipping: bool = field(
+        default=False,
+        metadata={"help": "Private adaptive clipping (Andrew et al. 2021): C starts at --max_grad_norm and tracks "
+                          "--target_unclipped_quantile of the per-unit gradient norms, from a noised count of "
+                          "unclipped units released every step and covered by ε."},
+    )
+    target_unclipped_quantile: float = field(
+        default=0.5,
+        metadata={"help": "γ in (0, 1): the fraction of units adaptive clipping aims to leave unclipped (0.5: the "
+                          "median norm)."},
+    )
+    clipping_learning_rate: float = field(
+        default=0.2,
+        metadata={"help": "η_C > 0: adaptive clipping's geometric step, C <- C·exp(-η_C·(unclipped fraction - γ))."},
+    )
+    clipping_count_noise: float | None = field(
+        default=None,
+        metadata={"help": "σ_b: noise std of adaptive clipping's count of unclipped units, in units. Default: "
+                          "expected_batch_size / 20. Must exceed σ_eff / 2."},
+    )
     noise_multiplier: float | None = field(
         default=None,
         metadata={"help": "σ (noise std = σ·C). Calibrated from --target_epsilon when unset."},
@@ -171,6 +218,8 @@ class DPTrainingArguments(TrainingArguments):
     def __post_init__(self):
         if self.fp16:  # before Trainer's own checks, which would complain about the device instead
             raise ValueError(_message([_FP16]))
+        if _compiles(self):  # before Trainer sets up compilation
+            raise ValueError(_message([_TORCH_COMPILE]))
         super().__post_init__()
         self.validate_privacy_fields()
 
@@ -205,6 +254,20 @@ class DPTrainingArguments(TrainingArguments):
         if not _positive_finite(self.max_grad_norm):
             problems.append(f"max_grad_norm={self.max_grad_norm!r}: the per-unit clip norm must be a finite number "
                             "> 0.")
+        if not isinstance(self.adaptive_clipping, bool):
+            problems.append(f"adaptive_clipping={self.adaptive_clipping!r}: use True or False.")
+        quantile = self.target_unclipped_quantile
+        if not (isinstance(quantile, numbers.Real) and not isinstance(quantile, bool) and 0 < quantile < 1):
+            problems.append(f"target_unclipped_quantile={quantile!r}: must lie strictly between 0 and 1 (0.5 clips "
+                            "at the median norm).")
+        if not _positive_finite(self.clipping_learning_rate):
+            problems.append(f"clipping_learning_rate={self.clipping_learning_rate!r}: must be a finite number > 0 "
+                            "(e.g. 0.2).")
+        if self.clipping_count_noise is not None and not _positive_finite(self.clipping_count_noise):
+            problems.append(f"clipping_count_noise={self.clipping_count_noise!r}: must be a finite number > 0, or "
+                            "unset for expected_batch_size / 20.")
+        if _compiles(self):
+            problems.append(_TORCH_COMPILE)
         seed = self.noise_seed
         if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed >= 0):
             problems.append(f"noise_seed={self.noise_seed!r}: use a non-negative integer, or leave it unset "
@@ -266,6 +329,16 @@ class DPTrainingArguments(TrainingArguments):
 
 _FP16 = ("fp16=True: fp16 training scales the loss (GradScaler), which the per-unit clipping and noise do not go "
          "through, so updates would be silently wrong; use --bf16 (bfloat16 needs no loss scaling) or full precision.")
+
+_TORCH_COMPILE = ("torch_compile=True (or a torch_compile_backend / torch_compile_mode, which turn it on): the "
+                  "per-unit clipping hooks into the model's layers, which makes the compiled graph break and "
+                  "recompile at every batch shape (slower, not faster); leave torch_compile off and pass an "
+                  "uncompiled model.")
+
+
+def _compiles(args) -> bool:
+    """torch_compile, or a compile backend or mode (either turns torch_compile on in TrainingArguments)."""
+    return bool(args.torch_compile) or args.torch_compile_backend is not None or args.torch_compile_mode is not None
 
 
 def _message(problems: list[str]) -> str:

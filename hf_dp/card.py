@@ -50,8 +50,13 @@ REPORT_KEYS = (
     "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "epsilon_lower", "epsilon_estimate",
     "target_epsilon", "epsilon_group_privacy", "noise_multiplier", "logging_noise_multiplier",
     "max_loss", "effective_noise_multiplier", "sample_rate",
-    "expected_batch_size", "steps", "max_grad_norm", "contribution_bound", "num_users",
+    "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "initial_max_grad_norm",
+    "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "num_users",
     "num_examples", "accountant", "mechanism_description", "noise_seed",
+)
+# Required when `adaptive_clipping` is true: what the card says about how C was chosen.
+_ADAPTIVE_KEYS = (
+    "initial_max_grad_norm", "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise",
 )
 _REQUIRED_KEYS = (
     "epsilon", "delta", "privacy_unit", "mechanism", "noise_multiplier", "sample_rate",
@@ -62,7 +67,7 @@ _NUMERIC_KEYS = (
     "epsilon", "delta", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy",
     "noise_multiplier", "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "contribution_bound", "contribution_bound_epsilon",
-    "num_users", "num_examples",
+    "num_users", "num_examples", *_ADAPTIVE_KEYS,
 )
 
 
@@ -156,6 +161,11 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
                          f"{expected_sampling!r} (None at the example level, where sampling is unused).")
     if key == "els" and ordered.get("contribution_bound") is None:
         raise ValueError("ELS needs contribution_bound (G) in the report: its accounting depends on it.")
+    if ordered.get("adaptive_clipping"):
+        missing = [name for name in _ADAPTIVE_KEYS if ordered.get(name) is None]
+        if missing:
+            raise ValueError(f"privacy report has adaptive_clipping=True but is missing {missing}: the card states "
+                             "how C was chosen; pass the dict returned by DPTrainer.privacy_report().")
     return ordered
 
 
@@ -165,16 +175,35 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
         "**The weights** of this model and of every training checkpoint: they are computed from the noised "
         "gradient sums only.",
     ]
+    adaptive = bool(report.get("adaptive_clipping"))
     if "logging_noise_multiplier" not in report:
         items.append(
             "**The training logs: not reported.** This report does not say whether the logged loss was "
             "noised; treat any logged training loss or clipped fraction as not covered."
+        )
+    elif report["logging_noise_multiplier"] is None and adaptive:
+        items.append(
+            "**The training logs**, which hold ε, δ, σ and q (`dp/epsilon`, `dp/delta`, `dp/noise_multiplier`, "
+            "`dp/sample_rate`) and, computed from the noised counts of unclipped units only (see the clipping norm "
+            "below), `dp/clipped_fraction` and `dp/max_grad_norm`: no loss or batch size was logged "
+            "(`private_logging=False`)."
         )
     elif report["logging_noise_multiplier"] is None:
         items.append(
             "**The training logs**, which hold only ε, δ, σ and q (`dp/epsilon`, `dp/delta`, "
             "`dp/noise_multiplier`, `dp/sample_rate`): no loss, clipped fraction or batch size was logged "
             "(`private_logging=False`)."
+        )
+    elif adaptive:
+        items.append(
+            "**The training logs** (`trainer_state.json`, every `report_to` integration): `loss` is a noised sum "
+            "over each step's Poisson sample — every unit's loss clipped to "
+            f"[0, {_fmt(report.get('max_loss'), 'g')}] plus Gaussian noise of std σ_log·max_loss, with σ_log = "
+            f"{_fmt_sig(report['logging_noise_multiplier'], 4, up=False)} — divided by the expected batch size; "
+            "`dp/clipped_fraction` (½ − R/m, R the noised centred count of unclipped units, m the expected batch "
+            "size) and `dp/max_grad_norm` (the tracked C) are computed from the noised counts of the clipping norm "
+            "below. `dp/epsilon`, `dp/delta`, `dp/noise_multiplier` and `dp/sample_rate` are the plan's values. The "
+            "sampled batch size is never logged."
         )
     else:
         items.append(
@@ -188,6 +217,21 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
             f"{_fmt_sig(report.get('effective_noise_multiplier'), 4, up=False)}. `dp/epsilon`, `dp/delta`, "
             "`dp/noise_multiplier` and `dp/sample_rate` are the plan's values. The sampled batch size is "
             "never logged."
+        )
+    if adaptive:
+        logged_loss = report.get("logging_noise_multiplier") is not None
+        items.append(
+            "**The clipping norm C**, chosen privately by adaptive clipping (Andrew, Thakkar, McMahan and "
+            "Ramaswamy 2021): every step released the count of sampled units whose gradient norm was at most C, "
+            "centred (minus half the units sampled, so that one unit moves it by ½) plus Gaussian noise of std "
+            f"σ_b = {_fmt_sig(report.get('clipping_count_noise'), 4, up=False)}, and C — from "
+            f"{_fmt(report.get('initial_max_grad_norm'), '.4g')} at the first step to "
+            f"{_fmt(report.get('max_grad_norm'), '.4g')} after the last — was computed from those noised counts "
+            "only. The accountant composes the counts with the gradient"
+            + (" and the logged loss" if logged_loss else "")
+            + " as one Gaussian mechanism of noise multiplier σ_eff = (σ⁻² + (2σ_b)⁻²"
+            + (" + σ_log⁻²" if logged_loss else "")
+            + f")^(-1/2) = {_fmt_sig(report.get('effective_noise_multiplier'), 4, up=False)}."
         )
     bound_epsilon = report.get("contribution_bound_epsilon") or 0
     if bound_epsilon > 0:
@@ -211,9 +255,13 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
         "the base model learned or memorised in pretraining is not, and the model may "
         "reproduce it.",
         "**Hyperparameter search on private data.** ε accounts for one training run. "
-        "Learning rates, σ, C, steps or G picked by comparing several runs on the private "
-        "data leak information that ε does not count, unless that choice is itself a DP "
-        "release recorded in the ledger.",
+        + ("Learning rates, σ, C, steps or G picked by comparing several runs on the private "
+           if not report.get("adaptive_clipping") else
+           "Learning rates, σ, the initial C, the target quantile γ, steps or G picked by comparing several runs "
+           "on the private ")
+        + "data leak information that ε does not count, unless that choice is itself a DP "
+        "release recorded in the ledger"
+        + (" (as C is here: adaptive clipping, above)." if report.get("adaptive_clipping") else "."),
         "**Preprocessing decisions.** "
         + (
             "Filters, deduplication and tokenisation are not privatised (G was, see above): if they were "
@@ -419,6 +467,12 @@ def render_privacy_card(
         unit_plural=unit_plural,
         steps=_fmt(privacy.get("steps"), "d"),
         max_grad_norm=_fmt(privacy.get("max_grad_norm"), ".4g"),
+        adaptive=bool(privacy.get("adaptive_clipping")),
+        initial_max_grad_norm=_fmt(privacy.get("initial_max_grad_norm"), ".4g"),
+        target_unclipped_quantile=_fmt(privacy.get("target_unclipped_quantile"), "g"),
+        clipping_learning_rate=_fmt(privacy.get("clipping_learning_rate"), "g"),
+        clipping_count_noise=_fmt_sig(privacy.get("clipping_count_noise"), 4, up=False),
+        unit_singular=unit_plural[:-1],
         contribution_bound=_fmt(bound, "d") if bound is not None else "none (all rows kept)",
         contribution_md=contribution_md,
         num_users=_fmt(round_count(privacy.get("num_users")), ","),

@@ -7,6 +7,10 @@ advances every step, is saved with every checkpoint and restored on resume.
 What the logs hold is a release too: with `private_logging` (the default) the loss and the clipped
 fraction are noised sums over the same Poisson sample, and the ledger composes gradient, loss and
 count as one Gaussian mechanism (see [`PrivacyPlan`]); nothing else computed from the data is logged.
+
+With `adaptive_clipping` (Andrew et al. 2021, [`~hf_dp.clipping.adaptive`]) each step also releases the noised
+centred count of units left unclipped at the step's C (always, private logging or not); it replaces the logged
+clipped count, sets the next step's C, and joins the same Gaussian mechanism.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity
 from .clipping import GhostClipper
+from .clipping.adaptive import (
+    AdaptiveClipping,
+    QuantileTracker,
+    centered_unclipped_count,
+    effective_noise_multiplier,
+    gradient_noise_multiplier,
+)
 from .clipping.packing import examples_from_position_ids
 from .data import examples_per_user, keyed_seed, partition_by_user
 from .losses import is_causal_lm, packed_per_example_loss, per_example_loss
@@ -72,6 +83,11 @@ class PrivacyPlan:
     mechanism whose noise multiplier is `effective_noise_multiplier` = (σ⁻² + 2·σ_log⁻²)^(-1/2); for ELS a user
     with k sampled examples moves each sum by at most k times its sensitivity, so the mixture-of-Gaussians
     accountant applies with that σ too. The ledger records it.
+
+    With `adaptive_clipping` the count of clipped units is replaced by the centred count of unclipped units
+    (sensitivity 1/2, noise σ_b = `count_noise`), released every step with or without private logging, so
+    σ_eff = (σ⁻² + (2σ_b)⁻² [+ σ_log⁻², the logged loss])^(-1/2) (Andrew et al. 2021, Theorem 1); the gradient
+    noise of the step clipped at C_t is σ·C_t, so ε does not depend on the C reached.
     """
 
     mechanism: str  # "uls" | "els" | "example": a key of hf_dp.vocabulary.MECHANISMS
@@ -83,11 +99,14 @@ class PrivacyPlan:
     delta: float
     group_size: int  # G for the ELS mixture-of-Gaussians accountant, else 1
     contribution_bound: int | None
-    logging_noise_multiplier: float | None = None  # σ_log of the logged loss and count; None: nothing logged
-    effective_noise_multiplier: float | None = None  # σ_eff the ledger composes (σ without private logging)
+    logging_noise_multiplier: float | None = None  # σ_log of the logged loss (and fixed-C count); None: not logged
+    effective_noise_multiplier: float | None = None  # σ_eff the ledger composes (σ without any other release)
+    adaptive_clipping: AdaptiveClipping | None = None  # C tracks a quantile from C_0 = max_grad_norm; None: fixed C
+    count_noise: float | None = None  # σ_b of the adaptive count, in units; None for a fixed C
 
     def fingerprint(self, args: DPTrainingArguments) -> dict:
         """Everything a resumed run must share with the checkpoint for the ledger to stay true."""
+        adaptive = self.adaptive_clipping
         return {
             "privacy_unit": args.privacy_unit,
             "mechanism": self.mechanism,
@@ -100,6 +119,10 @@ class PrivacyPlan:
             "target_epsilon": args.target_epsilon,
             "target_delta": self.delta,
             "num_units": self.num_units,
+            "adaptive_clipping": self.adaptive_clipping is not None,
+            "target_unclipped_quantile": adaptive.target_quantile if adaptive else None,
+            "clipping_learning_rate": adaptive.learning_rate if adaptive else None,
+            "clipping_count_noise": self.count_noise,
         }
 
 
@@ -113,6 +136,11 @@ class DPTrainer(Trainer):
     every checkpoint and the privacy card is written to `output_dir/README.md` at the end of `train()`, with the
     ledger beside it (`dp_ledger.json`). Logs hold ε, δ, σ, q and, with `private_logging` (the default), a noised
     `loss` and `dp/clipped_fraction` that the ledger accounts; nothing else computed from the data.
+
+    Adaptive clipping (`adaptive_clipping=True`, Andrew et al. 2021): C starts at `max_grad_norm` and after every
+    step moves towards the `target_unclipped_quantile` of the per-unit gradient norms (which the clipping engine
+    computes anyway), from a noised count of unclipped units that the ledger composes with the gradient (see
+    [`PrivacyPlan`]). The running C is in the logs (`dp/max_grad_norm`), the checkpoints, the report and the card.
 
     Packed (padding-free) batches: with a causal LM, `data_collator=DataCollatorWithFlattening()` packs each
     micro-batch into one row (`position_ids` restarting at each example, no attention mask); every example keeps its
@@ -152,7 +180,8 @@ class DPTrainer(Trainer):
 
     Raises:
         ValueError: missing user column, user ids of mixed types, no user, an impossible budget or sample rate,
-            a first step that alone exceeds `target_epsilon`, an invalid privacy field (also one set after the
+            a first step that alone exceeds `target_epsilon`, an adaptive clipping count noise that alone would spend
+            the budget (`clipping_count_noise` ≤ σ_eff/2), an invalid privacy field (also one set after the
             arguments were built), a model whose layers mix the examples of a batch (before any step), a
             `torch.compile`d model, `model_init`, a `compute_loss` override or a `compute_loss_func` without
             per-example losses, a checkpoint from a different privacy configuration or whose ledger does not match it.
@@ -230,6 +259,7 @@ class DPTrainer(Trainer):
         self.clipper = GhostClipper(self.model)
         self.privacy_plan = self._plan_privacy()
         self._plan_fits: bool | None = None  # see _plan_within_budget
+        self.quantile_tracker = self._new_quantile_tracker()  # adaptive clipping's running C; None for a fixed C
         self.accountant = accounting.PrivacyAccountant()
         if _bound_epsilon(args):  # G was chosen from the data with ε-DP: a release the ledger must hold
             self.accountant.record_pure_dp("contribution_bound", _bound_epsilon(args))
@@ -269,11 +299,12 @@ class DPTrainer(Trainer):
                 f"releasing a whole {args.privacy_unit}'s data. Lower --target_delta (default 1/(10·{unit_name}))."
             )
         group_size = part.contribution_bound if mechanism == "els" else 1
-        # σ_log = r·σ for the logged loss and count: σ_eff = (σ⁻² + 2·σ_log⁻²)^(-1/2) = σ / spread.
+        # σ_log = r·σ for the logged loss (and, for a fixed C, the clipped count); σ_b for the adaptive count.
         ratio = args.logging_noise_ratio if args.private_logging else None
-        spread = math.sqrt(1.0 + 2.0 / ratio**2) if ratio else 1.0
+        adaptive = _adaptive_clipping(args)
+        count_noise = adaptive.count_noise_for(args.expected_batch_size) if adaptive else None
         sigma = args.noise_multiplier
-        effective = None if sigma is None else sigma / spread
+        effective = None if sigma is None else _effective_noise(sigma, ratio, count_noise)
         bound_epsilon = _bound_epsilon(args)  # spent choosing G: DP-SGD gets the rest of the target
         if sigma is None:
             try:
@@ -281,12 +312,12 @@ class DPTrainer(Trainer):
                     target_epsilon=args.target_epsilon - bound_epsilon, delta=delta, sample_rate=sample_rate,
                     steps=steps, group_size=group_size,
                 )
-                sigma = effective * spread
             except ValueError as error:
                 raise ValueError(
                     f"{error} Planned: {steps} steps at sample rate {sample_rate:.4g}. Raise --target_epsilon, "
                     "or train fewer steps/epochs or with a smaller --expected_batch_size."
                 ) from error
+            sigma = _gradient_noise(effective, ratio, count_noise, args)
         elif args.target_epsilon is not None:
             first = accounting.epsilon(
                 sample_rate=sample_rate, noise_multiplier=effective, steps=1, delta=delta, group_size=group_size
@@ -307,7 +338,17 @@ class DPTrainer(Trainer):
                 )
         return PrivacyPlan(mechanism, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta, group_size,
                            part.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
-                           effective_noise_multiplier=float(effective))
+                           effective_noise_multiplier=float(effective), adaptive_clipping=adaptive,
+                           count_noise=count_noise)
+
+    def _new_quantile_tracker(self) -> QuantileTracker | None:
+        adaptive = self.privacy_plan.adaptive_clipping
+        return adaptive.tracker(self.args.expected_batch_size) if adaptive is not None else None
+
+    @property
+    def clipping_norm(self) -> float:
+        """C the next step clips at: the tracked norm with `adaptive_clipping`, else `max_grad_norm`."""
+        return self.quantile_tracker.norm if self.quantile_tracker is not None else self.args.max_grad_norm
 
     def _probe_batch(self) -> dict:
         """The first training rows collated like a micro-batch, for the batch-independence and loss probes."""
@@ -412,8 +453,10 @@ class DPTrainer(Trainer):
         plan, args = self.privacy_plan, self.args
         model.train()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-        # Summed over ranks below: [sum of unit losses clipped to [0, max_loss], units whose gradient was clipped]
-        totals = torch.zeros(2, dtype=torch.float64, device=args.device)
+        max_grad_norm = self.clipping_norm  # C_t: fixed, or the tracked norm (from earlier releases only)
+        # Summed over ranks below: [sum of unit losses clipped to [0, max_loss], units whose gradient was clipped,
+        # Σ (1[norm ≤ C] − 1/2) over the units (adaptive clipping's centred count)]
+        totals = torch.zeros(3, dtype=torch.float64, device=args.device)
         with self.accelerator.no_sync(model):  # clipped sums are all-reduced below, once
             for micro_batch in inputs.micro_batches:
                 features = send_to_device(dict(micro_batch.features), args.device)
@@ -450,7 +493,7 @@ class DPTrainer(Trainer):
                     unit_ids = micro_batch.unit_ids.to(losses.device)
                 else:
                     weighted, unit_ids = losses, None
-                norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=args.max_grad_norm,
+                norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=max_grad_norm,
                                               example_ids=example_ids)
                 unit_losses = weighted.detach().float()
                 if unit_ids is not None:  # ULS: the user's mean loss (units in sorted id order, as `norms`)
@@ -460,7 +503,8 @@ class DPTrainer(Trainer):
                 unit_losses = torch.nan_to_num(unit_losses, nan=args.max_loss).clamp(0.0, args.max_loss)
                 # Accumulated on the device: no host sync per micro-batch.
                 totals[0] += unit_losses.sum().to(totals)
-                totals[1] += (norms > args.max_grad_norm).sum().to(totals)
+                totals[1] += (norms > max_grad_norm).sum().to(totals)
+                totals[2] += centered_unclipped_count(norms, max_grad_norm).to(totals)
         if inputs.micro_batches and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "A non-empty batch produced no gradient for any parameter the optimizer updates: the trainable "
@@ -474,22 +518,44 @@ class DPTrainer(Trainer):
             for param in params:
                 torch.distributed.all_reduce(param.grad)
             torch.distributed.all_reduce(totals)
-        add_noise(params, noise_multiplier=plan.noise_multiplier, max_grad_norm=args.max_grad_norm,
+        add_noise(params, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
                   seed=self._seed, step=inputs.step)
         expected_batch_size = plan.sample_rate * plan.num_units
         for param in params:
             param.grad.div_(expected_batch_size)
         self._advance_ledger()
-        if plan.logging_noise_multiplier is None:  # nothing computed from the data is released
+        loss_sum = self._release_scalars(totals.tolist(), inputs.step, expected_batch_size)
+        if loss_sum is None:  # nothing computed from the data is logged
             return torch.zeros((), dtype=torch.float32, device=args.device)
-        # The same noise on every rank (shared seed), after the all-reduce: released once.
-        loss_sum, clipped = add_scalar_noise(
-            totals.tolist(), [plan.logging_noise_multiplier * args.max_loss, plan.logging_noise_multiplier],
-            seed=self._seed, step=inputs.step,
-        )
-        self._window["clipped_fraction"] += clipped / expected_batch_size
-        self._window["steps"] += 1
         return torch.tensor(loss_sum / expected_batch_size, dtype=torch.float32, device=args.device)
+
+    def _release_scalars(self, totals: list[float], step: int, expected_batch_size: float) -> float | None:
+        """Noise the step's scalar sums once, after the all-reduce (the same noise on every rank: shared seed).
+
+        Fixed C, private logging: the loss sum and the clipped count (noise σ_log·max_loss, σ_log). Adaptive clipping:
+        the centred unclipped count (noise σ_b; always released: it sets the next C), then with private logging the
+        loss sum. Returns the noised loss sum, or `None` when no loss is released.
+        """
+        plan, args, tracker = self.privacy_plan, self.args, self.quantile_tracker
+        loss_sum, clipped, unclipped = totals
+        logging = plan.logging_noise_multiplier is not None
+        loss_noise = plan.logging_noise_multiplier * args.max_loss if logging else None
+        if tracker is None:
+            if not logging:
+                return None
+            loss_sum, clipped = add_scalar_noise([loss_sum, clipped], [loss_noise, plan.logging_noise_multiplier],
+                                                 seed=self._seed, step=step)
+            self._window["clipped_fraction"] += clipped / expected_batch_size
+        else:
+            released = add_scalar_noise([unclipped, loss_sum] if logging else [unclipped],
+                                        [plan.count_noise, loss_noise] if logging else [plan.count_noise],
+                                        seed=self._seed, step=step)
+            # ½ − R/m: the logged clipped fraction at this step's C, a post-processing of the count.
+            self._window["clipped_fraction"] += tracker.clipped_fraction(released[0], expected_batch_size)
+            tracker.update(released[0], expected_batch_size)  # C for the next step
+            loss_sum = released[1] if logging else None
+        self._window["steps"] += 1
+        return loss_sum
 
     def _advance_ledger(self) -> None:
         plan = self.privacy_plan
@@ -531,7 +597,11 @@ class DPTrainer(Trainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """Adds ε, δ, σ and q to training logs. `loss` and `dp/clipped_fraction` are the noised releases of
-        `training_step` (covered by ε); without private logging no loss is logged at all."""
+        `training_step` (covered by ε); without private logging no loss is logged at all.
+
+        With adaptive clipping, `dp/max_grad_norm` is the tracked C after the last logged step (the next step's C)
+        and `dp/clipped_fraction` the mean of ½ − R/m over the logged steps, R the noised centred count: both are
+        post-processing of the count released every step, so they are logged with or without private logging."""
         private_logging = self.privacy_plan.logging_noise_multiplier is not None
         if "loss" in logs:
             plan = self.privacy_plan
@@ -542,10 +612,12 @@ class DPTrainer(Trainer):
                 "dp/noise_multiplier": plan.noise_multiplier,
                 "dp/sample_rate": plan.sample_rate,
             })
+            if self.quantile_tracker is not None:
+                logs["dp/max_grad_norm"] = self.quantile_tracker.norm
             window = self._window
             if not private_logging:
                 del logs["loss"]
-            elif window["steps"]:
+            if window["steps"]:  # steps with a released count: private logging, or adaptive clipping
                 logs["dp/clipped_fraction"] = window["clipped_fraction"] / window["steps"]
             self._window = {"clipped_fraction": 0.0, "steps": 0}
         if not private_logging:
@@ -559,10 +631,16 @@ class DPTrainer(Trainer):
         `mechanism_description` its one-sentence account; `sampling` is the `sampling` argument at user level and
         `None` at example level (where it is unused). `num_users` and `num_examples` are rounded to 2 significant
         figures: they are not covered by ε.
+
+        `max_grad_norm` is the clipping norm C: with `adaptive_clipping` the tracked C after the last step (what a
+        continued run would clip at; a post-processing of the noised counts, covered by ε), with
+        `initial_max_grad_norm` the C it started from and `target_unclipped_quantile`, `clipping_learning_rate`
+        and `clipping_count_noise` (σ_b) its settings; for a fixed C those four are `None`.
         """
         from .card import round_count
 
         plan, args = self.privacy_plan, self.args
+        adaptive = plan.adaptive_clipping
         steps = self.accountant.steps
         if steps:
             lower, estimate, upper = self.accountant.epsilon_bounds(plan.delta)
@@ -586,7 +664,12 @@ class DPTrainer(Trainer):
             "sample_rate": plan.sample_rate,
             "expected_batch_size": args.expected_batch_size,
             "steps": steps,
-            "max_grad_norm": args.max_grad_norm,
+            "max_grad_norm": self.clipping_norm,
+            "adaptive_clipping": adaptive is not None,
+            "initial_max_grad_norm": args.max_grad_norm if adaptive else None,
+            "target_unclipped_quantile": adaptive.target_quantile if adaptive else None,
+            "clipping_learning_rate": adaptive.learning_rate if adaptive else None,
+            "clipping_count_noise": plan.count_noise,
             "contribution_bound": plan.contribution_bound,
             # ε-DP choice of G ("auto": a DP median on the public grid; 0 when G was given) and DP-SGD's share of ε.
             "contribution_bound_epsilon": bound_epsilon,
@@ -707,6 +790,8 @@ class DPTrainer(Trainer):
             "config": self.privacy_plan.fingerprint(self.args),
             "accountant": self.accountant.state_dict(),
             "data_secret": self._data_secret,  # a resumed run keeps G and the rows it chose; never released
+            # adaptive clipping's running C: a resumed run clips where the checkpoint's would have
+            "quantile_tracker": self.quantile_tracker.to_dict() if self.quantile_tracker is not None else None,
         }
         ledger["digest"] = _ledger_digest(ledger)
         with open(os.path.join(folder, LEDGER_NAME), "w") as f:
@@ -745,6 +830,7 @@ class DPTrainer(Trainer):
         saved, current = dict(ledger["config"]), self.privacy_plan.fingerprint(self.args)
         if "mechanism" not in saved and "sampling" in saved:  # written before "sampling" became "mechanism"
             saved["mechanism"] = saved.pop("sampling")
+        saved.setdefault("adaptive_clipping", False)  # written before adaptive clipping: a fixed C
         changed = {k: (saved.get(k), v) for k, v in current.items() if not _same(saved.get(k), v)}
         if changed:
             details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
@@ -770,8 +856,32 @@ class DPTrainer(Trainer):
             raise ValueError(f"{path} records {restored.steps} steps but its checkpoint is at global step "
                              f"{global_step} ({TRAINER_STATE_NAME}): the ledger does not match its checkpoint; resume "
                              "from an intact checkpoint or start a new run.")
+        tracker = self._restored_tracker(path, ledger.get("quantile_tracker"), restored.steps)
         self.accountant.load_state_dict(ledger["accountant"])
+        self.quantile_tracker = tracker
         self._plan_fits = None
+
+    def _restored_tracker(self, path: str, state, steps: int) -> QuantileTracker | None:
+        """The checkpoint's adaptive clipping state, checked against the plan and the ledger's step count."""
+        plan = self.privacy_plan
+        if plan.adaptive_clipping is None:
+            if state is not None:
+                raise ValueError(f"{path} holds an adaptive clipping state but its configuration says a fixed "
+                                 "clipping norm: the ledger is inconsistent; start a new run.")
+            return None
+        try:
+            tracker = QuantileTracker.from_dict(state)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path}: no valid adaptive clipping state ({error}); resume from a checkpoint of this "
+                             "version or start a new run.") from None
+        found = (tracker.target_quantile, tracker.learning_rate, tracker.count_noise, tracker.steps)
+        expected = (plan.adaptive_clipping.target_quantile, plan.adaptive_clipping.learning_rate, plan.count_noise,
+                    steps)
+        if not all(_same(a, b) for a, b in zip(found, expected)):
+            raise ValueError(f"{path}: its adaptive clipping state has (target_unclipped_quantile, "
+                             f"clipping_learning_rate, clipping_count_noise, steps) = {found}, not this run's "
+                             f"{expected}: the ledger does not match the plan; start a new run.")
+        return tracker
 
 
 class _PrivacyProgress(TrainerCallback):
@@ -1017,6 +1127,44 @@ def _contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int 
         target_epsilon=(args.target_epsilon or planner.DEFAULT_TARGET_EPSILON) - _bound_epsilon(args),
         delta=args.target_delta, rng=np.random.default_rng(keyed_seed(secret, "contribution_bound", "bound")),
     )
+
+
+def _adaptive_clipping(args: DPTrainingArguments) -> AdaptiveClipping | None:
+    """The adaptive clipping configuration of the arguments (C_0 = `max_grad_norm`), or `None` for a fixed C."""
+    if not args.adaptive_clipping:
+        return None
+    return AdaptiveClipping(target_quantile=args.target_unclipped_quantile, learning_rate=args.clipping_learning_rate,
+                            initial_norm=args.max_grad_norm, count_noise=args.clipping_count_noise)
+
+
+def _effective_noise(sigma: float, ratio: float | None, count_noise: float | None) -> float:
+    """σ_eff the ledger composes for gradient noise multiplier σ: (σ⁻² + 2·(r·σ)⁻²)^(-1/2) for a fixed C (loss and
+    clipped count logged, r = `logging_noise_ratio`), (σ⁻² + (2σ_b)⁻² [+ (r·σ)⁻²])^(-1/2) with adaptive clipping."""
+    if count_noise is not None:
+        return effective_noise_multiplier(sigma, count_noise, logging_noise_ratio=ratio)
+    return sigma / math.sqrt(1.0 + 2.0 / ratio**2) if ratio else sigma
+
+
+def _gradient_noise(effective: float, ratio: float | None, count_noise: float | None,
+                    args: DPTrainingArguments) -> float:
+    """σ, the gradient noise multiplier that leaves the step at σ_eff (the inverse of [`_effective_noise`]).
+
+    Raises:
+        ValueError: with adaptive clipping, a count noise σ_b ≤ σ_eff/2 (the count alone would spend the budget).
+    """
+    if count_noise is None:
+        return effective * math.sqrt(1.0 + 2.0 / ratio**2) if ratio else effective
+    try:
+        return gradient_noise_multiplier(effective, count_noise, logging_noise_ratio=ratio)
+    except ValueError:
+        default = " (the default expected_batch_size/20)" if args.clipping_count_noise is None else ""
+        raise ValueError(
+            f"clipping_count_noise={count_noise:g}{default} is not above σ_eff/2 = {effective / 2:g}, half the "
+            f"noise multiplier target_epsilon allows for the whole step: adaptive clipping's count of unclipped "
+            f"units alone would spend the budget. Raise --clipping_count_noise (a few times {effective / 2:g} keeps "
+            "the gradient noise near σ_eff), raise --expected_batch_size or --target_epsilon, or turn "
+            "--adaptive_clipping off."
+        ) from None
 
 
 def _bound_choice(args: DPTrainingArguments, mechanism: str, bound_epsilon: float) -> str:

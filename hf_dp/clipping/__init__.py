@@ -8,7 +8,10 @@ losses = per_example_loss(model(**batch))  # (B,)
 norms = clipper.backward(losses, unit_ids=unit_ids, max_grad_norm=1.0)  # (U,)
 clipper.detach()
 ```
+
+`adaptive`: private adaptive clipping (Andrew et al. 2021), C tracking a quantile of the per-unit norms.
 """
+from .adaptive import AdaptiveClipping, QuantileTracker, centered_unclipped_count
 from .engine import GhostClipper
 from .packing import examples_from_position_ids
 from .registry import Rule, UnsupportedLayerError, find_rule, register_rule, registered_rules
@@ -27,4 +30,7 @@ __all__ = [
     "GradTerm",
     "OUTER",
     "EXAMPLE",
+    "AdaptiveClipping",
+    "QuantileTracker",
+    "centered_unclipped_count",
 ]

@@ -76,6 +76,18 @@ EXAMPLE_REPORT = dict(
     max_loss=None,
     effective_noise_multiplier=0.8125,
 )
+# Adaptive clipping (Andrew et al. 2021): C chosen privately from noised counts; the loss alone is logged besides.
+ADAPTIVE_REPORT = dict(
+    ULS_REPORT,
+    noise_multiplier=0.8141,  # σ_Δ: σ_eff = 0.80449 split with σ_b = 3.44 = 68.8/20 and r = 10
+    logging_noise_multiplier=8.141,
+    max_grad_norm=0.02137,
+    adaptive_clipping=True,
+    initial_max_grad_norm=1.0,
+    target_unclipped_quantile=0.5,
+    clipping_learning_rate=0.2,
+    clipping_count_noise=3.44,
+)
 NON_PRIVATE_REPORT = {"non_private": True, "steps": 300, "num_users": 1101, "num_examples": 24217}
 
 COMMON = {"base_model": "sentence-transformers/all-MiniLM-L6-v2", "dataset_name": "shakespeare"}
@@ -83,6 +95,7 @@ CASES = {
     "uls": (ULS_REPORT, dict(COMMON, eval_result=0.6125, baseline_result=0.4437, non_private_result=0.7016)),
     "els": (ELS_REPORT, dict(COMMON, eval_result=0.5874, baseline_result=0.4437)),
     "example": (EXAMPLE_REPORT, dict(COMMON, eval_result=0.6402)),
+    "uls_adaptive": (ADAPTIVE_REPORT, dict(COMMON, eval_result=0.6125, baseline_result=0.4437)),
     "non_private": (NON_PRIVATE_REPORT, dict(COMMON, eval_result=0.7016, baseline_result=0.4437)),
     "causal_lm_no_eval": (
         ULS_REPORT,
@@ -163,6 +176,21 @@ def test_trainer_report_extras_are_kept_and_shown(tmp_path):
     assert "| Target ε (`target_epsilon`) | 8 |" in path.read_text(encoding="utf-8")
 
 
+def test_adaptive_card_states_that_c_was_chosen_privately():
+    text = render_privacy_card(ADAPTIVE_REPORT, base_model="m").text
+    assert "chosen privately during training by adaptive\nclipping (Andrew, Thakkar, McMahan and Ramaswamy 2021)" \
+        in text
+    assert "| Noise std of the unclipped count σ_b (`clipping_count_noise`) | 3.44 |" in text
+    assert "from 1 at the first step to 0.02137 after the last" in text
+    assert "σ_eff = (σ⁻² + (2σ_b)⁻² + σ_log⁻²)^(-1/2) = 0.8044" in text
+    assert "as C is here: adaptive clipping" in text
+    assert "and clipped count σ_log" not in text  # the adaptive count replaces the logged clipped count
+    fixed = render_privacy_card(dict(ULS_REPORT, adaptive_clipping=False, initial_max_grad_norm=None,
+                                     target_unclipped_quantile=None, clipping_learning_rate=None,
+                                     clipping_count_noise=None), base_model="m").text
+    assert fixed == render_privacy_card(ULS_REPORT, base_model="m").text  # a fixed C reads as before
+
+
 def test_epsilon_is_never_rounded_down():
     text = render_privacy_card(dict(ULS_REPORT, epsilon=7.9801), base_model="m").text
     assert "(7.99, 1e-05)" in text and "(7.98, " not in text
@@ -217,6 +245,8 @@ def test_numpy_values_become_plain_yaml(tmp_path):
         ({"sampling": "els", "mechanism": "els", "contribution_bound": None}, "ELS needs contribution_bound"),
         ({"epsilon": "7.98"}, "epsilon='7.98' must be a number, not str"),
         ({"steps": "300"}, "steps='300' must be a number"),
+        ({"adaptive_clipping": True}, r"adaptive_clipping=True but is missing \['initial_max_grad_norm'"),
+        (dict(ADAPTIVE_REPORT, clipping_count_noise="3"), "clipping_count_noise='3' must be a number"),
     ],
 )
 def test_bad_reports_are_refused(change, match):

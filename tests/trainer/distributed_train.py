@@ -1,7 +1,8 @@
 """Trains a tiny DP model with fixed seeds and saves its weights: run under `accelerate launch`.
 
 Usage: accelerate launch --multi_gpu --num_processes 2 tests/trainer/distributed_train.py OUT.pt [sampling]
-(on a CPU-only machine this runs 2 processes with the gloo backend).
+(on a CPU-only machine this runs 2 processes with the gloo backend). `sampling` "uls-adaptive" is ULS with
+adaptive clipping (the count of unclipped units is all-reduced, noised once, and every rank tracks the same C).
 """
 
 import sys
@@ -14,10 +15,12 @@ from trainer_fixtures import pad_collator, tiny_bert, user_dataset
 
 
 def main(out_path: str, sampling: str = "uls") -> None:
+    sampling, _, variant = sampling.partition("-")
+    adaptive = dict(adaptive_clipping=True, max_grad_norm=0.05, clipping_count_noise=5.0) if variant else {}
     args = DPTrainingArguments(
         output_dir=out_path + ".run", max_steps=3, expected_batch_size=8, per_device_train_batch_size=3,
         learning_rate=5e-2, target_epsilon=8.0, noise_seed=4321, sampling=sampling, contribution_bound=3,
-        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, **adaptive,
     )
     trainer = DPTrainer(model=tiny_bert(seed=3), args=args, train_dataset=user_dataset(seed=5),
                         data_collator=pad_collator)
@@ -25,7 +28,8 @@ def main(out_path: str, sampling: str = "uls") -> None:
     if trainer.is_world_process_zero():
         state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
         torch.save({"state": state, "world_size": trainer.accelerator.num_processes,
-                    "epsilon": trainer.privacy_report()["epsilon"]}, out_path)
+                    "epsilon": trainer.privacy_report()["epsilon"],
+                    "max_grad_norm": trainer.privacy_report()["max_grad_norm"]}, out_path)
     finish_processes()
 
 

@@ -33,11 +33,14 @@ def launch(out: Path, num_processes: int, sampling: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", ["uls", "els"])
+@pytest.mark.parametrize("sampling", ["uls", "els", "uls-adaptive"])
 def test_two_processes_reproduce_one(tmp_path, sampling):
     single = launch(tmp_path / "one.pt", 1, sampling)
     double = launch(tmp_path / "two.pt", 2, sampling)
     assert (single["world_size"], double["world_size"]) == (1, 2)
     assert double["epsilon"] == single["epsilon"]
+    assert double["max_grad_norm"] == pytest.approx(single["max_grad_norm"], rel=1e-6)  # the tracked C, if adaptive
+    if sampling.endswith("adaptive"):
+        assert single["max_grad_norm"] != 0.05
     for name, value in single["state"].items():
         torch.testing.assert_close(double["state"][name], value, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
