@@ -12,8 +12,9 @@ It prints, and writes as JSON to `--out`:
    same weights and batch (torch.func.grad per example); the worst relative error (bf16 activations: ~1e-2 is
    expected; float32: ~1e-6);
 2. **DPTrainer vs Trainer**: the same model, data and micro-batch trained for `--steps` steps with
-   `DPTrainer` (ULS, ε = 8) and with `transformers.Trainer`, in `--dtype` on the device: the median optimizer
-   step time and the peak device memory (CUDA allocator), as ratios DP / non-private, and the ε spent.
+   `DPTrainer` (ULS, ε = 8; fixed C, then adaptive clipping) and with `transformers.Trainer`, in `--dtype` on the
+   device: the median optimizer step time and the peak device memory (CUDA allocator), as ratios DP / non-private,
+   the ε spent and, with adaptive clipping, where C went.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def collate(examples):
     return out
 
 
-def train_once(args, private: bool, output_dir: str) -> dict:
+def train_once(args, private: bool, output_dir: str, adaptive: bool = False) -> dict:
     common = dict(output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
                   learning_rate=1e-4, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=10**6,
                   bf16=args.dtype == "bfloat16", use_cpu=args.device == "cpu", seed=0)
@@ -138,7 +139,8 @@ def train_once(args, private: bool, output_dir: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
     if private:
         training_args = DPTrainingArguments(**common, target_epsilon=8.0, sampling="uls", contribution_bound=2,
-                                            expected_batch_size=args.micro_batch // 2, max_grad_norm=1.0)
+                                            expected_batch_size=args.micro_batch // 2, max_grad_norm=1.0,
+                                            adaptive_clipping=adaptive)
         trainer = DPTrainer(model=small_llama(args), args=training_args, train_dataset=dataset,
                             data_collator=collate, callbacks=[timer])
     else:
@@ -150,7 +152,8 @@ def train_once(args, private: bool, output_dir: str) -> dict:
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     if private:
         report = trainer.privacy_report()
-        result.update(epsilon=report["epsilon"], noise_multiplier=report["noise_multiplier"], steps=report["steps"])
+        result.update(epsilon=report["epsilon"], noise_multiplier=report["noise_multiplier"], steps=report["steps"],
+                      max_grad_norm=report["max_grad_norm"])
     return result
 
 
@@ -175,8 +178,10 @@ def main(argv=None) -> dict:
     out_dir = Path(args.out).with_suffix("")
     nonprivate = train_once(args, False, str(out_dir / "non-private"))
     private = train_once(args, True, str(out_dir / "dp"))
-    report["non_private"], report["dp"] = nonprivate, private
+    adaptive = train_once(args, True, str(out_dir / "dp-adaptive"), adaptive=True)
+    report["non_private"], report["dp"], report["dp_adaptive"] = nonprivate, private, adaptive
     report["step_time_ratio"] = private["median_step_s"] / nonprivate["median_step_s"]
+    report["adaptive_step_time_ratio"] = adaptive["median_step_s"] / nonprivate["median_step_s"]
     line = (f"DPTrainer vs Trainer: step time {private['median_step_s'] * 1e3:.1f} ms vs "
             f"{nonprivate['median_step_s'] * 1e3:.1f} ms (x{report['step_time_ratio']:.2f})")
     if "peak_memory_bytes" in private:
@@ -184,6 +189,11 @@ def main(argv=None) -> dict:
         line += f", peak memory x{report['peak_memory_ratio']:.2f}"
     print(line + f"; ε = {private['epsilon']:.3f} after {private['steps']} steps "
           f"(σ = {private['noise_multiplier']:.3f})")
+    print(f"with adaptive clipping: step time x{report['adaptive_step_time_ratio']:.2f}"
+          + (f", peak memory x{adaptive['peak_memory_bytes'] / nonprivate['peak_memory_bytes']:.2f}"
+             if "peak_memory_bytes" in adaptive else "")
+          + f"; C 1.0 -> {adaptive['max_grad_norm']:.3g} after {adaptive['steps']} steps, "
+            f"ε = {adaptive['epsilon']:.3f}")
     Path(args.out).write_text(json.dumps(report, indent=2))
     return report
 
