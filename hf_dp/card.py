@@ -363,7 +363,10 @@ def render_privacy_card(
     ```python
     >>> card = render_privacy_card(trainer.privacy_report(), base_model="gpt2",
     ...                            eval_result=0.71, baseline_result=0.52)
-    >>> card.save("out/README.md")
+    >>> card.save("README.md")
+    >>> card.data.to_dict()["privacy"]["mechanism"]
+    'uls'
+
     ```
     """
     privacy = _normalised_report(report)

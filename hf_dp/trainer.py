@@ -194,10 +194,13 @@ class DPTrainer(Trainer):
     Example:
 
     ```python
-    >>> trainer = DPTrainer(model=model, args=DPTrainingArguments("out", target_epsilon=8.0),
-    ...                     train_dataset=train, processing_class=tokenizer)
-    >>> trainer.train()
-    >>> trainer.privacy_report()["epsilon"]
+    >>> args = DPTrainingArguments("out", target_epsilon=8.0, expected_batch_size=32, report_to="none")
+    >>> trainer = DPTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+    >>> _ = trainer.train()  # prints Trainer's closing metrics
+    {'train_runtime': ...}
+    >>> trainer.privacy_report()["epsilon"] <= 8.0
+    True
+
     ```
     """
 
