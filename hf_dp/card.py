@@ -321,6 +321,7 @@ def render_privacy_card(
     model_name: str | None = None,
     extra_not_covered: Iterable[str] = (),
     library_name: str = "transformers",
+    audit_section: str | None = None,
 ) -> ModelCard:
     """Render the privacy model card of a training run.
 
@@ -342,6 +343,8 @@ def render_privacy_card(
         eval_result (`float`, *optional*): the fine-tuned model's metric (goes into `model-index`).
         baseline_result (`float`, *optional*): the public-only baseline's metric.
         non_private_result (`float`, *optional*): a non-private fine-tune's metric.
+        audit_section (`str`, *optional*): the "Empirical audit" section,
+            [`~hf_dp.audit.AuditReport.card_section`], appended as is (post-processing: no effect on ε).
             The four evaluation arguments go into the `dp_evaluation:` block under the same names
             ([`~hf_dp.vocabulary.EVAL_KEYS`]).
         model_name (`str`, *optional*): the card's title; defaults to `<base model>-hf-dp`.
@@ -489,6 +492,8 @@ def render_privacy_card(
         covered=[] if non_private else _covered(privacy),
         not_covered=[] if non_private else _not_covered(privacy, extra_not_covered),
     )
+    if audit_section:
+        content = content.rstrip("\n") + "\n\n" + audit_section.strip() + "\n"
     return ModelCard(content)
 
 

@@ -4,6 +4,7 @@ Subcommands:
 
 - `hf-dp demo`: the privacy/utility study on the embedded default (see `hf_dp.workflows.study`).
 - `hf-dp app`: the Gradio app (see `hf_dp.workflows.app`); `hf-dp publish`: push a run with its privacy card.
+- `hf-dp audit`: an empirical privacy audit, an ε lower bound beside the proven ε (see `hf_dp.workflows.audit_demo`).
 - `hf-dp plan`: the privacy budget planner. For ULS, ELS (mixture-of-Gaussians accountant) and
   example-level DP-SGD at the same compute budget (`--examples_per_step`): the noise multiplier σ each
   needs for a target (ε, δ), the ε each spends at a fixed σ, the recommended contribution bound G, the
@@ -76,6 +77,10 @@ _MODULE_COMMANDS = {
     "publish": ("hub", "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
                 "Upload a saved model, its tokenizer and its privacy card to the Hub; checks the card and that the "
                 "Hub is reachable before uploading anything."),
+    "audit": ("workflows.audit_demo", "empirical privacy audit: an ε lower bound from canary users beside the proven ε",
+              "One-run privacy audit (Steinke, Nasr & Jagielski 2023) of the demo's ULS run on the embedded MiniLM: "
+              "canary users added by fair coins, trained at --target_epsilon, scored; prints the ε lower bound beside "
+              "the accountant's ε and writes --results_dir/audit.json."),
 }
 
 

