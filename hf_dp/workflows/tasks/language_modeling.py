@@ -4,17 +4,20 @@ The same shape as [`hf_dp.workflows.tasks.classification`], for next-token fine-
 path or a Hub id; LoRA or full):
 
 1. [`load_text_data`]: the Shakespeare speeches or the user's own file, split so that no test user is ever
-   trained on.
+   trained on (for Shakespeare, `exclude_train_plays` also keeps chosen plays out of training: the study tunes
+   its hyper-parameters on them).
 2. [`tokenize_causal_lm`]: `input_ids` (EOS appended, truncated to `max_length`) with `labels = input_ids`;
    [`CausalLMCollator`] pads `input_ids` with the pad token and `labels` with -100, so padding never counts
    in the loss or in the per-example gradients DP-SGD clips.
 3. [`perplexity`]: exp of the mean next-token negative log-likelihood over all labelled test tokens.
-   The **public-only baseline** is the perplexity of the untouched pretrained model on the same test rows.
+   The **public-only baseline** is the perplexity of the untouched pretrained model on the same test rows
+   ([`run_public_baseline`] writes it as a run of its own).
 4. [`run_language_modeling`]: baseline, fine-tuning ([`~hf_dp.DPTrainer`] or [`~transformers.Trainer`]),
    test perplexity, model + tokenizer (LoRA merged) and privacy card in `results_dir/models/<run>/`, and
    `results_dir/<run>.json` with the schema of [`hf_dp.workflows.tasks.classification`], except that `"task"` is
    `"causal-lm"` and `"metric_name"` is `"perplexity"` (lower is better): `eval_result` is the fine-tuned model's
-   perplexity, `baseline_result` the untouched model's.
+   perplexity, `baseline_result` the untouched model's; `eval_nll` and `baseline_nll` are their logarithms, the
+   mean next-token negative log-likelihood in nats per token.
 
 Evaluation, cards and results are post-processing: they do not change ε.
 
@@ -23,8 +26,8 @@ Example:
 ```python
 >>> from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, run_language_modeling
 >>> config = LanguageModelingConfig(run="gpt2-uls", model_name_or_path="gpt2")
->>> result = run_language_modeling(config, config.training_arguments("uls", target_epsilon=8.0))
->>> result["eval_result"], result["baseline_result"]  # perplexity after DP fine-tuning, and before
+>>> result = run_language_modeling(config, config.training_arguments("uls", target_epsilon=8.0))  # doctest: +SKIP
+>>> result["eval_result"], result["baseline_result"]  # perplexity after, and before  # doctest: +SKIP
 ```
 """
 
@@ -59,6 +62,7 @@ __all__ = [
     "load_text_data",
     "perplexity",
     "run_language_modeling",
+    "run_public_baseline",
     "tokenize_causal_lm",
 ]
 
@@ -75,10 +79,15 @@ class LanguageModelingConfig(RunConfig):
             passed to [`run_language_modeling`], in which case it only names the base model in the card.
         tokenizer_name_or_path (`str`, *optional*): defaults to `model_name_or_path`.
         max_length (`int`, *optional*, defaults to `64`): tokens per text, EOS included.
+        exclude_train_plays (`list[str]`, *optional*): `dataset="shakespeare"` only: titles of training plays
+            whose roles are left out of training (e.g. [`hf_dp.workflows.study.TUNING_PLAYS`], which the study
+            tunes its hyper-parameters on, so that the tuning uses no training user). Preprocessing: the
+            guarantee covers the roles trained on.
     """
 
     max_length: int = 64
     tokenizer_name_or_path: str | None = None
+    exclude_train_plays: list | None = None
 
     DP_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.DP_TRAINING_DEFAULTS, "learning_rate": 1e-3}
     NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.NON_PRIVATE_TRAINING_DEFAULTS, "learning_rate": 2e-4}
@@ -102,15 +111,29 @@ def load_text_data(config: LanguageModelingConfig) -> TextData:
     """Load the texts, split by user (or read `eval_dataset`), subsample as configured.
 
     Raises:
-        ValueError: a missing column, or a test split sharing users with train.
+        ValueError: a missing column, a test split sharing users with train, or `exclude_train_plays` with data
+            that has no `play` column or naming a play that is not among the training plays.
     """
     train, test = load_splits(config)
     name = "shakespeare-speeches" if config.dataset == "shakespeare" else str(config.dataset)
+    if config.exclude_train_plays:
+        train = _without_plays(train, config.exclude_train_plays)
     train = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if len(train) == 0 or len(test) == 0:
         raise ValueError("No training or no test rows left: check the data, max_train_users and max_eval_examples.")
     return TextData(train=train, test=test, dataset_name=name)
+
+
+def _without_plays(train, plays):
+    if "play" not in train.column_names:
+        raise ValueError("exclude_train_plays needs a 'play' column (dataset='shakespeare'); unset it for other data.")
+    present = set(train.unique("play"))
+    unknown = sorted(set(plays) - present)
+    if unknown:
+        raise ValueError(f"exclude_train_plays: {unknown} are not training plays (they are: {sorted(present)}).")
+    excluded = set(plays)
+    return train.filter(lambda play: [p not in excluded for p in play], input_columns="play", batched=True)
 
 
 def tokenize_causal_lm(dataset, tokenizer, *, text_column: str = "text", max_length: int = 64,
@@ -231,6 +254,76 @@ def _load_tokenizer(config: LanguageModelingConfig):
     return AutoTokenizer.from_pretrained(name)
 
 
+def _with_pad_token(tokenizer):
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("The tokenizer has neither a pad nor an EOS token: set tokenizer.pad_token.")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def run_public_baseline(config: LanguageModelingConfig, *, model=None, tokenizer=None,
+                        data: TextData | None = None) -> dict:
+    """The public-only baseline as a run: the untouched model's test perplexity, written to `<run>.json`.
+
+    No private data is used (`epsilon` and `delta` are 0, `model_dir` is `None`: it is the base model itself);
+    the schema is [`run_language_modeling`]'s, with `mechanism="public-only"`.
+
+    Args:
+        config ([`LanguageModelingConfig`]): data, model and evaluation (its LoRA fields are unused).
+        model (`PreTrainedModel`, *optional*): a causal LM object instead of loading `config.model_name_or_path`.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): used instead of loading one.
+        data ([`TextData`], *optional*): already loaded data (only its test rows are read).
+
+    Returns:
+        `dict`: the result, also written to `results_dir/<run>.json`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from hf_dp.workflows.runs import run_config_record
+
+    data = data if data is not None else load_text_data(config)
+    tokenizer = _with_pad_token(tokenizer if tokenizer is not None else _load_tokenizer(config))
+    if model is None:
+        if config.model_name_or_path is None:
+            raise ValueError("Causal LM runs need --model_name_or_path (a local path or a Hub id).")
+        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+    test = tokenize_causal_lm(data.test, tokenizer, text_column=config.text_column, max_length=config.max_length,
+                              keep_columns=())
+    start = time.perf_counter()
+    metric = perplexity(model, test, CausalLMCollator(tokenizer.pad_token_id), batch_size=config.eval_batch_size,
+                        progress=config.progress)
+    eval_seconds = time.perf_counter() - start
+    result = {
+        "run": config.run,
+        "mechanism": "public-only",
+        "target_epsilon": None,
+        "epsilon": 0.0,
+        "delta": 0.0,
+        "privacy": None,
+        "metric_name": "perplexity",
+        "eval_result": metric,
+        "baseline_result": metric,
+        "model_dir": None,
+        "base_model": config.model_name_or_path or _model_name(model),
+        "task": "causal-lm",
+        "train_seconds": 0.0,
+        "eval_seconds": eval_seconds,
+        "eval_nll": math.log(metric),
+        "baseline_nll": math.log(metric),
+        "num_eval_examples": len(test),
+        "num_eval_tokens": _target_tokens(test),
+        "config": {**run_config_record(config), "baseline": "the untouched pretrained model (no private data)"},
+    }
+    save_result(result, config.results_dir)
+    return result
+
+
+def _target_tokens(tokenized) -> int:
+    """Next-token targets of a tokenized set: every labelled token after the first of each row."""
+    return sum(sum(label != -100 for label in labels[1:]) for labels in tokenized["labels"])
+
+
 def run_language_modeling(config: LanguageModelingConfig, training_args=None, *, model=None, tokenizer=None,
                           data: TextData | None = None, callbacks=None) -> dict:
     """Baseline perplexity, fine-tuning, test perplexity; save model, tokenizer, card and JSON.
@@ -260,11 +353,7 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
     check_user_id_column(config, training_args)
     mechanism = mechanism_of_arguments(training_args)
     data = data if data is not None else load_text_data(config)
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("The tokenizer has neither a pad nor an EOS token: set tokenizer.pad_token.")
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = _with_pad_token(tokenizer if tokenizer is not None else _load_tokenizer(config))
     set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     model = wrap_lora(model, config) if model is not None else build_model(config)
     collator = CausalLMCollator(tokenizer.pad_token_id)
@@ -294,7 +383,8 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
     result = result_record(
         config, training_args=training_args, privacy=privacy, task="causal-lm", metric_name="perplexity",
         eval_result=eval_result, baseline_result=baseline_result, model_dir=model_dir, base_model=base_model,
-        train_seconds=train_seconds, eval_seconds=eval_seconds, num_eval_examples=len(test),
+        train_seconds=train_seconds, eval_seconds=eval_seconds, eval_nll=math.log(eval_result),
+        baseline_nll=math.log(baseline_result), num_eval_examples=len(test), num_eval_tokens=_target_tokens(test),
         num_train_users=len(data.train.unique(config.user_id_column)), num_train_examples=len(data.train),
         steps=int(trainer.state.global_step),
     )
