@@ -94,6 +94,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -495,7 +496,7 @@ def gap_closed(result: dict, baseline: dict | None, non_private: dict | None) ->
     gap = _metric(non_private) - _metric(baseline)
     if gap == 0:
         return None
-    return (_metric(result) - _metric(baseline)) / gap
+    return (_metric(result) - _metric(baseline)) / gap + 0.0  # + 0.0: the baseline closes 0 %, not -0 %
 
 
 def _row(result: dict, reference: dict) -> dict:
@@ -532,7 +533,7 @@ def _plot_title(results: list[dict], quick: bool) -> str:
         name = Path(str(results[0]["base_model"])).name
         if name.startswith("smollm2"):
             name = "SmolLM2-135M-Instruct"
-        return f"{prefix}{name}, next token on Shakespeare speeches ({users})"
+        return f"{prefix}{name}: next token on Shakespeare speeches ({users})"
     users = f"{first['privacy']['num_users']} training roles" if first else "Shakespeare"
     return f"{prefix}all-MiniLM-L6-v2 on Shakespeare genres ({users})"
 
@@ -575,7 +576,7 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
                     markerfacecolor="white" if adaptive else entry.color,
                     label=entry.label + (", adaptive clipping" if adaptive else
                                          (", fixed clipping norm" if perplexity else "")))
-        for x, y, _ in points:
+        for x, y, _ in points if len(series) <= 3 else ():  # more series crowd the labels: the table has them
             ax.annotate(f"{y:.4f}" if not perplexity else f"{y:.3f}", (x, y), textcoords="offset points",
                         xytext=offset, ha=align, fontsize=8, color=entry.color)
     low, high = (min(epsilons), max(epsilons)) if epsilons else (1.0, 8.0)
@@ -587,7 +588,8 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
         if reference is not None:
             ax.axhline(_metric(reference), color=entry.color, linestyle=linestyle, linewidth=1.5,
                        label=f"{entry.label}, {epsilon} ({_metric(reference):.4f})")
-    ticks = sorted({round(e, 2) for e in epsilons} | {1.0, 3.0, 8.0}) if epsilons else [1, 3, 8]
+    # ε spent to 2 significant figures (7.99 is labelled 8: no two labels on top of each other)
+    ticks = sorted({float(f"{e:.2g}") for e in epsilons} | {1.0, 3.0, 8.0}) if epsilons else [1, 3, 8]
     ax.set_xticks([t for t in ticks if low / 1.6 <= t <= high * 1.6])
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.minorticks_off()
@@ -598,7 +600,7 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
     else:
         ax.set_ylabel("test accuracy (held-out plays)" + ("; bars: ±1 s.e." if any(_standard_error(r) for r in results)
                                                            else ""))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 90), fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     fig.tight_layout()
