@@ -383,7 +383,7 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         "metric_name": ordered[0]["metric_name"] if ordered else None,
         "quick": quick,
         "grid": grid,
-        "settings": {**settings, **study.extra_settings()},
+        "settings": {**settings, **study.extra_settings(ordered)},
         "seconds_this_invocation": time.perf_counter() - start,
         "run_seconds_this_invocation": timings,
         "table": [_row(r, reference) for r in ordered],
@@ -429,10 +429,16 @@ class _TaskRunner:
         self.examples_per_step = matching_examples_per_step(user_ids, dp["expected_batch_size"],
                                                             dp["contribution_bound"])
 
-    def extra_settings(self) -> dict:
-        extra = {"examples_per_step_els_and_example": self.examples_per_step}
+    def extra_settings(self, results: list[dict]) -> dict:
+        """What the settings leave to the data or the machine: the examples per ELS step and the model's folder
+        (from the finished runs when this invocation trained nothing)."""
+        examples_per_step = self.examples_per_step
+        if examples_per_step is None:
+            examples_per_step = next((r["config"].get("expected_batch_size") for r in results
+                                      if MECHANISMS[r["mechanism"]].sampled_unit == "examples"), None)
+        extra = {"examples_per_step_els_and_example": examples_per_step}
         if self.task == "causal_lm":
-            extra["model_name_or_path"] = self.model_path
+            extra["model_name_or_path"] = self.model_path or (results[0]["base_model"] if results else None)
         return extra
 
     def run(self, entry: StudyRun, *, baseline_result=None, non_private_result=None) -> dict:
