@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 # name -> (module with build_parser/run, help, description)
 _MODULE_COMMANDS = {
-    "demo": ("workflows.study", "the privacy/utility study on the embedded default (MiniLM, Shakespeare genres)",
-             "Public-only baseline, user-level DP (ULS) at ε=8 and non-private fine-tuning of the embedded MiniLM "
-             "on Shakespeare speeches by role; --grid runs the full study."),
+    "demo": ("workflows.study", "the privacy/utility study on the embedded default (MiniLM genres; --task causal_lm: "
+             "SmolLM2 next-token)",
+             "Public-only baseline, user-level DP (ULS) at ε=8 with adaptive clipping and non-private fine-tuning of "
+             "the embedded MiniLM on Shakespeare speeches by role; --task causal_lm: the same for next-token "
+             "prediction with the embedded SmolLM2-135M; --grid runs the full study."),
     "app": ("workflows.app", "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
             "Serve the Gradio app on --host:--port over the runs in --results_dir."),
     "publish": ("hub", "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
@@ -134,6 +136,12 @@ def _add_plan(subparsers) -> None:
     _flag(run, "contribution_bound", type=int,
           help="G, the most examples kept per user, for ULS and ELS. Default: the median examples per user for "
                "ELS, the noise-prediction heuristic (Charles et al. 2024) for ULS")
+    _flag(run, "adaptive_clipping", action="store_true",
+          help="plan for private adaptive clipping (Andrew et al. 2021): σ is then the gradient noise multiplier "
+               "DPTrainer calibrates, which leaves room for the noised count of unclipped units each step releases")
+    _flag(run, "clipping_count_noise", type=float,
+          help="σ_b, the noise std of adaptive clipping's count, in units. Default: expected_batch_size / 20, as "
+               "DPTrainer (only with --adaptive_clipping)")
     plan.set_defaults(func=_cmd_plan)
 
 
@@ -200,7 +208,8 @@ def _cmd_plan(args) -> int:
         population = dict(users=args.users, examples_per_user=args.examples_per_user)
         source = f"{args.users} users x {args.examples_per_user} examples"
     for flag, value in (("--examples_per_step", args.examples_per_step), ("--target_epsilon", args.target_epsilon),
-                        ("--noise_multiplier", args.noise_multiplier), ("--target_delta", args.target_delta)):
+                        ("--noise_multiplier", args.noise_multiplier), ("--target_delta", args.target_delta),
+                        ("--clipping_count_noise", args.clipping_count_noise)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{flag} {value:g}: must be a positive number.")
     if args.steps is not None and args.steps < 1:
@@ -210,7 +219,8 @@ def _cmd_plan(args) -> int:
     rows = planner.plan(
         **population, examples_per_step=args.examples_per_step, steps=args.steps, target_epsilon=args.target_epsilon,
         target_delta=args.target_delta, noise_multiplier=args.noise_multiplier,
-        contribution_bound=args.contribution_bound,
+        contribution_bound=args.contribution_bound, adaptive_clipping=args.adaptive_clipping,
+        clipping_count_noise=args.clipping_count_noise,
     )
     print(format_plan(rows, source=source, **population))
     return 0
@@ -255,6 +265,9 @@ def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source:
     lines.append("noise std: σ / expected_batch_size, the std of the noise in the averaged update in units of the "
                  "clipping norm C (lower is better at equal compute).")
     lines.append("ε is prv-accountant's upper bound over both adjacency directions (add and remove).")
+    if any(row.get("count_noise") is not None for row in rows):
+        lines.append("adaptive clipping: σ (and a fixed --noise_multiplier) is the gradient noise multiplier DPTrainer "
+                     "uses; the accountant composes it with the count's noise σ_b as σ_eff = (σ⁻² + (2σ_b)⁻²)^(-1/2).")
     for row in rows:
         if row["note"]:
             lines.append(f"{row['label']}: {row['note']}")

@@ -243,7 +243,7 @@ class DPTrainer(Trainer):
         # The secret keys G's private draw and each user's rows; saved with checkpoints, never released.
         self._data_secret = _data_secret(args)
         self._user_dataset, self._requested_max_steps = train_dataset, args.max_steps
-        self.partition = _partition(train_dataset, args, self._data_secret)
+        self._build_partition(args, self._data_secret)
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=self.partition.dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, model_init=None,
@@ -274,6 +274,16 @@ class DPTrainer(Trainer):
         self.add_callback(_PrivacyProgress(self))
         self.add_callback(_LedgerCheckpoints(self))
         logger.info("DP plan: %s", self.privacy_plan)
+
+    def _build_partition(self, args: DPTrainingArguments, secret: str) -> None:
+        """Group the user dataset's rows by user under G (`self.partition`), and count its audit canaries once.
+
+        The canaries' (users, kept rows) depend only on the data and G, both fixed with the partition: counting
+        them here keeps [`privacy_report`] (run at the end of training and again for the card) from rescanning
+        the user column every call.
+        """
+        self.partition = _partition(self._user_dataset, args, secret)
+        self._canaries = _canary_counts(self._user_dataset, args.user_id_column, self.partition.contribution_bound)
 
     # ---- plan -------------------------------------------------------------------------------
 
@@ -643,8 +653,7 @@ class DPTrainer(Trainer):
         """
         from .card import round_count
 
-        canary_users, canary_rows = _canary_counts(self._user_dataset, self.args.user_id_column,
-                                                   self.partition.contribution_bound)
+        canary_users, canary_rows = self._canaries
         plan, args = self.privacy_plan, self.args
         adaptive = plan.adaptive_clipping
         steps = self.accountant.steps
@@ -806,7 +815,7 @@ class DPTrainer(Trainer):
     def _use_data_secret(self, secret: str) -> None:
         """Resume: redo G's draw and the row choice with the checkpoint's secret, so they match the checkpoint's."""
         self._data_secret = secret
-        self.partition = _partition(self._user_dataset, self.args, secret)
+        self._build_partition(self.args, secret)
         self.train_dataset = self.partition.dataset
         self.args.max_steps = self._requested_max_steps  # the plan below sets it again
         self.privacy_plan = self._plan_privacy()

@@ -375,7 +375,8 @@ def _population(users, examples_per_user) -> _Population:
 
 def plan(*, users: int | None = None, examples_per_user=None, examples_per_step: float = 64,
          steps: int | None = None, target_epsilon: float = DEFAULT_TARGET_EPSILON, target_delta: float | None = None,
-         noise_multiplier: float | None = None, contribution_bound: int | None = None) -> list[dict]:
+         noise_multiplier: float | None = None, contribution_bound: int | None = None,
+         adaptive_clipping: bool = False, clipping_count_noise: float | None = None) -> list[dict]:
     """Plan a DP fine-tuning run: σ needed for (ε, δ), ε at a fixed σ, G, q, batch and steps per mechanism.
 
     Args:
@@ -394,6 +395,15 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
         contribution_bound (`int`, *optional*): G for ULS and ELS (`DPTrainingArguments.contribution_bound`).
             Default: the median count for ELS, the noise-prediction heuristic of
             [`recommend_contribution_bound_uls`] for ULS. Example-level DP-SGD keeps every row.
+        adaptive_clipping (`bool`, *optional*, defaults to `False`): plan for `DPTrainingArguments.adaptive_clipping`
+            (Andrew et al. 2021, [`~hf_dp.clipping.adaptive`]). Each step then also releases a count with noise σ_b,
+            and the ledger composes σ_eff = (σ⁻² + (2σ_b)⁻²)^(-1/2): `noise_multiplier` becomes the gradient σ
+            DPTrainer calibrates for the target ([`~hf_dp.clipping.adaptive.gradient_noise_multiplier`] of the σ_eff
+            the accountant needs; larger than the fixed-norm σ), and `epsilon_at_fixed_noise` is accounted at the
+            σ_eff of the fixed gradient σ. Like the fixed-norm rows, it leaves out private logging's loss release.
+        clipping_count_noise (`float`, *optional*): σ_b, the count's noise std in units
+            (`DPTrainingArguments.clipping_count_noise`); defaults to each row's `expected_batch_size` / 20, as in
+            DPTrainer. Only with `adaptive_clipping`.
 
     Returns:
         `list[dict]`: one row per mechanism (`"uls"`, `"els"`, `"example"`) with keys `mechanism` (a key of
@@ -402,8 +412,9 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
         `sampled_unit` (what it counts: `"users"` for ULS, `"examples"` otherwise), `examples_per_step`,
         `steps`, `delta`, `target_epsilon`, `noise_multiplier` (σ for the target, None when unreachable),
         `noise_std` (σ / expected_batch_size: the noise in the averaged update, in units of C),
-        `fixed_noise_multiplier`, `epsilon_at_fixed_noise`, `examples_used` and `note` (why a value is
-        missing, or a caveat).
+        `effective_noise_multiplier` (the σ_eff the accountant composes: σ itself for a fixed C),
+        `count_noise` (adaptive clipping's σ_b, None without it), `fixed_noise_multiplier`,
+        `epsilon_at_fixed_noise`, `examples_used` and `note` (why a value is missing, or a caveat).
 
     Raises:
         ValueError: a one-line message saying what to change (ε ≤ 0, δ ≥ 1/users, fewer than 2 users, a sample
@@ -433,6 +444,7 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
                                            or not isinstance(contribution_bound, (int, np.integer))
                                            or contribution_bound < 1):
         raise ValueError(f"contribution_bound={contribution_bound!r} must be an integer ≥ 1.")
+    adaptive = _adaptive(adaptive_clipping, clipping_count_noise)
 
     rows = []
     # ULS
@@ -446,19 +458,21 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
             group, note = recommend_contribution_bound_els(population), str(error)
     per_user = population.kept(group) / users
     rows.append(_row("uls", group, budget / per_user, users, budget, steps, user_delta, target, sigma_fixed, 1,
-                     population.kept(group), note))
+                     population.kept(group), note, adaptive=adaptive))
     # ELS
     group = contribution_bound or recommend_contribution_bound_els(population)
     kept = population.kept(group)
-    rows.append(_row("els", group, budget, kept, budget, steps, user_delta, target, sigma_fixed, group, kept, ""))
+    rows.append(_row("els", group, budget, kept, budget, steps, user_delta, target, sigma_fixed, group, kept, "",
+                     adaptive=adaptive))
     # example-level
     note = "protects single rows only: a user with many rows is not protected as a whole"
     if example_delta >= 1.0 / examples:
         rows.append(_row("example", None, budget, examples, budget, steps, example_delta, target, None, 1, examples,
-                         f"target_delta={example_delta:g} is not below 1/examples; {note}", skip=True))
+                         f"target_delta={example_delta:g} is not below 1/examples; {note}", skip=True,
+                         adaptive=adaptive))
     else:
         rows.append(_row("example", None, budget, examples, budget, steps, example_delta, target, sigma_fixed, 1,
-                         examples, note))
+                         examples, note, adaptive=adaptive))
     accounted = [row for row in rows if not row["skip"]]
     if sigma_fixed is not None and accounted and all(row["unbounded"] for row in accounted):
         raise ValueError(f"noise_multiplier={sigma_fixed:g}: so little noise that no mechanism's ε can be accounted "
@@ -469,8 +483,24 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
     return rows
 
 
+def _adaptive(adaptive_clipping, clipping_count_noise):
+    """The adaptive clipping configuration to plan for ([`~hf_dp.clipping.adaptive.AdaptiveClipping`]), or None."""
+    if not isinstance(adaptive_clipping, (bool, np.bool_)):
+        raise ValueError(f"adaptive_clipping={adaptive_clipping!r}: use True or False.")
+    if clipping_count_noise is not None:
+        _positive(clipping_count_noise, "clipping_count_noise")
+        if not adaptive_clipping:
+            raise ValueError(f"clipping_count_noise={clipping_count_noise:g} is only used with adaptive clipping: "
+                             "add --adaptive_clipping, or drop --clipping_count_noise.")
+    if not adaptive_clipping:
+        return None
+    from hf_dp.clipping.adaptive import AdaptiveClipping  # imports torch: only when asked for
+
+    return AdaptiveClipping(count_noise=clipping_count_noise)
+
+
 def _row(key, group, expected_batch_size, population, examples_per_step, steps, delta, target, sigma_fixed,
-         accounting_group, examples_used, note, skip=False) -> dict:
+         accounting_group, examples_used, note, skip=False, adaptive=None) -> dict:
     entry = MECHANISMS[key]
     sample_rate = expected_batch_size / population
     row = {
@@ -487,6 +517,8 @@ def _row(key, group, expected_batch_size, population, examples_per_step, steps, 
         "target_epsilon": target,
         "noise_multiplier": None,
         "noise_std": None,
+        "effective_noise_multiplier": None,
+        "count_noise": None if adaptive is None else adaptive.count_noise_for(expected_batch_size),
         "fixed_noise_multiplier": sigma_fixed,
         "epsilon_at_fixed_noise": None,
         "examples_used": examples_used,
@@ -502,20 +534,30 @@ def _row(key, group, expected_batch_size, population, examples_per_step, steps, 
         row["skip"] = True
         return row
     problems = []
+    count_noise = row["count_noise"]
     try:
-        sigma = accounting.noise_multiplier(target_epsilon=target, delta=delta, sample_rate=sample_rate, steps=steps,
-                                            group_size=accounting_group)
+        effective = accounting.noise_multiplier(target_epsilon=target, delta=delta, sample_rate=sample_rate,
+                                                steps=steps, group_size=accounting_group)
+        row["effective_noise_multiplier"] = effective
+        # With adaptive clipping the accountant's σ_eff also covers the count: the gradient gets DPTrainer's σ.
+        sigma = effective if adaptive is None else adaptive.gradient_noise_multiplier(effective, expected_batch_size)
         row["noise_multiplier"] = sigma
         row["noise_std"] = sigma / expected_batch_size
     except (ValueError, accounting.AccountingError) as error:
-        problems.append(str(error))
+        if row["effective_noise_multiplier"] is None:
+            problems.append(str(error))
+        else:  # adaptive clipping with σ_b ≤ σ_eff/2: no gradient σ exists
+            problems.append(f"clipping_count_noise σ_b={count_noise:.3g} is not above σ_eff/2 = {effective / 2:.3g}: "
+                            "adaptive clipping's count alone would spend the budget; raise clipping_count_noise, "
+                            "examples_per_step or target_epsilon")
     if sigma_fixed is not None:
         try:
             with warnings.catch_warnings(), np.errstate(all="ignore"):  # prv-accountant overflows on its way out
                 warnings.simplefilter("ignore", RuntimeWarning)
                 row["epsilon_at_fixed_noise"] = accounting.epsilon(
-                    sample_rate=sample_rate, noise_multiplier=sigma_fixed, steps=steps, delta=delta,
-                    group_size=accounting_group)
+                    sample_rate=sample_rate, steps=steps, delta=delta, group_size=accounting_group,
+                    noise_multiplier=sigma_fixed if adaptive is None
+                    else adaptive.effective_noise_multiplier(sigma_fixed, expected_batch_size))
         except (ValueError, accounting.AccountingError) as error:
             problems.append(f"ε at σ={sigma_fixed:g}: {error}")
             row["unbounded"] = "too large to account" in str(error)
@@ -523,5 +565,8 @@ def _row(key, group, expected_batch_size, population, examples_per_step, steps, 
             problems.append(f"ε at σ={sigma_fixed:g}: beyond the accountant's range (effectively unbounded); raise "
                             "noise_multiplier")
             row["unbounded"] = True
+    if adaptive is not None and row["noise_multiplier"] is not None:
+        problems.append(f"adaptive clipping: gradient σ with count noise σ_b = {count_noise:.3g} for the accounted "
+                        f"σ_eff = {row['effective_noise_multiplier']:.4g}")
     row["note"] = "; ".join(p for p in (*problems, note) if p)
     return row

@@ -91,7 +91,7 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
     fields = dict(settings["config"])
     if not quick:
         fields["max_eval_examples"] = max_eval_examples
-    training = dict(settings["dp"], target_epsilon=target_epsilon)
+    training = dict(settings["dp"], **settings["adaptive"], target_epsilon=target_epsilon)  # the demo's ULS run
     if max_steps is not None and not quick:
         training["max_steps"] = max_steps
     if noise_seed is not None:

@@ -54,6 +54,7 @@ __all__ = [
     "split_by_user",
     "subsample_rows",
     "subsample_users",
+    "without_plays",
 ]
 
 # Keys every result JSON has (the Gradio app and the study rely on them); `non_private_result` is added when known.
@@ -91,6 +92,10 @@ class RunConfig:
             alone, so one user more or less moves no other user across the split (and at most one in or out of
             this fixed-size sample). `seed` is saved in the result JSON; the guarantee does not need it secret.
         max_eval_examples (`int`, *optional*): evaluate on a seeded sample of this many test rows.
+        exclude_train_plays (`list[str]`, *optional*): `dataset="shakespeare"` only: titles of training plays
+            whose roles are left out of training (e.g. [`hf_dp.workflows.study.TUNING_PLAYS`], which the study
+            tunes its hyper-parameters on, so that the tuning uses no training user). Preprocessing: the
+            guarantee covers the roles trained on.
         seed (`int`, *optional*, defaults to `0`): seed of the split and the samples; [`training_arguments`]
             trains with it too (the recipes set it from `--seed`).
 
@@ -122,6 +127,7 @@ class RunConfig:
     text_column: str = "text"
     max_train_users: int | None = None
     max_eval_examples: int | None = None
+    exclude_train_plays: list | None = None
     seed: int = 0
     # model
     model_name_or_path: str | None = None
@@ -310,7 +316,8 @@ def load_splits(config, **columns):
     `columns`: extra required columns of [`~hf_dp.workflows.corpora.load_user_dataset`] (e.g. `label_column`).
 
     Raises:
-        ValueError: a missing column, or a test split sharing users with train.
+        ValueError: a missing column, a test split sharing users with train, or `exclude_train_plays` with data
+            that has no `play` column or naming a play that is not among the training plays.
     """
     from hf_dp.workflows import corpora
 
@@ -324,8 +331,26 @@ def load_splits(config, **columns):
             test = corpora.load_user_dataset(config.eval_dataset, **load)
         else:
             train, test = split_by_user(train, config.user_id_column, config.eval_fraction, config.seed)
+    if getattr(config, "exclude_train_plays", None):
+        train = without_plays(train, config.exclude_train_plays)
     check_disjoint_users(train, test, config.user_id_column)
     return train, test
+
+
+def without_plays(train, plays):
+    """`train` without the rows of `plays` (its `play` column).
+
+    Raises:
+        ValueError: no `play` column, or a play that is not in `train`.
+    """
+    if "play" not in train.column_names:
+        raise ValueError("exclude_train_plays needs a 'play' column (dataset='shakespeare'); unset it for other data.")
+    present = set(train.unique("play"))
+    unknown = sorted(set(plays) - present)
+    if unknown:
+        raise ValueError(f"exclude_train_plays: {unknown} are not training plays (they are: {sorted(present)}).")
+    excluded = set(plays)
+    return train.filter(lambda play: [p not in excluded for p in play], input_columns="play", batched=True)
 
 
 def check_disjoint_users(train, test, user_id_column: str) -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from hf_dp import accounting
 from hf_dp.accounting import planner
+from hf_dp.clipping.adaptive import effective_noise_multiplier, gradient_noise_multiplier
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
 
 # A small population keeps every calibration fast: 200 users with 1..8 examples, 100 steps.
@@ -122,6 +123,8 @@ def test_plan_from_users_and_a_count_and_defaults():
     (dict(examples_per_user=[7], users=None), "users=1: DPTrainer refuses"),
     (dict(examples_per_user=7, users=1), "users=1: DPTrainer refuses"),
     (dict(noise_multiplier=1e-9), "noise_multiplier=1e-09: so little noise"),
+    (dict(clipping_count_noise=2.0), "only used with adaptive clipping"),
+    (dict(adaptive_clipping=True, clipping_count_noise=0.0), "clipping_count_noise"),
 ])
 def test_plan_bad_input_says_what_to_change(kwargs, match):
     arguments = dict(examples_per_user=COUNTS, **SETTING)
@@ -169,3 +172,76 @@ def test_rdp_noise_multiplier_is_conservative_and_close():
     exact = accounting.noise_multiplier(**setting)
     rough = accounting.rdp_noise_multiplier(**setting)
     assert exact <= rough <= 1.3 * exact
+
+
+# 64 users with one row each, 16 users per step, 4 steps: the ULS row is the run DPTrainer makes of these settings.
+ADAPTIVE_RUN = dict(users=64, examples_per_user=1, examples_per_step=16, steps=4, target_epsilon=8.0,
+                    contribution_bound=1)
+
+
+def test_adaptive_clipping_plans_the_gradient_noise_dptrainer_calibrates(tmp_path):
+    """With adaptive clipping the ledger's σ_eff also covers the count: the plan's σ is the (larger) gradient σ."""
+    from trainer_fixtures import make_trainer, user_dataset
+
+    fixed = planner.plan(**ADAPTIVE_RUN)[0]
+    uls = planner.plan(adaptive_clipping=True, **ADAPTIVE_RUN)[0]
+    assert (uls["mechanism"], uls["expected_batch_size"]) == ("uls", 16)
+    assert uls["count_noise"] == pytest.approx(16 / 20) and fixed["count_noise"] is None  # the default σ_b = m/20
+    trainer = make_trainer(tmp_path, dataset=user_dataset(num_users=64, max_rows=1), adaptive_clipping=True,
+                           expected_batch_size=16, max_steps=4, target_epsilon=8.0, contribution_bound=1,
+                           private_logging=False)  # the plan leaves out private logging, at a fixed C too
+    plan = trainer.privacy_plan
+    assert (plan.mechanism, plan.steps, plan.count_noise) == ("uls", 4, pytest.approx(uls["count_noise"]))
+    assert (plan.sample_rate, plan.delta) == (pytest.approx(uls["sample_rate"]), pytest.approx(uls["delta"]))
+    assert uls["noise_multiplier"] == pytest.approx(plan.noise_multiplier, rel=1e-9)
+    assert uls["effective_noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier, rel=1e-9)
+    assert uls["effective_noise_multiplier"] == fixed["noise_multiplier"] == fixed["effective_noise_multiplier"]
+    assert uls["noise_multiplier"] > fixed["noise_multiplier"]
+    assert uls["noise_std"] == pytest.approx(uls["noise_multiplier"] / 16)
+
+
+def test_adaptive_clipping_accounts_a_fixed_sigma_and_a_given_count_noise():
+    rows = planner.plan(adaptive_clipping=True, clipping_count_noise=2.0, noise_multiplier=1.0, **ADAPTIVE_RUN)
+    fixed = planner.plan(noise_multiplier=1.0, **ADAPTIVE_RUN)
+    for row, plain in zip(rows, fixed):
+        assert row["count_noise"] == 2.0
+        assert row["noise_multiplier"] == pytest.approx(
+            gradient_noise_multiplier(row["effective_noise_multiplier"], 2.0), rel=1e-12)
+        # a fixed gradient σ = 1 is accounted at its σ_eff, so it spends more than without the count
+        assert row["epsilon_at_fixed_noise"] == pytest.approx(accounting.epsilon(
+            sample_rate=row["sample_rate"], noise_multiplier=effective_noise_multiplier(1.0, 2.0),
+            steps=row["steps"], delta=row["delta"], group_size=row["contribution_bound"] if row["mechanism"] == "els"
+            else 1))
+        assert row["epsilon_at_fixed_noise"] > plain["epsilon_at_fixed_noise"]
+        assert "σ_eff" in row["note"] and "σ_eff" not in plain["note"]
+
+
+def test_adaptive_clipping_with_too_little_count_noise_is_a_note():
+    """σ_b ≤ σ_eff/2: the count alone would spend the budget, so no gradient σ exists (DPTrainer refuses)."""
+    rows = planner.plan(adaptive_clipping=True, clipping_count_noise=0.1, **{**ADAPTIVE_RUN, "target_epsilon": 1.0})
+    for row in rows:
+        assert row["noise_multiplier"] is None and row["effective_noise_multiplier"] is not None
+        assert "not above σ_eff/2" in row["note"] and "raise clipping_count_noise" in row["note"]
+
+
+def test_cli_plan_adaptive_clipping_flags(capsys):
+    from hf_dp import cli
+
+    argv = ["plan", "--users", "64", "--examples_per_user", "1", "--examples_per_step", "16", "--steps", "4",
+            "--target_epsilon", "8", "--contribution_bound", "1"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*argv, "--adaptive-clipping"]) == 0
+    adaptive = capsys.readouterr().out
+    assert cli.main([*argv, "--adaptive_clipping", "--clipping-count-noise", "0.8"]) == 0  # m/20: the default
+    assert capsys.readouterr().out == adaptive
+
+    def uls_cells(out):
+        line = next(line for line in out.splitlines() if line.startswith(MECHANISMS["uls"].label))
+        return line.split()
+
+    expected = planner.plan(adaptive_clipping=True, **ADAPTIVE_RUN)[0]["noise_multiplier"]
+    assert f"{expected:.4g}" in uls_cells(adaptive) and f"{expected:.4g}" not in uls_cells(plain)
+    assert "adaptive clipping" in adaptive and "adaptive clipping" not in plain
+    assert cli.main([*argv, "--clipping_count_noise", "0.8"]) == 2  # without --adaptive_clipping: refused
+    assert "only used with adaptive clipping" in capsys.readouterr().err

@@ -236,15 +236,6 @@ def test_cli_prints_one_line_and_exits_1_offline(model_dir, api, monkeypatch, ca
     assert api.calls == []
 
 
-def _dptrainer_checks_hub() -> bool:
-    from hf_dp import DPTrainer
-    from transformers import Trainer
-
-    return DPTrainer.init_hf_repo is not Trainer.init_hf_repo or DPTrainer.push_to_hub is not Trainer.push_to_hub
-
-
-@pytest.mark.skipif(not _dptrainer_checks_hub(),
-                    reason="DPTrainer does not yet call hf_dp.hub.ensure_hub_reachable (issue 6 asks the lead)")
 def test_dptrainer_push_to_hub_offline_fails_clearly(tmp_path, api, monkeypatch):
     from hf_dp import DPTrainer, DPTrainingArguments
     from trainer_fixtures import pad_collator, tiny_bert, user_dataset

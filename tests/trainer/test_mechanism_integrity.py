@@ -143,7 +143,7 @@ def test_numpy_and_pandas_missing_ids_are_dropped():
 
     from hf_dp.data import _as_keys
 
-    pd = pytest.importorskip("pandas")
+    import pandas as pd
     assert _as_keys([np.float32("nan"), np.nan, pd.NA, None, 3, [1, 2]]) == [None, None, None, None, 3, (1, 2)]
     frame = pd.DataFrame({"user_id": pd.array([1, None, 2, None], dtype="Int64"), "text": list("abcd")})
     assert partition_by_user(Dataset.from_pandas(frame), "user_id", None, b"secret").num_users == 2

