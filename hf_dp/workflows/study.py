@@ -543,7 +543,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     "clipping.",
     )
     parser.add_argument("--task", choices=TASKS, default="classification",
-                        help="classification (default: MiniLM, Folio genre, ≈ 6 min) or causal_lm (SmolLM2-135M, "
+                        help="classification (default: MiniLM, Folio genre, ≈ 10-15 min) or causal_lm (SmolLM2-135M, "
                              "next-token NLL; baseline, non-private, ULS at ε=8 fixed and adaptive: ≈ 15-20 min; "
                              "--grid: 14 runs, ≈ 1 h on 2 idle cores).")
     parser.add_argument("--grid", action="store_true",
