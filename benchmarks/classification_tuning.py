@@ -22,6 +22,7 @@ Examples (about 2-5 minutes a probe on 2 CPU cores):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -96,7 +97,7 @@ def main(argv=None) -> dict:
         record.update(proxy_train_users=len(set(data.train["user_id"])), proxy_train_rows=len(data.train),
                       eval_examples=len(data.test))
         if args.baseline:
-            result = run_zero_shot_baseline(dataclass_replace(config, run="baseline"), data)
+            result = run_zero_shot_baseline(dataclasses.replace(config, run="baseline"), data)
             record.update(mode="baseline", accuracy=result["eval_result"])
         else:
             optimisation = dict(max_steps=args.max_steps, learning_rate=args.learning_rate, seed=args.seed)
@@ -135,12 +136,6 @@ def main(argv=None) -> dict:
     with log.open("a") as handle:
         handle.write(line + "\n")
     return record
-
-
-def dataclass_replace(config, **changes):
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
 
 
 if __name__ == "__main__":
