@@ -350,7 +350,8 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         task (`str`): `"classification"` (MiniLM, Folio genre) or `"causal_lm"` (SmolLM2, next-token).
         settings (`dict`, *optional*): replaces [`study_settings`]`(task, quick)` (tests: a tiny model and data).
         runs (`list[str]`, *optional*): train only these runs of the plan; the summary and the plot still show
-            every run of the plan whose JSON exists.
+            every run of the plan whose JSON exists. The public-only baseline is evaluated too when its JSON is
+            missing (every card states it; it is an evaluation, no training).
 
     Returns:
         `dict`: the summary (also in `summary.json`): `runs` (the result dicts), `table`, `settings`, timings.
@@ -374,6 +375,8 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         existing = None if overwrite and entry in selected else load_result(Path(results_dir) / f"{entry.run}.json")
         if existing is not None:
             results[entry.run] = existing
+    if "baseline" not in results and entries[0] not in selected:  # every card states it: evaluate it once, first
+        selected.insert(0, entries[0])
     bar = _runs_bar(selected, progress)
     for index, entry in enumerate(selected):
         if entry.run in results:

@@ -342,6 +342,20 @@ def test_causal_lm_study_writes_results_cards_plot_and_resumes(tiny_lm_study, tm
         study.run_study(str(tmp_path), task="causal_lm", settings=settings, runs=["els-eps8"], progress=False)
 
 
+def test_runs_without_the_baseline_evaluate_it_once_first(tiny_lm_study, tmp_path):
+    """`--runs uls-eps8` in an empty folder: the baseline every card states is evaluated first, as
+    `baseline.json`, not once per run beside it."""
+    settings, _ = tiny_lm_study
+    logged = []
+    summary = study.run_study(str(tmp_path), task="causal_lm", settings=settings, runs=["uls-eps8"],
+                              progress=False, log=logged.append)
+    assert [row["run"] for row in summary["table"]] == ["baseline", "uls-eps8"]
+    assert logged[0].startswith("[1/2] baseline") and logged[2].startswith("[2/2] uls-eps8")
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["baseline.json", "summary.json", "uls-eps8.json"]
+    baseline, uls = load_result(tmp_path / "baseline.json"), load_result(tmp_path / "uls-eps8.json")
+    assert uls["baseline_result"] == baseline["eval_result"]
+
+
 @pytest.mark.slow
 def test_causal_lm_grid_on_the_tiny_model(tiny_lm_study, tmp_path):
     """Every run of the grid, fixed and adaptive clipping, trains and is summarised."""
