@@ -546,8 +546,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     "clipping.",
     )
     parser.add_argument("--task", choices=TASKS, default="classification",
-                        help="classification (default: MiniLM, Folio genre, ≈ 10-15 min) or causal_lm (SmolLM2-135M, "
-                             "next-token NLL; baseline, non-private, ULS at ε=8 fixed and adaptive: ≈ 15-20 min; "
+                        help="classification (default: MiniLM, Folio genre, ≈ 11 min on 2 cores) or "
+                             "causal_lm (SmolLM2-135M, next-token NLL; baseline, non-private, ULS at ε=8 fixed and "
+                             "adaptive: ≈ 15-20 min; "
                              "--grid: 14 runs, ≈ 1 h on 2 idle cores).")
     parser.add_argument("--grid", action="store_true",
                         help="Run the full study (classification: 10 runs; causal_lm: 14 runs).")
