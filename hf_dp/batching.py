@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .clipping.terms import UnitIndex
 from .sampling import SampledUnits
 
 
@@ -19,7 +20,8 @@ class MicroBatch:
 
     Attributes:
         features: the data collator's output (labels included).
-        unit_ids: `(B,)` unit of each row within this micro-batch, or `None` when every row is its own unit.
+        units: which rows form each unit (a user's rows are consecutive), built on the host; `None` when every row
+            is its own unit. The clipping engine reads it without touching the device.
         loss_weights: `(B,)` multiplier of each row's loss: `1 / n_u` for ULS, so a unit's gradient is the
             gradient of its rows' *mean* loss; `None` for weight 1.
         num_examples: the dataset rows collated (B). A packing collator (`DataCollatorWithFlattening`) puts them
@@ -27,7 +29,7 @@ class MicroBatch:
     """
 
     features: dict
-    unit_ids: torch.Tensor | None = None
+    units: UnitIndex | None = None
     loss_weights: torch.Tensor | None = None
     num_examples: int | None = None
 
@@ -80,9 +82,9 @@ class LogicalBatches(torch.utils.data.Dataset):
 
     def _user_micro_batch(self, users) -> MicroBatch:
         rows = [int(r) for user_rows in users for r in user_rows]
-        unit_ids = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(users)])
         loss_weights = torch.cat([torch.full((len(r),), 1.0 / len(r)) for r in users])
-        return MicroBatch(self._collate(rows), unit_ids=unit_ids, loss_weights=loss_weights, num_examples=len(rows))
+        return MicroBatch(self._collate(rows), units=UnitIndex.from_counts([len(r) for r in users]),
+                          loss_weights=loss_weights, num_examples=len(rows))
 
     def _collate(self, rows: list) -> dict:
         columns = self.dataset[rows]

@@ -1,7 +1,13 @@
 """Gaussian noise, drawn once per logical batch.
 
-Every rank derives the same generator from (seed, step) and adds the same noise *after* the
-clipped sums are all-reduced, so the model sees noise of variance σ²C² whatever the world size.
+Every rank derives the same generators from (seed, step) and adds the same noise *after* the clipped sums are
+all-reduced, so the model sees noise of variance σ²C² whatever the world size.
+
+The gradient noise is one flat draw over all trainable parameters, in chunks of `NOISE_CHUNK` elements: element
+k of the flattened parameters (in the optimizer's parameter order) gets the (k mod NOISE_CHUNK)-th value of
+chunk k // NOISE_CHUNK, whose generator is seeded from (seed, step, chunk) alone. So each element's noise
+depends only on the seed, the step and its position, a rank holding a shard of the parameters can draw just the
+chunks it needs, and a step launches one draw per chunk (a few, not one per parameter) plus one fused add.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch
 
 _NOISE_STREAM = 1
 _LOGGING_STREAM = 2
+NOISE_CHUNK = 1 << 22  # elements per generator: 16 MiB of float32 noise at a time
 
 
 def fresh_seed() -> int:
@@ -20,24 +27,73 @@ def fresh_seed() -> int:
     return secrets.randbits(63)
 
 
-def add_noise(params, *, noise_multiplier: float, max_grad_norm: float, seed: int, step: int) -> None:
-    """Add N(0, (σ·C)²) to every `p.grad` (drawn in float32 on the parameter's device)."""
-    std = noise_multiplier * max_grad_norm
-    base = int(np.random.SeedSequence([seed, step, _NOISE_STREAM]).generate_state(1, dtype=np.uint64)[0] >> 1)
-    generators: dict = {}
-    for param in params:
-        device = param.grad.device
-        if device not in generators:
-            generators[device] = torch.Generator(device=device).manual_seed(base)
-        noise = torch.normal(0.0, std, size=param.shape, generator=generators[device], device=device)
-        param.grad.add_(noise.to(param.grad.dtype))
+def chunk_seed(seed: int, step: int, chunk: int) -> int:
+    """The generator seed of one chunk of step `step`'s gradient noise."""
+    state = np.random.SeedSequence([seed, step, _NOISE_STREAM, chunk]).generate_state(1, dtype=np.uint64)[0]
+    return int(state >> 1)
 
 
-def add_scalar_noise(values, stds, *, seed: int, step: int) -> list[float]:
+def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step: int, scale: float = 1.0) -> None:
+    """Add N(0, (σ·C·scale)²) to every `p.grad`, drawn in float32 on the gradients' device.
+
+    `max_grad_norm` C may be a 0-dim tensor on the device (adaptive clipping): the standard deviation then never
+    leaves the device. `scale` is the normalisation the clipped sums already carry (1 / expected batch size).
+    """
+    grads = [_contiguous_grad(param) for param in params]
+    total = sum(grad.numel() for grad in grads)
+    std = noise_multiplier * scale * max_grad_norm
+    position = [0, 0]  # (parameter, element within it) where the next chunk starts
+    for chunk, start in enumerate(range(0, total, NOISE_CHUNK)):
+        size = min(NOISE_CHUNK, total - start)
+        device = grads[position[0]].device
+        generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, step, chunk))
+        noise = torch.randn(size, generator=generator, device=device, dtype=torch.float32)
+        if isinstance(std, torch.Tensor):
+            noise.mul_(std)
+            alpha = 1.0
+        else:
+            alpha = float(std)
+        targets, pieces = _split(grads, noise, position)
+        torch._foreach_add_(targets, pieces, alpha=alpha)
+
+
+def _contiguous_grad(param) -> torch.Tensor:
+    if not param.grad.is_contiguous():
+        param.grad = param.grad.contiguous()
+    return param.grad
+
+
+def _split(grads, noise, position):
+    """The gradient slices one chunk of noise covers, and the matching noise slices (views only)."""
+    targets, pieces, used = [], [], 0
+    while used < noise.numel():
+        index, offset = position
+        grad = grads[index]
+        take = min(grad.numel() - offset, noise.numel() - used)
+        piece = noise[used : used + take]
+        if offset == 0 and take == grad.numel():
+            targets.append(grad)
+            pieces.append(piece.view(grad.shape))
+        else:
+            targets.append(grad.view(-1)[offset : offset + take])
+            pieces.append(piece)
+        used += take
+        position[:] = [index + 1, 0] if offset + take == grad.numel() else [index, offset + take]
+    return targets, pieces
+
+
+def add_scalar_noise(values, stds, *, seed: int, step: int):
     """Each of `values` plus N(0, std²), drawn in float64 from (seed, step): the same on every rank.
 
     Used for the logged sums (loss, clipped units), on a stream of their own: the gradient noise is unchanged.
+    `values` a 1-D tensor: the noise (drawn on the host) is added on its device, without reading it back, and a
+    float64 tensor is returned; a list of numbers gives a list of floats.
     """
-    state = np.random.SeedSequence([seed, step, _LOGGING_STREAM])
-    rng = np.random.default_rng(state)
-    return [float(value) + float(rng.normal(0.0, std)) for value, std in zip(values, stds)]
+    rng = np.random.default_rng(np.random.SeedSequence([seed, step, _LOGGING_STREAM]))
+    noise = [float(rng.normal(0.0, std)) for std in stds]
+    if isinstance(values, torch.Tensor):
+        draws = torch.tensor(noise, dtype=torch.float64)
+        if values.device.type != "cpu":
+            draws = draws.pin_memory().to(values.device, non_blocking=True)
+        return values[: len(noise)].to(torch.float64) + draws
+    return [float(value) + draw for value, draw in zip(values, noise)]

@@ -462,63 +462,34 @@ class DPTrainer(Trainer):
         """Clip every sampled unit, add noise once, normalise by the expected batch size.
 
         Returns the noised mean loss (see `private_logging`): the clipped unit losses' sum plus noise, divided by
-        the expected batch size; 0 without private logging (then no loss is logged).
+        the expected batch size; 0 without private logging (then no loss is logged). Everything stays on the
+        device: what the host needs about the sample (units, packing) is known before the forward pass, and the
+        released sums are read back only when a log line needs them.
         """
         plan, args = self.privacy_plan, self.args
         model.train()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-        max_grad_norm = self.clipping_norm  # C_t: fixed, or the tracked norm (from earlier releases only)
-        # Summed over ranks below: [sum of unit losses clipped to [0, max_loss], units whose gradient was clipped,
-        # Σ (1[norm ≤ C] − 1/2) over the units (adaptive clipping's centred count)]
+        max_grad_norm = self._step_clipping_norm()  # C_t: fixed, or the tracked norm (from earlier releases only)
+        expected_batch_size = plan.sample_rate * plan.num_units
+        # Summed over micro-batches and ranks: [sum of unit losses clipped to [0, max_loss], units whose gradient
+        # was clipped, Σ (1[norm ≤ C] − 1/2) over the units (adaptive clipping's centred count)]
         totals = torch.zeros(3, dtype=torch.float64, device=args.device)
         with self.accelerator.no_sync(model):  # clipped sums are all-reduced below, once
             for micro_batch in inputs.micro_batches:
-                features = send_to_device(dict(micro_batch.features), args.device)
-                labels = features.pop("labels", None)
-                if labels is None:
-                    raise ValueError("DP training batches need 'labels' (per-example losses are computed from them).")
-                # Packed rows (DataCollatorWithFlattening): several examples per row, positions restarting at each.
-                example_ids = _packed_example_ids(features)
-                if example_ids is not None:
-                    features["use_cache"] = False  # a cache turns off transformers' per-example attention masking
-                with self.compute_loss_context_manager():
-                    outputs = model(**features)
-                if self.compute_loss_func is not None:  # the user's loss: one per example (checked)
-                    if example_ids is not None:
-                        raise ValueError(_LOSS_FUNC_PACKED)
-                    losses = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
-                    _check_per_example(losses, labels.shape[0])
-                    losses = losses.float()
-                elif example_ids is None:
-                    losses = per_example_loss(outputs.logits, labels, causal_lm=self._causal_lm)
-                else:
-                    logits = outputs.logits
-                    if logits.dim() != 3:
-                        raise ValueError(_PACKED_NEEDS_TOKEN_HEAD.format(model=type(_unwrapped(self.model)).__name__))
-                    num_examples = int(example_ids.max()) + 1
-                    if micro_batch.num_examples is not None and num_examples != micro_batch.num_examples:
-                        raise ValueError(_examples_lost(num_examples, micro_batch.num_examples))
-                    losses = packed_per_example_loss(logits, labels, example_ids, num_examples,
-                                                     causal_lm=self._causal_lm)
-                if micro_batch.num_examples is not None and losses.shape[0] != micro_batch.num_examples:
-                    raise ValueError(_examples_lost(losses.shape[0], micro_batch.num_examples))
+                losses, example_ids = self._per_example_losses(model, micro_batch)
+                units = micro_batch.units
                 if micro_batch.loss_weights is not None:  # ULS: a user's gradient is that of their mean loss
-                    weighted = losses * micro_batch.loss_weights.to(losses.device)
-                    unit_ids = micro_batch.unit_ids.to(losses.device)
-                else:
-                    weighted, unit_ids = losses, None
-                norms = self.clipper.backward(weighted, unit_ids=unit_ids, max_grad_norm=max_grad_norm,
-                                              example_ids=example_ids)
-                unit_losses = weighted.detach().float()
-                if unit_ids is not None:  # ULS: the user's mean loss (units in sorted id order, as `norms`)
-                    index = torch.unique(unit_ids, return_inverse=True)[1]
-                    unit_losses = unit_losses.new_zeros(len(norms)).index_add_(0, index, unit_losses)
+                    losses = losses * _on_device(micro_batch.loss_weights, losses.device)
+                # 1/m folded into the clip factors: the clipped sums arrive normalised.
+                norms = self.clipper.backward(losses, unit_ids=units, max_grad_norm=max_grad_norm,
+                                              example_ids=example_ids, grad_scale=1.0 / expected_batch_size)
+                unit_losses = losses.detach().float()
+                if units is not None:  # ULS: the user's mean loss, in the order of `norms`
+                    unit_losses = units.sum_examples(unit_losses)
                 # Bounded per unit, a NaN included, so one unit moves the logged sum by at most max_loss.
                 unit_losses = torch.nan_to_num(unit_losses, nan=args.max_loss).clamp(0.0, args.max_loss)
-                # Accumulated on the device: no host sync per micro-batch.
-                totals[0] += unit_losses.sum().to(totals)
-                totals[1] += (norms > max_grad_norm).sum().to(totals)
-                totals[2] += centered_unclipped_count(norms, max_grad_norm).to(totals)
+                totals += torch.stack([unit_losses.sum(dtype=torch.float64), (norms > max_grad_norm).sum(),
+                                       centered_unclipped_count(norms, max_grad_norm)]).to(totals)
         if inputs.micro_batches and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "A non-empty batch produced no gradient for any parameter the optimizer updates: the trainable "
@@ -533,41 +504,79 @@ class DPTrainer(Trainer):
                 torch.distributed.all_reduce(param.grad)
             torch.distributed.all_reduce(totals)
         add_noise(params, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
-                  seed=self._seed, step=inputs.step)
-        expected_batch_size = plan.sample_rate * plan.num_units
-        for param in params:
-            param.grad.div_(expected_batch_size)
+                  seed=self._seed, step=inputs.step, scale=1.0 / expected_batch_size)
         self._advance_ledger()
-        loss_sum = self._release_scalars(totals.tolist(), inputs.step, expected_batch_size)
+        loss_sum = self._release_scalars(totals, inputs.step, expected_batch_size)
         if loss_sum is None:  # nothing computed from the data is logged
             return torch.zeros((), dtype=torch.float32, device=args.device)
-        return torch.tensor(loss_sum / expected_batch_size, dtype=torch.float32, device=args.device)
+        return (loss_sum / expected_batch_size).to(torch.float32)
 
-    def _release_scalars(self, totals: list[float], step: int, expected_batch_size: float) -> float | None:
+    def _per_example_losses(self, model, micro_batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One micro-batch's forward pass: `(B,)` losses, and for packed rows the host-side example of each token."""
+        features = dict(micro_batch.features)
+        # Packed rows (DataCollatorWithFlattening): several examples per row, positions restarting at each.
+        example_ids = _packed_example_ids(features)  # on the host, before the copy: no device read
+        if example_ids is not None:
+            features["use_cache"] = False  # a cache turns off transformers' per-example attention masking
+        features = _on_device(features, self.args.device)
+        labels = features.pop("labels", None)
+        if labels is None:
+            raise ValueError("DP training batches need 'labels' (per-example losses are computed from them).")
+        with self.compute_loss_context_manager():
+            outputs = model(**features)
+        if self.compute_loss_func is not None:  # the user's loss: one per example (checked)
+            if example_ids is not None:
+                raise ValueError(_LOSS_FUNC_PACKED)
+            losses = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
+            _check_per_example(losses, labels.shape[0])
+            losses = losses.float()
+        elif example_ids is None:
+            losses = per_example_loss(outputs.logits, labels, causal_lm=self._causal_lm)
+        else:
+            logits = outputs.logits
+            if logits.dim() != 3:
+                raise ValueError(_PACKED_NEEDS_TOKEN_HEAD.format(model=type(_unwrapped(self.model)).__name__))
+            num_examples = int(example_ids.max()) + 1  # a host tensor
+            if micro_batch.num_examples is not None and num_examples != micro_batch.num_examples:
+                raise ValueError(_examples_lost(num_examples, micro_batch.num_examples))
+            losses = packed_per_example_loss(logits, labels, _on_device(example_ids, logits.device), num_examples,
+                                             causal_lm=self._causal_lm)
+        if micro_batch.num_examples is not None and losses.shape[0] != micro_batch.num_examples:
+            raise ValueError(_examples_lost(losses.shape[0], micro_batch.num_examples))
+        return losses, example_ids
+
+    def _step_clipping_norm(self):
+        """C for this step: `max_grad_norm` (a float), or adaptive clipping's tracked C as a device tensor."""
+        if self.quantile_tracker is None:
+            return self.args.max_grad_norm
+        return self.quantile_tracker.norm_on(self.args.device)
+
+    def _release_scalars(self, totals: torch.Tensor, step: int, expected_batch_size: float) -> torch.Tensor | None:
         """Noise the step's scalar sums once, after the all-reduce (the same noise on every rank: shared seed).
 
         Fixed C, private logging: the loss sum and the clipped count (noise σ_log·max_loss, σ_log). Adaptive clipping:
         the centred unclipped count (noise σ_b; always released: it sets the next C), then with private logging the
-        loss sum. Returns the noised loss sum, or `None` when no loss is released.
+        loss sum. Returns the noised loss sum (a device tensor), or `None` when no loss is released. The noise is
+        drawn on the host and added on the device: nothing is read back here.
         """
         plan, args, tracker = self.privacy_plan, self.args, self.quantile_tracker
-        loss_sum, clipped, unclipped = totals
         logging = plan.logging_noise_multiplier is not None
         loss_noise = plan.logging_noise_multiplier * args.max_loss if logging else None
         if tracker is None:
             if not logging:
                 return None
-            loss_sum, clipped = add_scalar_noise([loss_sum, clipped], [loss_noise, plan.logging_noise_multiplier],
+            loss_sum, clipped = add_scalar_noise(totals[:2], [loss_noise, plan.logging_noise_multiplier],
                                                  seed=self._seed, step=step)
-            self._window["clipped_fraction"] += clipped / expected_batch_size
+            clipped_fraction = clipped / expected_batch_size
         else:
-            released = add_scalar_noise([unclipped, loss_sum] if logging else [unclipped],
-                                        [plan.count_noise, loss_noise] if logging else [plan.count_noise],
+            values = torch.stack([totals[2], totals[0]]) if logging else totals[2:]
+            released = add_scalar_noise(values, [plan.count_noise, loss_noise] if logging else [plan.count_noise],
                                         seed=self._seed, step=step)
             # ½ − R/m: the logged clipped fraction at this step's C, a post-processing of the count.
-            self._window["clipped_fraction"] += tracker.clipped_fraction(released[0], expected_batch_size)
-            tracker.update(released[0], expected_batch_size)  # C for the next step
+            clipped_fraction = tracker.clipped_fraction(released[0], expected_batch_size)
+            tracker.update(released[0], expected_batch_size)  # C for the next step, on the device
             loss_sum = released[1] if logging else None
+        self._window["clipped_fraction"] = self._window["clipped_fraction"] + clipped_fraction
         self._window["steps"] += 1
         return loss_sum
 
@@ -632,7 +641,7 @@ class DPTrainer(Trainer):
             if not private_logging:
                 del logs["loss"]
             if window["steps"]:  # steps with a released count: private logging, or adaptive clipping
-                logs["dp/clipped_fraction"] = window["clipped_fraction"] / window["steps"]
+                logs["dp/clipped_fraction"] = float(window["clipped_fraction"]) / window["steps"]  # read back here
             self._window = {"clipped_fraction": 0.0, "steps": 0}
         if not private_logging:
             logs.pop("train_loss", None)
@@ -1074,6 +1083,15 @@ _LOSS_FUNC_PACKED = (
 
 def _unwrapped(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _on_device(data, device):
+    """Host tensors (or a dict of them) on `device`; to an accelerator from pinned memory, without blocking."""
+    if torch.device(device).type == "cpu":
+        return send_to_device(data, device)
+    pinned = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in data.items()} if isinstance(data, dict) \
+        else data.pin_memory()
+    return send_to_device(pinned, device, non_blocking=True)
 
 
 def _packed_example_ids(features: dict) -> torch.Tensor | None:

@@ -189,6 +189,17 @@ def effective_noise_multiplier(noise_multiplier: float, count_noise: float | Non
     return 1.0 / math.sqrt(precision)
 
 
+_NORM_RANGE = (1e-300, 1e300)  # a tracked C outside this range has left the floating-point range
+
+
+def _tracked_norm(norm: float, steps: int) -> float:
+    """`norm` if it is a usable clipping norm; else the error that says why training cannot go on."""
+    if not (math.isfinite(norm) and _NORM_RANGE[0] < norm < _NORM_RANGE[1]):  # only after ~10⁴ steps all one way
+        raise ValueError(f"the tracked clipping norm left the floating-point range ({norm!r}) after "
+                         f"{steps} steps: the per-unit norms are 0 or infinite.")
+    return norm
+
+
 def centered_unclipped_count(norms: torch.Tensor, max_grad_norm) -> torch.Tensor:
     """Σ_i (1[norms_i ≤ C] − 1/2): the centred count of units left unclipped at C, before noise.
 
@@ -277,6 +288,9 @@ class QuantileTracker:
     `from_dict` round-trip it through JSON (resume must continue from the same C, or the run differs from an
     uninterrupted one; ε does not depend on C). `count_noise` σ_b is part of the state because the ledger's σ_eff
     was derived with it: a resumed run must noise the count the same way.
+
+    On an accelerator C lives on the device ([`norm_on`]; `update` with a tensor count): a step never reads it
+    back, and `norm` reads it only when asked (logs, checkpoints, the report).
     """
 
     target_quantile: float
@@ -294,27 +308,48 @@ class QuantileTracker:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}.")
 
+    def __getattribute__(self, name):
+        if name == "norm":  # C moved on the device since it was last read: read it back now, once
+            state = object.__getattribute__(self, "__dict__")
+            if state.get("_unread_device_norm", False):
+                state["_unread_device_norm"] = False
+                state["norm"] = _tracked_norm(float(state["_device_norm"]), state["steps"])
+        return object.__getattribute__(self, name)
+
+    def norm_on(self, device) -> torch.Tensor:
+        """C as a 0-dim float64 tensor on `device`, the one the next [`update`] with a tensor count moves."""
+        state, target = self.__dict__, torch.device(device)
+        device_norm = state.get("_device_norm")
+        if device_norm is None or device_norm.device.type != target.type or \
+                (target.index is not None and device_norm.device.index != target.index):
+            device_norm = torch.tensor(self.norm, dtype=torch.float64, device=target)
+            state["_device_norm"], state["_unread_device_norm"] = device_norm, False
+        return device_norm
+
     @staticmethod
-    def unclipped_fraction(noised_centered_count: float, expected_batch_size: float) -> float:
+    def unclipped_fraction(noised_centered_count, expected_batch_size: float):
         """b̃ = R/m + 1/2: the released estimate of the fraction of units with norm ≤ C, unclamped.
 
         Divided by the expected batch size m, not the sampled size (which is private and not released); for
-        Poisson sampling E[b̃] = E[#unclipped]/m exactly.
+        Poisson sampling E[b̃] = E[#unclipped]/m exactly. A tensor count gives a tensor, on its device.
         """
+        expected_batch_size = _positive_finite("expected_batch_size", expected_batch_size)
+        if isinstance(noised_centered_count, torch.Tensor):
+            return noised_centered_count / expected_batch_size + 0.5
         released = float(noised_centered_count)
         if not math.isfinite(released):
             raise ValueError(f"noised_centered_count must be finite, got {released!r}.")
-        return released / _positive_finite("expected_batch_size", expected_batch_size) + 0.5
+        return released / expected_batch_size + 0.5
 
     @classmethod
-    def clipped_fraction(cls, noised_centered_count: float, expected_batch_size: float) -> float:
+    def clipped_fraction(cls, noised_centered_count, expected_batch_size: float):
         """1 − b̃ = 1/2 − R/m: the logged `dp/clipped_fraction` (replaces the fixed-norm clipped-count release).
 
         Unclamped, so that its average over a logging window stays unbiased for E[#clipped]/m.
         """
         return 1.0 - cls.unclipped_fraction(noised_centered_count, expected_batch_size)
 
-    def update(self, noised_centered_count: float, expected_batch_size: float) -> float:
+    def update(self, noised_centered_count, expected_batch_size: float):
         """One geometric step C ← C·exp(−η_C·(b̃ − γ)) (Andrew et al. 2021, Section 2); returns the new C.
 
         `noised_centered_count` is R = [`centered_unclipped_count`] at the current C, summed over the whole logical
@@ -322,15 +357,24 @@ class QuantileTracker:
         as in the paper's TensorFlow Privacy implementation): noise cannot push it outside the range a fraction
         can take, so C moves by at most a factor exp(η_C·max(γ, 1 − γ)) per step.
 
+        A 0-dim tensor count updates C on its device and returns it as a tensor, with no host sync (a C that left
+        the floating-point range is reported when `norm` is next read); a number updates and returns a float.
+
         Raises:
             ValueError: the count is not finite or `expected_batch_size` is not positive and finite.
         """
-        fraction = min(1.0, max(0.0, self.unclipped_fraction(noised_centered_count, expected_batch_size)))
-        norm = self.norm * math.exp(-self.learning_rate * (fraction - self.target_quantile))
-        if not (math.isfinite(norm) and norm > 0.0):  # only after ~10⁴ steps all one way: say so, do not clip at 0/inf
-            raise ValueError(f"the tracked clipping norm left the floating-point range ({norm!r}) after "
-                             f"{self.steps} steps: the per-unit norms are 0 or infinite.")
+        fraction = self.unclipped_fraction(noised_centered_count, expected_batch_size)
+        if isinstance(fraction, torch.Tensor):
+            norm = self.norm_on(fraction.device)
+            norm = norm * torch.exp(-self.learning_rate * (fraction.clamp(0.0, 1.0) - self.target_quantile))
+            self.__dict__["_device_norm"] = norm.clamp(_NORM_RANGE[0], _NORM_RANGE[1])
+            self.__dict__["_unread_device_norm"] = True
+            self.steps += 1
+            return self.__dict__["_device_norm"]
+        fraction = min(1.0, max(0.0, fraction))
+        norm = _tracked_norm(self.norm * math.exp(-self.learning_rate * (fraction - self.target_quantile)), self.steps)
         self.norm = norm
+        self.__dict__["_device_norm"] = None  # the host's C is the current one
         self.steps += 1
         return norm
 

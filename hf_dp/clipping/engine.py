@@ -40,7 +40,7 @@ import contextlib
 import functools
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -295,34 +295,40 @@ class GhostClipper:
         self,
         losses: Tensor,
         *,
-        unit_ids: Optional[Tensor] = None,
-        max_grad_norm: float,
+        unit_ids: Optional[Union[Tensor, Sequence[int], UnitIndex]] = None,
+        max_grad_norm: Union[float, Tensor],
         example_ids: Optional[Tensor] = None,
+        grad_scale: float = 1.0,
     ) -> Tensor:
         """Back-propagates `losses`, clips each unit's gradient, adds the clipped sum to `.grad`.
 
         Args:
             losses (`torch.Tensor`): `(B,)` one loss per example, from the forward pass made
                 since the last backward (with the clipper attached and gradients enabled).
-            unit_ids (`torch.LongTensor`, *optional*): `(B,)`; examples sharing an id form a
-                unit (a user) whose gradient is that of the **sum** of its losses. Defaults
-                to every example being its own unit.
-            max_grad_norm (`float`): clip norm C (affects accounting).
+            unit_ids (`torch.LongTensor`, `Sequence[int]` or [`~hf_dp.clipping.terms.UnitIndex`], *optional*):
+                `(B,)`; examples sharing an id form a unit (a user) whose gradient is that of the **sum** of its
+                losses. Defaults to every example being its own unit. Read on the host: pass a CPU tensor, a
+                list or a `UnitIndex` (a tensor on an accelerator is copied back once, a host sync).
+            max_grad_norm (`float` or 0-dim `torch.Tensor`): clip norm C (affects accounting). A tensor stays
+                on the device (adaptive clipping's running C): no host sync.
             example_ids (`torch.LongTensor`, *optional*): for packed rows (several examples per
                 row, positions restarting at each, attention masked block by block): `(rows, T)`,
                 the index in `losses` of the example each token belongs to, -1 for none (see
                 [`~hf_dp.clipping.packing.examples_from_position_ids`]). `losses` and `unit_ids`
                 then have one entry per example, not per row. Layers whose tensors have no token
                 axis (a pooled classifier head, T5's relative bias) cannot be split and are refused.
+            grad_scale (`float`, *optional*, defaults to 1): the clipped sum is multiplied by it before it is
+                added to `.grad`, folded into the clip factors (the trainer passes 1 / expected batch size).
 
         Returns:
             `torch.Tensor`: `(U,)` float32 pre-clip L2 norms of the units' gradients over all
             trainable parameters jointly, ordered by sorted unique unit id.
 
         Afterwards every trainable parameter's `.grad` holds what it held before plus
-        Σ_u min(1, C/‖g_u‖)·g_u (zeros where nothing was there). No noise is added.
+        grad_scale · Σ_u min(1, C/‖g_u‖)·g_u (zeros where nothing was there). No noise is added. In the steady
+        state (every layer seen before) nothing here reads a device value back to the host.
         """
-        if not max_grad_norm > 0:
+        if not isinstance(max_grad_norm, Tensor) and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
         if losses.dim() != 1:
             raise ValueError(f"losses must have shape (batch_size,), got {tuple(losses.shape)}")
@@ -330,7 +336,9 @@ class GhostClipper:
         captures, self._captures = self._captures, []
         packing = PackedRows(example_ids, losses.shape[0]) if example_ids is not None else None
         batch_size = losses.shape[0] if packing is None else packing.rows  # rows of the captured tensors
-        units = UnitIndex(unit_ids, losses.shape[0], losses.device)
+        units = unit_ids if isinstance(unit_ids, UnitIndex) else UnitIndex(unit_ids, losses.shape[0])
+        if units.batch_size != losses.shape[0]:
+            raise ValueError(f"unit_ids cover {units.batch_size} examples, the losses {losses.shape[0]}")
         if losses.shape[0] == 0:
             self._forget_captures()
             self._ensure_grads()
@@ -369,11 +377,11 @@ class GhostClipper:
         del captures, edges, all_grads, output_grads
         # Norms and sums in float32 (float64), also when the forward ran under autocast.
         with _autocast_disabled(losses.device):
-            return self._clip(work, checked_params, units, max_grad_norm, batch_size, packing)
+            return self._clip(work, checked_params, units, max_grad_norm, grad_scale, batch_size, packing, losses.device)
 
     def _clip(
-        self, work: list, checked_params, units: UnitIndex, max_grad_norm: float, batch_size: int,
-        packing: Optional[PackedRows],
+        self, work: list, checked_params, units: UnitIndex, max_grad_norm, grad_scale: float, batch_size: int,
+        packing: Optional[PackedRows], device: torch.device,
     ) -> Tensor:
         captures, output_grads, autograd_param_grads = work
         work.clear()
@@ -394,12 +402,11 @@ class GhostClipper:
                 precision_bits[param] = min(precision_bits.get(param, 64), bits, _precision_bits(param))
         del captures, output_grads
 
-        norm_sq = torch.zeros(units.num_units, dtype=torch.float64, device=units.inverse.device)
-        reducers, scales = {}, {}
+        norm_sq_parts, reducers, scales = [], {}, {}
         while terms_by_param:
             param, terms = terms_by_param.popitem()
             param_norm_sq, reducer = norm_sq_and_reducer(terms, units, self.strategy, param.shape)
-            norm_sq += param_norm_sq.to(norm_sq.dtype)
+            norm_sq_parts.append(param_norm_sq)
             reducers[param] = reducer
             if checked_params:
                 scales[param] = float(param_norm_sq.clamp_min(0).sqrt().sum())  # Σ_u ‖g_u‖ for this param
@@ -409,8 +416,12 @@ class GhostClipper:
                 checked_params, autograd_param_grads, reducers, scales, precision_bits, units.num_units
             )
 
+        # Every layer's norms combined once, on the device (no per-layer accumulation, no host read).
+        norm_sq = _stacked_sum(norm_sq_parts, units.num_units, device)
         norms = norm_sq.clamp_min(0).sqrt()
-        unit_weights = (max_grad_norm / norms).clamp(max=1.0)  # a zero norm gives inf -> 1
+        # min(1, C/‖g_u‖)·s; a zero norm gives inf -> s.
+        unit_weights = ((max_grad_norm * grad_scale) / norms).clamp(max=grad_scale)
+        unit_weights = unit_weights.to(norm_sq_parts[0].dtype if norm_sq_parts else torch.float32)  # once
         for param, reducer in reducers.items():
             clipped_sum = reducer(unit_weights).to(param.dtype)
             if param.grad is None:
@@ -744,6 +755,13 @@ class _FunctionCapture(TorchFunctionMode):
         self.calls += 1
         replaced = self.clipper._capture(self.layer, args[0] if args else kwargs.get("input"), output, at_module=False)
         return output if replaced is None else replaced
+
+
+def _stacked_sum(parts: List[Tensor], num_units: int, device: torch.device) -> Tensor:
+    """Σ over parameters of their `(U,)` squared norms, in float64: one stack and one sum."""
+    if not parts:
+        return torch.zeros(num_units, dtype=torch.float64, device=device)
+    return torch.stack([part.to(parts[0].dtype) for part in parts]).sum(0, dtype=torch.float64)
 
 
 def _unattributable(leading: List[Optional[int]], batch_size: int) -> bool:

@@ -52,42 +52,53 @@ def examples_from_position_ids(position_ids: Tensor, attention_mask: Optional[Te
 
 
 class PackedRows:
-    """Which tokens of which rows form each example.
+    """Which tokens of which rows form each example, worked out on the host.
 
     Args:
         example_ids (`torch.LongTensor`): `(B, T)`: the index in the per-example losses of the
-            example each token belongs to, `-1` for tokens of none (padding).
+            example each token belongs to, `-1` for tokens of none (padding). Read on the host: a CPU
+            tensor costs no device sync (a tensor on an accelerator is copied back once).
         num_examples (`int`): the number of examples S (the length of the losses).
     """
 
     def __init__(self, example_ids: Tensor, num_examples: int):
         if example_ids.dim() != 2:
             raise ValueError(f"example_ids must have shape (rows, seq_len), got {tuple(example_ids.shape)}")
-        if example_ids.numel() and (int(example_ids.max()) >= num_examples or int(example_ids.min()) < -1):
+        ids = example_ids.detach().cpu()
+        if ids.numel() and (int(ids.max()) >= num_examples or int(ids.min()) < -1):
             raise ValueError(f"example_ids must lie in [-1, {num_examples}) for {num_examples} per-example losses")
-        self.example_ids = example_ids
-        self.rows, self.tokens = example_ids.shape
+        self.example_ids = ids
+        self.rows, self.tokens = ids.shape
         self.num_examples = num_examples
-        flat = example_ids.reshape(-1)
+        flat = ids.reshape(-1)
         positions = torch.nonzero(flat >= 0).squeeze(1)  # token positions in the flattened rows
         examples = flat[positions]
         order = torch.argsort(examples, stable=True)
         positions, examples = positions[order], examples[order]
         counts = torch.bincount(examples, minlength=num_examples)
         starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(len(examples), device=flat.device) - starts[examples]
+        rank = torch.arange(len(examples)) - starts[examples]
         longest = int(counts.max()) if num_examples and len(examples) else 1
         padding = self.rows * self.tokens  # index of an all-zero row appended to the flattened tensor
-        self.index = torch.full((num_examples, longest), padding, dtype=torch.long, device=flat.device)  # (S, L)
+        self.index = torch.full((num_examples, longest), padding, dtype=torch.long)  # (S, L)
         self.index[examples, rank] = positions
+        self._on_device: dict = {}
+
+    def _host_to(self, name: str, device: torch.device) -> Tensor:
+        """`self.<name>` on `device`, copied once per micro-batch without blocking the host."""
+        key = (name, torch.device(device))
+        if key not in self._on_device:
+            tensor = getattr(self, name)
+            self._on_device[key] = tensor if key[1].type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+        return self._on_device[key]
 
     def regroup(self, tensor: Tensor) -> Tensor:
         """`(B, T, ...)` -> `(S, L, ...)`: each example's tokens in order, zeros after its end."""
         flat = tensor.reshape((self.rows * self.tokens,) + tuple(tensor.shape[2:]))
         flat = torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))])
-        return flat[self.index]
+        return flat[self._host_to("index", tensor.device)]
 
     def token_weights(self, example_weights: Tensor) -> Tensor:
         """`(S,)` -> `(B, T)`: each token gets its example's weight, 0 for tokens of none."""
         padded = torch.cat([example_weights, example_weights.new_zeros(1)])
-        return padded[self.example_ids]  # -1 picks the appended 0
+        return padded[self._host_to("example_ids", example_weights.device)]  # -1 picks the appended 0

@@ -29,8 +29,9 @@ Norms are computed in float32 (float64 for float64 models) whatever the training
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -82,86 +83,125 @@ Reducer = Callable[[Tensor], Tensor]
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype norms are computed in: float32, or float64 for float64 tensors."""
-    return torch.promote_types(dtype, torch.float32)
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class UnitIndex:
-    """Which examples form which unit.
+    """Which examples form which unit, known on the host before the forward pass.
 
     Args:
-        unit_ids (`torch.Tensor`, *optional*): `(B,)` integer ids; examples sharing an id
-            form one unit. `None`: every example is its own unit.
+        unit_ids (`Sequence[int]` or `torch.Tensor`, *optional*): `(B,)` integer ids; examples sharing an id
+            form one unit. `None`: every example is its own unit. Read on the host: a CPU tensor or a list costs
+            no device sync; a tensor on an accelerator is copied back once.
         batch_size (`int`): B.
-        device (`torch.device`): where index tensors live.
 
-    Units are ordered by sorted unique id; `inverse[i]` is example i's unit. Work on
-    several examples of one unit goes through *pairs* of its examples, so units of
-    uneven sizes cost Σ_u n_u² example pairs, never a padded U × max n_u layout.
+    Units are ordered by sorted unique id; `inverse[i]` is example i's unit. Everything here is host data
+    (numpy); the few index tensors the kernels need are built once per micro-batch and copied to the device
+    without blocking ([`UnitIndex.on`]), so no kernel of a layer waits for the host.
+
+    Two layouts need no index at all: one example per unit, and units of equal size `k` whose examples are
+    consecutive (what the trainer builds): a `(B, N, ...)` factor is then `(U, k·N, ...)` as a view
+    ([`UnitIndex.grouped`]). Other groupings go through *pairs* of examples of the same unit, so uneven units
+    cost Σ_u n_u² example pairs, never a padded U × max n_u layout.
     """
 
-    def __init__(self, unit_ids: Optional[Tensor], batch_size: int, device: torch.device):
+    def __init__(self, unit_ids: Optional[Union[Tensor, Sequence[int]]], batch_size: int):
         self.batch_size = batch_size
-        examples = torch.arange(batch_size, device=device)
         if unit_ids is None:
-            inverse = examples
+            inverse = np.arange(batch_size)
         else:
-            unit_ids = torch.as_tensor(unit_ids, device=device).reshape(-1)
-            if unit_ids.numel() != batch_size:
-                raise ValueError(f"unit_ids has {unit_ids.numel()} entries for a batch of {batch_size} examples")
-            if torch.is_floating_point(unit_ids):
+            ids = unit_ids.detach().cpu().numpy() if isinstance(unit_ids, Tensor) else np.asarray(unit_ids)
+            ids = ids.reshape(-1)
+            if ids.size != batch_size:
+                raise ValueError(f"unit_ids has {ids.size} entries for a batch of {batch_size} examples")
+            if ids.size and not np.issubdtype(ids.dtype, np.integer):
                 raise TypeError("unit_ids must be an integer tensor")
-            _, inverse = torch.unique(unit_ids, sorted=True, return_inverse=True)
-        self.inverse = inverse  # (B,)
-        self.num_units = int(inverse.max()) + 1 if batch_size else 0
-        self.identity = unit_ids is None or bool((inverse == examples).all())
-        self.order = torch.argsort(inverse, stable=True)  # examples grouped by unit
-        self.counts = torch.bincount(inverse, minlength=self.num_units)  # (U,) examples per unit
-        self._same_unit = None  # (B, B) bool, built on first use
+            inverse = np.unique(ids, return_inverse=True)[1].reshape(-1)
+        self.inverse = inverse.astype(np.int64)  # (B,) unit of each example
+        self.counts = np.bincount(self.inverse, minlength=0) if batch_size else np.zeros(0, np.int64)  # (U,)
+        self.num_units = len(self.counts)
+        self.identity = self.num_units == batch_size and bool((self.inverse == np.arange(batch_size)).all())
+        consecutive = bool((np.diff(self.inverse) >= 0).all())
+        equal = self.num_units > 0 and bool((self.counts == self.counts[0]).all())
+        self.group_size = int(self.counts[0]) if consecutive and equal else None  # k for the grouped view
+        self._device_tensors: Dict[Tuple[str, torch.device], Tensor] = {}
 
-    def pairs(self, ordered: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-        """Example pairs (i, j) of the same unit: `(first, second, unit)`.
+    @classmethod
+    def from_counts(cls, counts: Sequence[int]) -> "UnitIndex":
+        """Units of `counts[u]` consecutive examples each (the trainer's micro-batches)."""
+        return cls(np.repeat(np.arange(len(counts)), counts), int(sum(counts)))
 
-        `ordered=False`: only i <= j (a symmetric sum then counts i < j twice);
-        `ordered=True`: every (i, j).
-        """
-        if self._same_unit is None:
-            self._same_unit = self.inverse[:, None] == self.inverse[None, :]  # (B, B)
-        same_unit = self._same_unit if ordered else torch.triu(self._same_unit)
-        first, second = same_unit.nonzero(as_tuple=True)
-        return first, second, self.inverse[first]
+    def on(self, name: str, device: torch.device) -> Tensor:
+        """Index tensor `name` (`"inverse"`, `"pairs"`, `"ordered_pairs"`) on `device`, built once, copied without
+        blocking the host."""
+        key = (name, torch.device(device))
+        if key not in self._device_tensors:
+            if name == "inverse":
+                array = self.inverse
+            else:  # (3, P): first example, second example, their unit
+                same_unit = self.inverse[:, None] == self.inverse[None, :]
+                first, second = np.nonzero(same_unit if name == "ordered_pairs" else np.triu(same_unit))
+                array = np.stack([first, second, self.inverse[first]])
+            self._device_tensors[key] = _to_device(torch.from_numpy(np.ascontiguousarray(array)), key[1])
+        return self._device_tensors[key]
+
+    def grouped(self, per_example: Tensor) -> Optional[Tensor]:
+        """`(B, N, ...)` -> `(U, k·N, ...)`: each unit's tokens together, for one example per unit or equal
+        consecutive units; `None` otherwise."""
+        if self.identity:
+            return per_example
+        if self.group_size is None:
+            return None
+        shape = per_example.shape
+        return per_example.reshape((self.num_units, self.group_size * shape[1]) + tuple(shape[2:]))
 
     def sum_examples(self, per_example: Tensor) -> Tensor:
         """`(B, *shape)` -> `(U, *shape)`: sum over each unit's examples."""
         if self.identity:
             return per_example
-        out = per_example.new_zeros((self.num_units,) + per_example.shape[1:])
-        return out.index_add_(0, self.inverse, per_example)
+        if self.group_size is not None:
+            return per_example.reshape((self.num_units, self.group_size) + tuple(per_example.shape[1:])).sum(1)
+        out = per_example.new_zeros((self.num_units,) + tuple(per_example.shape[1:]))
+        return out.index_add_(0, self.on("inverse", per_example.device), per_example)
 
     def example_weights(self, unit_weights: Tensor) -> Tensor:
         """`(U,)` -> `(B,)`: each example gets its unit's weight."""
-        return unit_weights[self.inverse]
+        if self.identity:
+            return unit_weights
+        if self.group_size is not None:
+            return unit_weights.repeat_interleave(self.group_size, output_size=self.batch_size)
+        return unit_weights[self.on("inverse", unit_weights.device)]
 
     def example_pairs_per_unit(self) -> float:
         """Σ_u n_u (n_u + 1) / 2: the number of i <= j example pairs the ghost norm visits."""
         return float((self.counts * (self.counts + 1)).sum()) / 2
 
 
+def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`; to an accelerator from pinned memory, without blocking the host."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 # ---------------------------------------------------------------------------------------
-# Strategy choice (DESIGN §5, "mixed ghost clipping", Bu et al.)
+# Strategy choice ("mixed ghost clipping", Bu et al.): from shapes and dtypes, never from data
 
 
 def choose_strategy(strategy: str, term: OuterGrad, units: UnitIndex) -> Tuple[str, bool]:
     """Pick how to get the norms of one dense `OuterGrad`, and whether to keep per-unit grads.
 
-    Returns `(method, keep)`: method is `"ghost"` or `"materialize"`; `keep` means the
-    materialised per-unit gradients are kept (and the factors released) because they
-    take no more memory than the factors, which also makes the clipped sum cheapest.
-    With T tokens per example: ghost norms cost Σ_{i<=j in a unit} T²(rows + cols),
-    materialising costs B·T·rows·cols (for one example per unit: T > d·p/(d+p)).
+    Returns `(method, keep)`: method is `"ghost"` or `"materialize"`; `keep` means the materialised per-unit
+    gradients are kept (and the factors released) because their bytes, in the compute dtype, are no more than the
+    factors' bytes, in theirs; that also makes the clipped sum cheapest. Otherwise the cheaper in FLOPs: with N
+    tokens per example, ghost norms cost Σ_{i<=j in a unit} N²(rows + cols), materialising costs B·N·rows·cols
+    (for one example per unit: N > rows·cols/(rows + cols)).
     """
     batch, tokens, rows = term.left.shape
     cols = term.right.shape[-1]
-    keep = units.num_units * rows * cols <= batch * tokens * (rows + cols)
+    factor_bytes = batch * tokens * (rows * term.left.element_size() + cols * term.right.element_size())
+    unit_grad_bytes = units.num_units * rows * cols * (torch.finfo(compute_dtype(term.right.dtype)).bits // 8)
+    keep = unit_grad_bytes <= factor_bytes
     if strategy == "ghost":
         return "ghost", False
     if strategy == "materialize":
@@ -183,114 +223,134 @@ def _chunks(count: int, elements_each: int):
         yield slice(start, min(count, start + step))
 
 
-def _pair_inner(left_x, right_x, left_y, right_y, first, second, dtype) -> Tensor:
-    """⟨G_x,i, G_y,j⟩ = Σ_{t,s} (lx_it·ly_js)(rx_it·ry_js) for example pairs (first, second).
+def _pair_inner(left_x, right_x, left_y, right_y, pairs: Optional[Tensor], dtype) -> Tensor:
+    """⟨G_x,i, G_y,j⟩ = Σ_{t,s} (lx_it·ly_js)(rx_it·ry_js) for example pairs `pairs` (`(3, P)`: first, second, unit).
 
-    `first = second = None` means the diagonal pairs (i, i) of all examples, without copies.
+    `pairs=None` means the diagonal pairs (i, i) of all rows, without copies. Factors are cast to `dtype` one
+    chunk at a time, so a low-precision factor never gets a full-size float32 copy.
     """
     out = []
     tokens_x, tokens_y = right_x.shape[1], right_y.shape[1]
-    count = right_x.shape[0] if first is None else len(first)
+    count = right_x.shape[0] if pairs is None else pairs.shape[1]
     for chunk in _chunks(count, 2 * tokens_x * tokens_y):
-        i, j = (chunk, chunk) if first is None else (first[chunk], second[chunk])
-        right_gram = torch.bmm(right_x[i], right_y[j].transpose(1, 2))  # (pairs, Nx, Ny)
+        i, j = (chunk, chunk) if pairs is None else (pairs[0, chunk], pairs[1, chunk])
+        right_gram = torch.bmm(right_x[i].to(dtype), right_y[j].to(dtype).transpose(1, 2))  # (pairs, Nx, Ny)
         left_gram = _left_gram(left_x[i], left_y[j], dtype)  # (pairs, Nx, Ny)
-        out.append((left_gram * right_gram).sum(dim=(1, 2)))
-    return torch.cat(out) if out else right_x.new_zeros(0)
+        out.append(_row_dots(left_gram, right_gram))
+    if not out:
+        return right_x.new_zeros(0, dtype=dtype)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _ghost_norm_sq(left: Tensor, right: Tensor, units: UnitIndex) -> Tensor:
+def _row_dots(x: Tensor, y: Tensor) -> Tensor:
+    """`(n, ...)`, `(n, ...)` -> `(n,)`: the dot product of each row pair, as one batched product (one kernel)."""
+    rows = x.shape[0]
+    return torch.bmm(x.reshape(rows, 1, -1), y.reshape(rows, -1, 1)).reshape(rows)
+
+
+def _ghost_norm_sq(left: Tensor, right: Tensor, units: UnitIndex, dtype) -> Tensor:
     """Σ_{t,s∈u} (l_t·l_s)(r_t·r_s) per unit from per-example factors `(B, N, ·)`."""
-    if units.identity:  # one example per unit: each unit is a diagonal pair
-        return _pair_inner(left, right, left, right, None, None, left.dtype)
-    first, second, pair_units = units.pairs()
-    inner = _pair_inner(left, right, left, right, first, second, left.dtype)
-    inner = torch.where(first == second, inner, 2 * inner)  # i < j stands for (i, j) and (j, i)
-    return inner.new_zeros(units.num_units).index_add_(0, pair_units, inner)
+    left_units, right_units = units.grouped(left), units.grouped(right)
+    if left_units is not None:  # each unit's tokens together: one diagonal pair per unit
+        return _pair_inner(left_units, right_units, left_units, right_units, None, dtype)
+    pairs = units.on("pairs", right.device)
+    inner = _pair_inner(left, right, left, right, pairs, dtype)
+    inner = torch.where(pairs[0] == pairs[1], inner, 2 * inner)  # i < j stands for (i, j) and (j, i)
+    return inner.new_zeros(units.num_units).index_add_(0, pairs[2], inner)
 
 
-def _materialized(left: Tensor, right: Tensor, units: UnitIndex, keep: bool) -> Tuple[Tensor, Optional[Tensor]]:
+def _materialized(left: Tensor, right: Tensor, units: UnitIndex, keep: bool, dtype) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-unit gradients Σ_{t∈u} l_t r_tᵀ: their squared norms, and themselves if `keep`."""
     rows, cols = left.shape[-1], right.shape[-1]
+    left_units, right_units = units.grouped(left), units.grouped(right)
+    if left_units is None:  # per-example gradients, summed into their units
+        unit_grads = left.new_zeros((units.num_units, rows, cols), dtype=dtype)
+        inverse = units.on("inverse", left.device)
+        for chunk in _chunks(units.batch_size, rows * cols):
+            example_grads = torch.bmm(left[chunk].to(dtype).transpose(1, 2), right[chunk].to(dtype))
+            unit_grads.index_add_(0, inverse[chunk], example_grads)
+        return _row_dots(unit_grads, unit_grads), unit_grads if keep else None
     norms, kept = [], []
-    ends = torch.cumsum(units.counts, 0).tolist()
-    starts = [0] + ends[:-1]
-    most_examples = int(units.counts.max()) if units.num_units else 1
-    for chunk in _chunks(units.num_units, rows * cols * most_examples):
-        if units.identity:  # unit u is example u: slice, no copy
-            examples = chunk
-        else:  # this chunk's units' examples, contiguous in `order`
-            examples = units.order[starts[chunk.start] : ends[chunk.stop - 1]]
-        example_grads = torch.bmm(left[examples].transpose(1, 2), right[examples])  # (b, rows, cols)
-        if units.identity:
-            unit_grads = example_grads
-        else:
-            unit_grads = example_grads.new_zeros((chunk.stop - chunk.start, rows, cols))
-            unit_grads.index_add_(0, units.inverse[examples] - chunk.start, example_grads)
-        norms.append(unit_grads.pow(2).sum(dim=(1, 2)))
+    for chunk in _chunks(units.num_units, rows * cols):  # one product per unit over all its tokens
+        unit_grads = torch.bmm(left_units[chunk].to(dtype).transpose(1, 2), right_units[chunk].to(dtype))
+        norms.append(_row_dots(unit_grads, unit_grads))
         if keep:
             kept.append(unit_grads)
-    norm_sq = torch.cat(norms) if norms else left.new_zeros(0)
-    return norm_sq, (torch.cat(kept) if keep else None)
+    if not norms:
+        return left.new_zeros(0, dtype=dtype), left.new_zeros((0, rows, cols), dtype=dtype) if keep else None
+    norm_sq = norms[0] if len(norms) == 1 else torch.cat(norms)
+    return norm_sq, (kept[0] if len(kept) == 1 else torch.cat(kept)) if keep else None
 
 
 def _indexed_norm_sq(term: OuterGrad, units: UnitIndex, rows: int, dtype: torch.dtype) -> Tensor:
-    """Σ_v ‖Σ_{t∈u: id_t=v} r_t‖² per unit (embedding rows touched by the unit)."""
+    """Σ_v ‖Σ_{t∈u: id_t=v} r_t‖² per unit (embedding rows touched by the unit).
+
+    Fixed shapes, no host sync: the (unit, row) keys of all tokens are sorted, the tokens of equal keys are summed
+    into one slot (slots past the distinct keys stay zero), and each slot's squared norm goes to its unit.
+    """
     token_ids = term.left  # (B, N)
-    right = term.right.to(dtype)  # (B, N, cols)
-    token_units = units.inverse[:, None].expand_as(token_ids)  # (B, N)
-    keys = (token_units * rows + token_ids).reshape(-1)
-    unique_keys, key_index = torch.unique(keys, return_inverse=True)
-    row_sums = right.new_zeros(unique_keys.numel(), right.shape[-1])
-    row_sums.index_add_(0, key_index, right.reshape(-1, right.shape[-1]))  # (K, cols)
-    norm_sq = right.new_zeros(units.num_units)
-    return norm_sq.index_add_(0, torch.div(unique_keys, rows, rounding_mode="floor"), row_sums.pow(2).sum(1))
+    right = term.right.reshape(-1, term.right.shape[-1])  # (B·N, cols)
+    token_units = units.on("inverse", token_ids.device)[:, None].expand_as(token_ids)  # (B, N)
+    keys, order = (token_units * rows + token_ids).reshape(-1).sort()
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    slots = first.cumsum(0) - 1  # (B·N,) slot of each sorted token
+    slot_sums = right.new_zeros(right.shape, dtype=dtype).index_add_(0, slots, right[order].to(dtype))
+    slot_units = torch.zeros_like(keys).scatter_(0, slots, torch.div(keys, rows, rounding_mode="floor"))
+    return slot_sums.new_zeros(units.num_units).index_add_(0, slot_units, slot_sums.pow(2).sum(1))
 
 
 def _left_gram(left_x: Tensor, left_y: Tensor, dtype: torch.dtype) -> Tensor:
     """(l_x,t · l_y,s) for every token pair: `(n, Nx, My)`; dense or row-index factors."""
     x_indexed, y_indexed = not torch.is_floating_point(left_x), not torch.is_floating_point(left_y)
     if not x_indexed and not y_indexed:
-        return torch.bmm(left_x, left_y.transpose(1, 2))
+        return torch.bmm(left_x.to(dtype), left_y.to(dtype).transpose(1, 2))
     if x_indexed and y_indexed:
         return (left_x[:, :, None] == left_y[:, None, :]).to(dtype)
     if x_indexed:  # one-hot row id_t against dense l_s: l_s[id_t]
         pairs, tokens_x = left_x.shape
-        picked = torch.gather(left_y, 2, left_x[:, None, :].expand(pairs, left_y.shape[1], tokens_x))
+        picked = torch.gather(left_y.to(dtype), 2, left_x[:, None, :].expand(pairs, left_y.shape[1], tokens_x))
         return picked.transpose(1, 2)  # (n, Nx, Ny)
     return _left_gram(left_y, left_x, dtype).transpose(1, 2)
 
 
 def _cross_inner(x: OuterGrad, y: OuterGrad, units: UnitIndex, dtype: torch.dtype) -> Tensor:
     """⟨G_x,u, G_y,u⟩ per unit for two terms of one parameter (ghost form)."""
-    left_x = x.left if x.indexed else x.left.to(dtype)
-    left_y = y.left if y.indexed else y.left.to(dtype)
-    if units.identity:
-        return _pair_inner(left_x, x.right.to(dtype), left_y, y.right.to(dtype), None, None, dtype)
-    first, second, pair_units = units.pairs(ordered=True)
-    inner = _pair_inner(left_x, x.right.to(dtype), left_y, y.right.to(dtype), first, second, dtype)
-    return inner.new_zeros(units.num_units).index_add_(0, pair_units, inner)
+    grouped = [units.grouped(t) for t in (x.left, x.right, y.left, y.right)]
+    if grouped[0] is not None:
+        return _pair_inner(*grouped, None, dtype)
+    pairs = units.on("ordered_pairs", x.right.device)
+    inner = _pair_inner(x.left, x.right, y.left, y.right, pairs, dtype)
+    return inner.new_zeros(units.num_units).index_add_(0, pairs[2], inner)
 
 
 # ---------------------------------------------------------------------------------------
 # Clipped sums by book-keeping
 
 
-def _bookkeeping_sum(term: OuterGrad, example_weights: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-    """Σ_i w_i Σ_n left_{i,n} ⊗ right_{i,n}, one product over all tokens."""
+def _bookkeeping_sum(term: OuterGrad, units: UnitIndex, unit_weights: Tensor, shape: torch.Size,
+                     dtype: torch.dtype) -> Tensor:
+    """Σ_u w_u Σ_{i∈u} Σ_n left_{i,n} ⊗ right_{i,n}: one product over all tokens (chunked over examples, so a
+    low-precision factor is never copied to float32 whole)."""
     cols = term.right.shape[-1]
-    weights = example_weights.to(dtype)[:, None, None]
     if term.indexed:
-        out = torch.zeros(shape, dtype=dtype, device=term.right.device)
+        weights = units.example_weights(unit_weights).to(dtype)[:, None, None]
         weighted = (term.right.to(dtype) * weights).reshape(-1, cols)
-        return out.index_add_(0, term.left.reshape(-1), weighted)
-    rows = term.left.shape[-1]
-    left, right = term.left.to(dtype), term.right.to(dtype)
-    if rows <= cols:
-        left = left * weights
-    else:
-        right = right * weights
-    return left.reshape(-1, rows).t() @ right.reshape(-1, cols)
+        return torch.zeros(shape, dtype=dtype, device=term.right.device).index_add_(0, term.left.reshape(-1), weighted)
+    left, right, weights = units.grouped(term.left), units.grouped(term.right), unit_weights.to(dtype)
+    if left is None:
+        left, right, weights = term.left, term.right, units.example_weights(weights)
+    rows = left.shape[-1]
+    out = None
+    for chunk in _chunks(left.shape[0], left.shape[1] * (rows + cols)):
+        left_chunk, right_chunk = left[chunk].to(dtype), right[chunk].to(dtype)
+        if rows <= cols:
+            left_chunk = left_chunk * weights[chunk, None, None]
+        else:
+            right_chunk = right_chunk * weights[chunk, None, None]
+        product = left_chunk.reshape(-1, rows).t() @ right_chunk.reshape(-1, cols)
+        out = product if out is None else out.add_(product)
+    return torch.zeros(shape, dtype=dtype, device=term.right.device) if out is None else out
 
 
 def _weighted_unit_sum(unit_grads: Tensor) -> Reducer:
@@ -309,17 +369,16 @@ def _outer_self_norm_sq(
 ) -> Tuple[Tensor, Reducer]:
     if term.indexed:
         norm_sq = _indexed_norm_sq(term, units, shape[0], dtype)
-        return norm_sq, lambda w: _bookkeeping_sum(term, units.example_weights(w), shape, dtype)
+        return norm_sq, lambda w: _bookkeeping_sum(term, units, w, shape, dtype)
     method, keep = choose_strategy(strategy, term, units)
     keep = keep and allow_keep
-    left, right = term.left.to(dtype), term.right.to(dtype)
     if method == "ghost":
-        norm_sq = _ghost_norm_sq(left, right, units)
+        norm_sq = _ghost_norm_sq(term.left, term.right, units, dtype)
     else:
-        norm_sq, unit_grads = _materialized(left, right, units, keep)
+        norm_sq, unit_grads = _materialized(term.left, term.right, units, keep, dtype)
         if keep:
             return norm_sq, _weighted_unit_sum(unit_grads)
-    return norm_sq, lambda w: _bookkeeping_sum(term, units.example_weights(w), shape, dtype)
+    return norm_sq, lambda w: _bookkeeping_sum(term, units, w, shape, dtype)
 
 
 def norm_sq_and_reducer(
@@ -343,8 +402,10 @@ def norm_sq_and_reducer(
         raise TypeError(f"a parameter got gradient terms of different kinds {sorted(kinds)}")
     dtype = compute_dtype(_term_dtype(terms[0]))
     if EXAMPLE in kinds:
-        unit_grads = sum(units.sum_examples(term.grads.to(dtype)) for term in terms)  # (U, *shape)
-        return unit_grads.pow(2).reshape(units.num_units, -1).sum(1), _weighted_unit_sum(unit_grads)
+        unit_grads = units.sum_examples(terms[0].grads.to(dtype))  # (U, *shape)
+        for term in terms[1:]:
+            unit_grads = unit_grads + units.sum_examples(term.grads.to(dtype))
+        return _row_dots(unit_grads, unit_grads), _weighted_unit_sum(unit_grads)
     if len(terms) == 1:
         return _outer_self_norm_sq(terms[0], units, strategy, shape, dtype)
     # Shared parameter: exact norm with every cross term, sums by book-keeping.
@@ -354,8 +415,7 @@ def norm_sq_and_reducer(
             norm_sq = norm_sq + 2 * _cross_inner(terms[first], terms[second], units, dtype)
 
     def reduce(unit_weights: Tensor) -> Tensor:
-        example_weights = units.example_weights(unit_weights)
-        return sum(_bookkeeping_sum(term, example_weights, shape, dtype) for term in terms)
+        return sum(_bookkeeping_sum(term, units, unit_weights, shape, dtype) for term in terms)
 
     return norm_sq, reduce
 

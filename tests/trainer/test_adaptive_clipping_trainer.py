@@ -47,16 +47,16 @@ class Recorder:
         def recording_backward(*args, max_grad_norm, **kwargs):
             norms = backward(*args, max_grad_norm=max_grad_norm, **kwargs)
             # (step, C, per-unit norms): the ledger advances after the step's last micro-batch
-            self.micro_batches.append((trainer.accountant.steps, max_grad_norm, norms.detach().clone()))
+            self.micro_batches.append((trainer.accountant.steps, float(max_grad_norm), norms.detach().clone()))
             return norms
 
         def recording_noise(params, *, noise_multiplier, max_grad_norm, **kwargs):
-            self.noise.append((noise_multiplier, max_grad_norm))
+            self.noise.append((noise_multiplier, float(max_grad_norm)))
             return add_noise(params, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
 
         def recording_scalars(values, stds, **kwargs):
             noised = add_scalar_noise(values, stds, **kwargs)
-            self.releases.append((list(values), list(stds), noised))
+            self.releases.append(([float(v) for v in values], list(stds), [float(v) for v in noised]))
             return noised
 
         training_step = trainer.training_step
@@ -73,7 +73,7 @@ class Recorder:
             update = trainer.quantile_tracker.update
 
             def recording_update(*args):
-                self.updates.append(update(*args))
+                self.updates.append(float(update(*args)))
                 return self.updates[-1]
 
             monkeypatch.setattr(trainer.quantile_tracker, "update", recording_update)

@@ -59,7 +59,7 @@ def test_logged_loss_is_a_bounded_noised_sum_even_for_an_outlier_user(tmp_path, 
 
     def recording_noise(values, stds, **kwargs):
         noised = real_noise(values, stds, **kwargs)
-        releases.append((list(values), list(stds), noised))
+        releases.append(([float(v) for v in values], list(stds), [float(v) for v in noised]))
         return noised
 
     def recording_step(model, inputs, *args, **kwargs):
