@@ -46,6 +46,12 @@ class DPTrainingArguments(TrainingArguments):
         expected_batch_size (`int`, *optional*, defaults to `64`):
             Expected logical batch size: users per step for ULS, examples per step for ELS and example-level.
             The sample rate is `expected_batch_size / units`; the sampled size is random (Poisson).
+        per_device_train_batch_size (`int`, *optional*, defaults to `None`):
+            The most rows one physical pass (forward + backward) holds on one device: it bounds memory, not the
+            logical batch. Unset, it is sized from the tail of the Poisson sample (the 1 − 10⁻³ quantile of the
+            units sampled on this rank, times G rows per user for ULS), so a step is one pass in all but about one
+            step in a thousand. A sample larger than it is split into the fewest passes of balanced size, a user
+            never across two. No effect on ε.
         contribution_bound (`int` or `"auto"`, *optional*, defaults to `"auto"`):
             G, the most rows one user may contribute (a random subset is kept, drawn per user from a secret and
             the user id only). `"auto"`: chosen with ε-DP from a public grid (1, 2, 3, 4, 6, 8, 12, ..., 256):
@@ -114,8 +120,9 @@ class DPTrainingArguments(TrainingArguments):
             σ_log·max_loss / expected batch size. Post-processing of the clip: no effect on ε.
 
     Defaults that differ from [`~transformers.TrainingArguments`]: `max_grad_norm` means the per-unit clip
-    norm; `gradient_accumulation_steps` must stay 1 (the logical batch is `expected_batch_size`, split into
-    micro-batches of `per_device_train_batch_size` examples); `num_train_epochs` counts expected passes over
+    norm; `per_device_train_batch_size` bounds the rows of one physical pass and is unset by default (sized from
+    the Poisson batch); `gradient_accumulation_steps` must stay 1 (the logical batch is `expected_batch_size`,
+    split into passes of at most `per_device_train_batch_size` rows); `num_train_epochs` counts expected passes over
     the units (steps = epochs / sample rate); `fp16` is refused (its loss scaling bypasses clipping): use `bf16`;
     with `push_to_hub`, `hub_strategy` `"checkpoint"` and `"all_checkpoints"` are refused (a checkpoint's ledger holds
     the secret that drew G and each user's rows); `torch_compile` is refused (the per-unit clipping hooks the
@@ -157,6 +164,12 @@ class DPTrainingArguments(TrainingArguments):
     expected_batch_size: int = field(
         default=64,
         metadata={"help": "Expected logical batch: users per step (ULS) or examples per step (ELS, example-level)."},
+    )
+    per_device_train_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Most rows of one physical pass (memory). Unset: sized from the tail of the Poisson batch, "
+                          "so a step is one pass in all but ~1 step in 1000; a larger sample is split in balanced "
+                          "passes."},
     )
     contribution_bound: str | None = field(
         default="auto",
@@ -277,6 +290,10 @@ class DPTrainingArguments(TrainingArguments):
         if not _positive_finite(self.max_loss):
             problems.append(f"max_loss={self.max_loss!r}: the clip of each unit's logged loss must be a finite "
                             "number > 0.")
+        micro_batch = self.per_device_train_batch_size
+        if micro_batch is not None and not (_is_integer(micro_batch) and micro_batch >= 1):
+            problems.append(f"per_device_train_batch_size={micro_batch!r}: set an integer >= 1, the most rows of one "
+                            "physical pass, or leave it unset to size passes from the Poisson batch.")
         if not (_is_integer(self.expected_batch_size) and self.expected_batch_size >= 1):
             problems.append(f"expected_batch_size={self.expected_batch_size!r}: set an integer >= 1, the expected "
                             "users per step (ULS) or examples per step (ELS, example-level), e.g. 64.")

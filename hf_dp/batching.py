@@ -2,13 +2,20 @@
 
 A unit never straddles two micro-batches: its gradient is clipped as a whole inside one
 backward pass. The logical batch may exceed memory; micro-batches bound it.
+
+A Poisson batch has a random size, so a capacity equal to its *expected* size spills into a second pass in
+about 40 % of steps. [`poisson_capacity`] sizes a pass from the tail of the sampled size instead (the default
+of `per_device_train_batch_size`), and a sample that does exceed the capacity is split into the fewest passes
+of balanced sizes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+from scipy.stats import poisson
 
 from .clipping.terms import UnitIndex
 from .sampling import SampledUnits
@@ -66,17 +73,14 @@ class LogicalBatches(torch.utils.data.Dataset):
         batch = LogicalBatch(step=sampled.step, total_units=sampled.total)
         if self.unit_rows is None:
             rows = [int(r) for r in sampled.units]
-            for start in range(0, len(rows), self.micro_batch_size):
-                chunk = rows[start : start + self.micro_batch_size]
-                batch.micro_batches.append(MicroBatch(self._collate(chunk), num_examples=len(chunk)))
+            passes = math.ceil(len(rows) / self.micro_batch_size)
+            for part in _balanced(rows, [1] * len(rows), passes):
+                batch.micro_batches.append(MicroBatch(self._collate(part), num_examples=len(part)))
             return batch
-        group: list = []
-        for unit in sampled.units:
-            group.append(self.unit_rows[unit])
-            if sum(len(rows) for rows in group) >= self.micro_batch_size:
-                batch.micro_batches.append(self._user_micro_batch(group))
-                group = []
-        if group:
+        users = [self.unit_rows[unit] for unit in sampled.units]
+        sizes = [len(rows) for rows in users]
+        passes = math.ceil(sum(sizes) / self.micro_batch_size)
+        for group in _balanced(users, sizes, passes):
             batch.micro_batches.append(self._user_micro_batch(group))
         return batch
 
@@ -95,3 +99,33 @@ class LogicalBatches(torch.utils.data.Dataset):
 def identity(batch):
     """DataLoader collate_fn: batches are built by [`LogicalBatches`] already (picklable for workers)."""
     return batch
+
+
+def poisson_capacity(expected_units: float, rows_per_unit: int = 1, world_size: int = 1,
+                     spill_probability: float = 1e-3) -> int:
+    """Rows a physical pass must hold so that a rank's share of a step's Poisson sample fits in one pass in all but
+    `spill_probability` of the steps.
+
+    The sampled size is Binomial(N, q) with mean `expected_units`; the Poisson quantile of the same mean bounds its
+    quantile from above (a Poisson has the larger variance), and depends on nothing but public settings. Each unit
+    counts `rows_per_unit` rows (the contribution bound G for ULS, 1 for a row), and the sample is split evenly
+    over `world_size` ranks.
+    """
+    units = poisson.ppf(1.0 - spill_probability, expected_units)
+    return max(1, math.ceil(units / world_size)) * max(1, int(rows_per_unit))
+
+
+def _balanced(units: list, sizes: list[int], passes: int) -> list[list]:
+    """`units` in order, in at most about `passes` consecutive groups of balanced total size (a unit whole)."""
+    if not units:
+        return []
+    target = math.ceil(sum(sizes) / max(1, passes))
+    groups, group, filled = [], [], 0
+    for unit, size in zip(units, sizes):
+        if group and filled + size > target:
+            groups.append(group)
+            group, filled = [], 0
+        group.append(unit)
+        filled += size
+    groups.append(group)
+    return groups

@@ -87,8 +87,10 @@ def packed_per_example_loss(logits: torch.Tensor, labels: torch.Tensor, example_
         logits, labels = logits[:, :-1], labels[:, 1:]
         owners = example_ids[:, 1:].masked_fill(example_ids[:, 1:] != example_ids[:, :-1], -1)
     owners = owners.masked_fill(labels == -100, -1)
-    kept = owners >= 0
-    token_loss = F.cross_entropy(logits[kept].float(), labels[kept], reduction="none")  # (kept tokens,)
-    sums = token_loss.new_zeros(num_examples).index_add(0, owners[kept], token_loss)
-    counts = torch.bincount(owners[kept], minlength=num_examples)
+    # Fixed shapes (no boolean indexing, nothing read back): tokens of no example go to an extra slot, dropped.
+    owners = torch.where(owners >= 0, owners, num_examples).reshape(-1)
+    token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                 ignore_index=-100, reduction="none")  # (rows·T,), 0 where ignored
+    sums = token_loss.new_zeros(num_examples + 1).index_add_(0, owners, token_loss)[:num_examples]
+    counts = token_loss.new_zeros(num_examples + 1).index_add_(0, owners, torch.ones_like(token_loss))[:num_examples]
     return sums / counts.clamp(min=1)

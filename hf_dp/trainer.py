@@ -48,7 +48,7 @@ from . import accounting
 from .accounting import planner
 from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
-from .batching import LogicalBatches, identity
+from .batching import LogicalBatches, identity, poisson_capacity
 from .clipping import GhostClipper
 from .clipping.adaptive import (
     AdaptiveClipping,
@@ -244,6 +244,8 @@ class DPTrainer(Trainer):
         self._data_secret = _data_secret(args)
         self._user_dataset, self._requested_max_steps = train_dataset, args.max_steps
         self._build_partition(args, self._data_secret)
+        if args.per_device_train_batch_size is None:  # a pass holds a Poisson sample: one pass per step
+            args.per_device_train_batch_size = self._poisson_micro_batch(args)
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=self.partition.dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, model_init=None,
@@ -284,6 +286,13 @@ class DPTrainer(Trainer):
         """
         self.partition = _partition(self._user_dataset, args, secret)
         self._canaries = _canary_counts(self._user_dataset, args.user_id_column, self.partition.contribution_bound)
+
+    def _poisson_micro_batch(self, args: DPTrainingArguments) -> int:
+        """Rows of one pass for a whole Poisson sample of this rank ([`~hf_dp.batching.poisson_capacity`]), from
+        public settings only: the expected batch, G (ULS; without a bound a user counts one row, so long users
+        take extra passes) and the world size."""
+        rows_per_unit = (self.partition.contribution_bound or 1) if args.mechanism == "uls" else 1
+        return poisson_capacity(args.expected_batch_size, rows_per_unit, world_size=max(1, args.world_size))
 
     # ---- plan -------------------------------------------------------------------------------
 
@@ -536,7 +545,7 @@ class DPTrainer(Trainer):
             logits = outputs.logits
             if logits.dim() != 3:
                 raise ValueError(_PACKED_NEEDS_TOKEN_HEAD.format(model=type(_unwrapped(self.model)).__name__))
-            num_examples = int(example_ids.max()) + 1  # a host tensor
+            num_examples = int(example_ids.numpy().max()) + 1  # a host tensor
             if micro_batch.num_examples is not None and num_examples != micro_batch.num_examples:
                 raise ValueError(_examples_lost(num_examples, micro_batch.num_examples))
             losses = packed_per_example_loss(logits, labels, _on_device(example_ids, logits.device), num_examples,
@@ -1107,9 +1116,10 @@ def _packed_example_ids(features: dict) -> torch.Tensor | None:
     mask = features.get("attention_mask")
     real = mask.bool() if torch.is_tensor(mask) and mask.shape == position_ids.shape else \
         torch.ones_like(position_ids, dtype=torch.bool)
-    # Padding (left or right) may carry any position: only restarts between two real tokens count.
+    # Padding (left or right) may carry any position: only restarts between two real tokens count. Host tensors
+    # (the collator's), read with numpy.
     restarts = (torch.diff(position_ids, dim=-1) != 1) & real[:, 1:] & real[:, :-1]
-    if not bool(restarts.any()):
+    if not restarts.cpu().numpy().any():
         return None
     if mask is not None:
         raise ValueError(

@@ -377,7 +377,8 @@ class GhostClipper:
         del captures, edges, all_grads, output_grads
         # Norms and sums in float32 (float64), also when the forward ran under autocast.
         with _autocast_disabled(losses.device):
-            return self._clip(work, checked_params, units, max_grad_norm, grad_scale, batch_size, packing, losses.device)
+            return self._clip(work, checked_params, units, max_grad_norm, grad_scale, batch_size, packing,
+                              losses.device)
 
     def _clip(
         self, work: list, checked_params, units: UnitIndex, max_grad_norm, grad_scale: float, batch_size: int,

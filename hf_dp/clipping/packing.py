@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -65,23 +66,23 @@ class PackedRows:
         if example_ids.dim() != 2:
             raise ValueError(f"example_ids must have shape (rows, seq_len), got {tuple(example_ids.shape)}")
         ids = example_ids.detach().cpu()
-        if ids.numel() and (int(ids.max()) >= num_examples or int(ids.min()) < -1):
+        flat = ids.reshape(-1).numpy()  # host work only: numpy, never a device read
+        if flat.size and (flat.max() >= num_examples or flat.min() < -1):
             raise ValueError(f"example_ids must lie in [-1, {num_examples}) for {num_examples} per-example losses")
         self.example_ids = ids
         self.rows, self.tokens = ids.shape
         self.num_examples = num_examples
-        flat = ids.reshape(-1)
-        positions = torch.nonzero(flat >= 0).squeeze(1)  # token positions in the flattened rows
+        positions = np.flatnonzero(flat >= 0)  # token positions in the flattened rows
         examples = flat[positions]
-        order = torch.argsort(examples, stable=True)
+        order = np.argsort(examples, kind="stable")
         positions, examples = positions[order], examples[order]
-        counts = torch.bincount(examples, minlength=num_examples)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(len(examples)) - starts[examples]
+        counts = np.bincount(examples, minlength=num_examples)
+        rank = np.arange(len(examples)) - (np.cumsum(counts) - counts)[examples]
         longest = int(counts.max()) if num_examples and len(examples) else 1
         padding = self.rows * self.tokens  # index of an all-zero row appended to the flattened tensor
-        self.index = torch.full((num_examples, longest), padding, dtype=torch.long)  # (S, L)
-        self.index[examples, rank] = positions
+        index = np.full((num_examples, longest), padding, dtype=np.int64)  # (S, L)
+        index[examples, rank] = positions
+        self.index = torch.from_numpy(index)
         self._on_device: dict = {}
 
     def _host_to(self, name: str, device: torch.device) -> Tensor:
