@@ -263,6 +263,7 @@ class DPTrainer(Trainer):
         check_batch_independence(self.model, probe)
         self._check_loss_func(probe)
         self.clipper = GhostClipper(self.model)
+        self._verify_clipping(probe)
         self.privacy_plan = self._plan_privacy()
         self._plan_fits: bool | None = None  # see _plan_within_budget
         self.quantile_tracker = self._new_quantile_tracker()  # adaptive clipping's running C; None for a fixed C
@@ -409,6 +410,28 @@ class DPTrainer(Trainer):
         finally:
             self.model.train(was_training)
         _check_per_example(losses, rows)
+
+    def _verify_clipping(self, features: dict) -> None:
+        """Run the clipper's one-off checks (every gradient covered by a rule, every layer's rows attributed to
+        their examples) on the probe rows, before any step: the first training step then needs no second backward
+        pass and no kept graph, so it costs the memory of every other step. Only decides whether to train: the
+        gradients are discarded and nothing is released."""
+        inputs = {k: v for k, v in features.items() if k != "labels"}
+        labels = features.get("labels")
+        if labels is None:  # the first step says what is missing
+            return
+        was_training = self.model.training
+        self.model.train()
+        try:
+            outputs = self.model(**inputs)
+            if self.compute_loss_func is not None:
+                losses = self.compute_loss_func(outputs, labels, num_items_in_batch=None).float()
+            else:
+                losses = per_example_loss(outputs.logits, labels, causal_lm=self._causal_lm)
+            self.clipper.backward(losses, max_grad_norm=1.0)
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            self.model.train(was_training)
 
     def _shared_seed(self) -> int:
         seed = self.args.noise_seed if self.args.noise_seed is not None else fresh_seed()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
@@ -354,13 +355,14 @@ class GhostClipper:
         unverified = self._unverified(captures, batch_size, packing)
         self._in_backward = True
         try:
-            all_grads = torch.autograd.grad(
-                losses.sum(), edges + checked_params, allow_unused=True, retain_graph=bool(unverified)
-            )
+            # First sight of a layout: weighted backward passes (graph kept) reduce each layer's output gradient to
+            # a few numbers per row, before the one pass that clipping uses frees the graph.
+            expected = self._weighted_fingerprints(losses, captures, unverified, packing) if unverified else None
+            all_grads = torch.autograd.grad(losses.sum(), edges + checked_params, allow_unused=True)
             output_grads = all_grads[: len(edges)]
             self._check_recomputed(captures, output_grads)
             if unverified:
-                self._verify_attribution(losses, captures, output_grads, unverified, packing)
+                self._verify_attribution(captures, output_grads, unverified, packing, *expected)
         except RuntimeError as error:
             if "Checkpointing is not compatible with .grad()" in str(error):
                 raise ValueError(
@@ -644,38 +646,65 @@ class GhostClipper:
                 f"pass, so their inputs are unknown: {missing}. Disable gradient checkpointing for this model."
             )
 
-    def _verify_attribution(
-        self, losses: Tensor, captures: List[_Capture], output_grads, indices: List[int],
-        packing: Optional[PackedRows] = None,
-    ) -> None:
-        """A backward of Σ_b c_b·L_b must scale example b's rows (for packed rows: tokens) of every
-        output gradient by c_b."""
-        # Powers of two, 1/8 ... 8, spread at random: scaling by them is exact in floating point, so a
-        # correctly attributed row is its example's weight times the unweighted row up to (at most)
-        # nondeterministic kernels, also where the gradient is small after cancellation.
+    def _weighted_fingerprints(self, losses: Tensor, captures: List[_Capture], indices: List[int],
+                               packing: Optional[PackedRows]) -> Tuple[Tensor, Dict[int, Optional[Tensor]]]:
+        """Row fingerprints ([`_row_fingerprints`]) of the output gradients of Σ_b c_b·L_b, with weights c_b drawn
+        from the powers of two 1/8 ... 8 (exact in floating point).
+
+        The backward passes keep the graph for the pass clipping uses; each captures a group of layers whose
+        gradients take at most an eighth of all of them (or one layer), and keeps only their fingerprints, so
+        this one-off check costs little more memory than the step itself.
+        """
         generator = torch.Generator().manual_seed(0)
         exponents = torch.randperm(losses.shape[0], generator=generator) % 7 - 3
         weights = torch.pow(2.0, exponents.double()).to(device=losses.device, dtype=losses.dtype)
         row_weights = weights.double() if packing is None else packing.token_weights(weights.double())  # (B,) | (B, T)
-        batch_size = len(row_weights)
-        selected = [index for index in indices if output_grads[index] is not None]
-        weighted_grads = torch.autograd.grad(
-            (losses * weights).sum(), [captures[index].output_edge for index in selected], allow_unused=True
-        )
+        sizes = {index: math.prod(captures[index].output_shape) for index in indices}
+        budget = max(max(sizes.values()), sum(sizes.values()) // 8)
+        groups, group, filled = [], [], 0
+        for index in indices:
+            if group and filled + sizes[index] > budget:
+                groups.append(group)
+                group, filled = [], 0
+            group.append(index)
+            filled += sizes[index]
+        groups.append(group)
+        fingerprints: Dict[int, Optional[Tensor]] = {}
+        weighted_loss = (losses * weights).sum()
+        for group in groups:
+            grads = torch.autograd.grad(weighted_loss, [captures[i].output_edge for i in group], allow_unused=True,
+                                        retain_graph=True)
+            for index, grad in zip(group, grads):
+                fingerprints[index] = None if grad is None else self._row_fingerprints(
+                    captures[index], grad, len(row_weights), packing)
+            del grads
+        return row_weights, fingerprints
+
+    def _row_fingerprints(self, capture: _Capture, grads: Tensor, batch_size: int,
+                          packing: Optional[PackedRows]) -> Tensor:
+        """`(B, 3)` or, for packed rows, `(B, T, 3)`: each row's (token's) sum, L2 norm and largest magnitude, in
+        float64. Scaling a row by c > 0 scales all three by c; rows mixed across examples change them."""
+        _, grads = self._batch_first(capture, grads, batch_size, packing)
+        rows = grads.reshape(grads.shape[: 1 if packing is None else 2] + (-1,)).double()
+        return torch.stack([rows.sum(-1), rows.norm(dim=-1), rows.abs().amax(-1)], dim=-1)
+
+    def _verify_attribution(
+        self, captures: List[_Capture], output_grads, indices: List[int], packing: Optional[PackedRows],
+        row_weights: Tensor, weighted: Dict[int, Optional[Tensor]],
+    ) -> None:
+        """A backward of Σ_b c_b·L_b must scale example b's rows (for packed rows: tokens) of every
+        output gradient by c_b: compared through the rows' fingerprints."""
         # A misattributed row is off by a factor c_b'/c_b of at least 2 (unless the weights collide).
-        bits = min(_precision_bits(losses, *(g for g in output_grads if g is not None)), 64)
+        bits = min(_precision_bits(*(g for g in output_grads if g is not None)), 64)
         tolerance = 1e-3 if bits >= 32 else 1e-1
-        wrong = []
-        for index, weighted in zip(selected, weighted_grads):
+        batch_size = len(row_weights)
+        wrong, selected = [], [index for index in indices if output_grads[index] is not None]
+        for index in selected:
             capture = captures[index]
-            _, grads = self._batch_first(capture, output_grads[index], batch_size, packing)
-            scale = row_weights.reshape(row_weights.shape + (1,) * (grads.dim() - row_weights.dim()))
-            expected = (grads.double() * scale).reshape(batch_size, -1)
-            actual = expected.new_zeros(expected.shape)
-            if weighted is not None:
-                actual = self._batch_first(capture, weighted, batch_size, packing)[1].reshape(batch_size, -1).double()
-            error = float((actual - expected).norm())
-            if error > tolerance * float(expected.norm()):
+            fingerprints = self._row_fingerprints(capture, output_grads[index], batch_size, packing)
+            expected = fingerprints * row_weights.reshape(row_weights.shape + (1,))
+            actual = weighted[index] if weighted[index] is not None else torch.zeros_like(expected)
+            if float((actual - expected).norm()) > tolerance * float(expected.norm()):
                 wrong.append(f"{capture.layer.path} ({type(capture.layer.module).__name__})")
         if wrong:
             raise UnsupportedLayerError(
