@@ -116,16 +116,16 @@ def poisson_capacity(expected_units: float, rows_per_unit: int = 1, world_size: 
 
 
 def _balanced(units: list, sizes: list[int], passes: int) -> list[list]:
-    """`units` in order, in at most about `passes` consecutive groups of balanced total size (a unit whole)."""
-    if not units:
-        return []
-    target = math.ceil(sum(sizes) / max(1, passes))
-    groups, group, filled = [], [], 0
+    """`units` in order, in about `passes` consecutive groups of balanced total size (a unit whole): each group
+    takes its share of what is left, so sizes differ by at most one row when units are rows."""
+    groups, group, filled, left = [], [], 0, sum(sizes)
+    target = math.ceil(left / max(1, passes))
     for unit, size in zip(units, sizes):
         if group and filled + size > target:
             groups.append(group)
+            left -= filled
             group, filled = [], 0
+            target = math.ceil(left / max(1, passes - len(groups)))
         group.append(unit)
         filled += size
-    groups.append(group)
-    return groups
+    return groups + [group] if group else groups

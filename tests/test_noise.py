@@ -1,0 +1,80 @@
+"""`hf_dp/noise.py`: the gradient noise's law, and each element's noise a function of (seed, step, position) only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dp import noise
+
+
+def _grads(*shapes):
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    return params
+
+
+def _flat_noise(params) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def test_noise_has_std_sigma_c_scale_per_element_and_mean_zero():
+    params = _grads((300, 200), (1000,))
+    noise.add_noise(params, noise_multiplier=0.7, max_grad_norm=2.0, seed=3, step=5, scale=0.25)
+    flat = _flat_noise(params).double()
+    assert flat.std().item() == pytest.approx(0.7 * 2.0 * 0.25, rel=0.01)
+    assert abs(flat.mean().item()) < 4 * 0.35 / np.sqrt(flat.numel())
+
+
+def test_a_device_tensor_clipping_norm_gives_the_same_noise_as_the_float():
+    as_float, as_tensor = _grads((7, 3), (11,)), _grads((7, 3), (11,))
+    noise.add_noise(as_float, noise_multiplier=1.3, max_grad_norm=0.5, seed=1, step=2, scale=0.1)
+    noise.add_noise(as_tensor, noise_multiplier=1.3, max_grad_norm=torch.tensor(0.5, dtype=torch.float64), seed=1,
+                    step=2, scale=0.1)
+    torch.testing.assert_close(_flat_noise(as_tensor), _flat_noise(as_float))
+
+
+@pytest.mark.parametrize("chunk", [5, 8, 1 << 22])
+def test_each_elements_noise_depends_only_on_seed_step_and_position(monkeypatch, chunk):
+    """However the flat parameter vector is cut into parameters (or shards), element k gets the same value: the
+    k-th of its chunk's draw, seeded by (seed, step, chunk) alone."""
+    monkeypatch.setattr(noise, "NOISE_CHUNK", chunk)
+    cut_one, cut_two = _grads((3, 4), (5,), (2, 2, 3)), _grads((25,), (4,))  # 29 elements each
+    for params in (cut_one, cut_two):
+        noise.add_noise(params, noise_multiplier=1.0, max_grad_norm=1.0, seed=9, step=4)
+    torch.testing.assert_close(_flat_noise(cut_one), _flat_noise(cut_two))
+    expected = torch.cat([
+        torch.randn(min(chunk, 29 - start), generator=torch.Generator().manual_seed(noise.chunk_seed(9, 4, index)))
+        for index, start in enumerate(range(0, 29, chunk))
+    ])
+    torch.testing.assert_close(_flat_noise(cut_one), expected)
+
+
+def test_noise_differs_between_steps_and_seeds_and_adds_to_what_is_there():
+    base = _grads((50,))
+    noise.add_noise(base, noise_multiplier=1.0, max_grad_norm=1.0, seed=1, step=1)
+    for seed, step in ((1, 2), (2, 1)):
+        other = _grads((50,))
+        noise.add_noise(other, noise_multiplier=1.0, max_grad_norm=1.0, seed=seed, step=step)
+        assert not torch.allclose(_flat_noise(other), _flat_noise(base))
+    shifted = _grads((50,))
+    shifted[0].grad += 3.0
+    noise.add_noise(shifted, noise_multiplier=1.0, max_grad_norm=1.0, seed=1, step=1)
+    torch.testing.assert_close(_flat_noise(shifted), _flat_noise(base) + 3.0)
+
+
+def test_bf16_gradients_get_the_float32_draw_rounded():
+    fp32, bf16 = _grads((64,)), [torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))]
+    bf16[0].grad = torch.zeros(64, dtype=torch.bfloat16)
+    noise.add_noise(fp32, noise_multiplier=1.0, max_grad_norm=1.0, seed=0, step=0)
+    noise.add_noise(bf16, noise_multiplier=1.0, max_grad_norm=1.0, seed=0, step=0)
+    assert bf16[0].grad.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16[0].grad.float(), fp32[0].grad, rtol=1e-2, atol=1e-2)
+
+
+def test_scalar_noise_is_the_same_on_the_device_and_on_the_host():
+    values = [3.0, -1.5]
+    host = noise.add_scalar_noise(values, [0.5, 2.0], seed=4, step=7)
+    device = noise.add_scalar_noise(torch.tensor(values, dtype=torch.float64), [0.5, 2.0], seed=4, step=7)
+    assert device.dtype == torch.float64 and device.tolist() == pytest.approx(host, abs=0)
