@@ -690,11 +690,14 @@ class GhostClipper:
 
     def _row_fingerprints(self, capture: _Capture, grads: Tensor, batch_size: int,
                           packing: Optional[PackedRows]) -> Tensor:
-        """`(B, 3)` or, for packed rows, `(B, T, 3)`: each row's (token's) sum, L2 norm and largest magnitude, in
-        float64. Scaling a row by c > 0 scales all three by c; rows mixed across examples change them."""
+        """`(B, 4)` or, for packed rows, `(B, T, 4)`: each row's (token's) sum, L2 norm, largest and smallest entry,
+        in float64 (without a float64 copy of the rows). Scaling a row by c > 0 scales all four by c; rows mixed
+        across examples change them."""
         _, grads = self._batch_first(capture, grads, batch_size, packing)
-        rows = grads.reshape(grads.shape[: 1 if packing is None else 2] + (-1,)).double()
-        return torch.stack([rows.sum(-1), rows.norm(dim=-1), rows.abs().amax(-1)], dim=-1)
+        rows = grads.reshape(grads.shape[: 1 if packing is None else 2] + (-1,))
+        norms = torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64)
+        return torch.stack([rows.sum(-1, dtype=torch.float64), norms, rows.amax(-1).double(), rows.amin(-1).double()],
+                           dim=-1)
 
     def _verify_attribution(
         self, captures: List[_Capture], output_grads, indices: List[int], packing: Optional[PackedRows],

@@ -121,9 +121,9 @@ class UnitIndex:
         self.counts = np.bincount(self.inverse, minlength=0) if batch_size else np.zeros(0, np.int64)  # (U,)
         self.num_units = len(self.counts)
         self.identity = self.num_units == batch_size and bool((self.inverse == np.arange(batch_size)).all())
-        consecutive = bool((np.diff(self.inverse) >= 0).all())
+        self.consecutive = bool((np.diff(self.inverse) >= 0).all())  # each unit's examples side by side, in order
         equal = self.num_units > 0 and bool((self.counts == self.counts[0]).all())
-        self.group_size = int(self.counts[0]) if consecutive and equal else None  # k for the grouped view
+        self.group_size = int(self.counts[0]) if self.consecutive and equal else None  # k for the grouped view
         self._device_tensors: Dict[Tuple[str, torch.device], Tensor] = {}
 
     @classmethod
@@ -132,12 +132,17 @@ class UnitIndex:
         return cls(np.repeat(np.arange(len(counts)), counts), int(sum(counts)))
 
     def on(self, name: str, device: torch.device) -> Tensor:
-        """Index tensor `name` (`"inverse"`, `"pairs"`, `"ordered_pairs"`) on `device`, built once, copied without
-        blocking the host."""
+        """Index tensor `name` (`"inverse"`, `"order"`, `"sorted_inverse"`, `"pairs"`, `"ordered_pairs"`) on
+        `device`, built once per micro-batch, copied without blocking the host."""
         key = (name, torch.device(device))
         if key not in self._device_tensors:
+            order = np.argsort(self.inverse, kind="stable")
             if name == "inverse":
                 array = self.inverse
+            elif name == "order":  # examples grouped by unit
+                array = order
+            elif name == "sorted_inverse":  # the unit of each example in that order
+                array = self.inverse[order]
             else:  # (3, P): first example, second example, their unit
                 same_unit = self.inverse[:, None] == self.inverse[None, :]
                 first, second = np.nonzero(same_unit if name == "ordered_pairs" else np.triu(same_unit))
@@ -263,23 +268,34 @@ def _materialized(left: Tensor, right: Tensor, units: UnitIndex, keep: bool, dty
     """Per-unit gradients Σ_{t∈u} l_t r_tᵀ: their squared norms, and themselves if `keep`."""
     rows, cols = left.shape[-1], right.shape[-1]
     left_units, right_units = units.grouped(left), units.grouped(right)
-    if left_units is None:  # per-example gradients, summed into their units
-        unit_grads = left.new_zeros((units.num_units, rows, cols), dtype=dtype)
-        inverse = units.on("inverse", left.device)
-        for chunk in _chunks(units.batch_size, rows * cols):
-            example_grads = torch.bmm(left[chunk].to(dtype).transpose(1, 2), right[chunk].to(dtype))
-            unit_grads.index_add_(0, inverse[chunk], example_grads)
-        return _row_dots(unit_grads, unit_grads), unit_grads if keep else None
     norms, kept = [], []
+    if left_units is None:  # per-example gradients, summed into their units, a chunk of units at a time
+        order, sorted_units = units.on("order", left.device), units.on("sorted_inverse", left.device)
+        starts = np.concatenate([[0], np.cumsum(units.counts)])
+        for chunk in _chunks(units.num_units, rows * cols * int(units.counts.max())):
+            first, last = int(starts[chunk.start]), int(starts[chunk.stop])
+            examples = slice(first, last) if units.consecutive else order[first:last]
+            example_grads = torch.bmm(left[examples].to(dtype).transpose(1, 2), right[examples].to(dtype))
+            unit_grads = example_grads.new_zeros((chunk.stop - chunk.start, rows, cols))
+            unit_grads.index_add_(0, sorted_units[first:last] - chunk.start, example_grads)
+            norms.append(_row_dots(unit_grads, unit_grads))
+            if keep:
+                kept.append(unit_grads)
+        return _joined(norms, left.new_zeros(0, dtype=dtype)), _joined(kept, None) if keep else None
     for chunk in _chunks(units.num_units, rows * cols):  # one product per unit over all its tokens
         unit_grads = torch.bmm(left_units[chunk].to(dtype).transpose(1, 2), right_units[chunk].to(dtype))
         norms.append(_row_dots(unit_grads, unit_grads))
         if keep:
             kept.append(unit_grads)
-    if not norms:
-        return left.new_zeros(0, dtype=dtype), left.new_zeros((0, rows, cols), dtype=dtype) if keep else None
-    norm_sq = norms[0] if len(norms) == 1 else torch.cat(norms)
-    return norm_sq, (kept[0] if len(kept) == 1 else torch.cat(kept)) if keep else None
+    empty = left.new_zeros((0, rows, cols), dtype=dtype)
+    return _joined(norms, left.new_zeros(0, dtype=dtype)), _joined(kept, empty) if keep else None
+
+
+def _joined(parts: List[Tensor], empty: Optional[Tensor]) -> Optional[Tensor]:
+    """Chunk results in one tensor (no copy for one chunk)."""
+    if not parts:
+        return empty
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _indexed_norm_sq(term: OuterGrad, units: UnitIndex, rows: int, dtype: torch.dtype) -> Tensor:
