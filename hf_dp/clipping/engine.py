@@ -407,10 +407,11 @@ class GhostClipper:
                 activations = None if activations is None else packing.regroup(activations)
                 grads = packing.regroup(grads)
             terms = layer.rule.fn(layer.module, activations, grads)
-            bits = _precision_bits(grads, activations)
+            bits = _precision_bits(grads, activations) if checked_params else None  # for the coverage check only
             for name, param in layer.params.items():
                 terms_by_param.setdefault(param, []).append(terms[name])
-                precision_bits[param] = min(precision_bits.get(param, 64), bits, _precision_bits(param))
+                if checked_params:
+                    precision_bits[param] = min(precision_bits.get(param, 64), bits, _precision_bits(param))
         del captures, output_grads
 
         norm_sq_parts, reducers, scales = [], {}, {}

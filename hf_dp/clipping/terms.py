@@ -370,8 +370,9 @@ def _bookkeeping_sum(term: OuterGrad, units: UnitIndex, unit_weights: Tensor, sh
 
 
 def _weighted_unit_sum(unit_grads: Tensor) -> Reducer:
-    def reduce(unit_weights: Tensor) -> Tensor:
-        return torch.tensordot(unit_weights.to(unit_grads.dtype), unit_grads, dims=1)
+    def reduce(unit_weights: Tensor) -> Tensor:  # Σ_u w_u G_u as one product
+        flat = unit_grads.reshape(unit_grads.shape[0], -1)
+        return (unit_weights.to(unit_grads.dtype) @ flat).reshape(unit_grads.shape[1:])
 
     return reduce
 
