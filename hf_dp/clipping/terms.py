@@ -281,20 +281,20 @@ def _materialized(left: Tensor, right: Tensor, units: UnitIndex, keep: bool, dty
             norms.append(_row_dots(unit_grads, unit_grads))
             if keep:
                 kept.append(unit_grads)
-        return _joined(norms, left.new_zeros(0, dtype=dtype)), _joined(kept, None) if keep else None
+        return _joined(norms, lambda: left.new_zeros(0, dtype=dtype)), _joined(kept, None) if keep else None
     for chunk in _chunks(units.num_units, rows * cols):  # one product per unit over all its tokens
         unit_grads = torch.bmm(left_units[chunk].to(dtype).transpose(1, 2), right_units[chunk].to(dtype))
         norms.append(_row_dots(unit_grads, unit_grads))
         if keep:
             kept.append(unit_grads)
-    empty = left.new_zeros((0, rows, cols), dtype=dtype)
-    return _joined(norms, left.new_zeros(0, dtype=dtype)), _joined(kept, empty) if keep else None
+    norm_sq = _joined(norms, lambda: left.new_zeros(0, dtype=dtype))
+    return norm_sq, _joined(kept, lambda: left.new_zeros((0, rows, cols), dtype=dtype)) if keep else None
 
 
-def _joined(parts: List[Tensor], empty: Optional[Tensor]) -> Optional[Tensor]:
-    """Chunk results in one tensor (no copy for one chunk)."""
+def _joined(parts: List[Tensor], empty: Optional[Callable[[], Tensor]]) -> Optional[Tensor]:
+    """Chunk results in one tensor (no copy for one chunk); `empty()` when there is no chunk."""
     if not parts:
-        return empty
+        return empty() if empty is not None else None
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -372,7 +372,7 @@ def _bookkeeping_sum(term: OuterGrad, units: UnitIndex, unit_weights: Tensor, sh
 def _weighted_unit_sum(unit_grads: Tensor) -> Reducer:
     def reduce(unit_weights: Tensor) -> Tensor:  # Σ_u w_u G_u as one product
         flat = unit_grads.reshape(unit_grads.shape[0], -1)
-        return (unit_weights.to(unit_grads.dtype) @ flat).reshape(unit_grads.shape[1:])
+        return torch.mm(unit_weights.to(unit_grads.dtype)[None], flat).reshape(unit_grads.shape[1:])
 
     return reduce
 
