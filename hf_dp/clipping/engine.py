@@ -25,12 +25,13 @@ Which rows belong to which example:
 The first time a layer is seen with a given layout (and a batch of two or more) the
 attribution is verified: a backward of Σ_b c_b·L_b, with weights c_b drawn from the powers
 of two 1/8 ... 8 (exact in floating point), must scale each example's rows of the output
-gradient by its own c_b (compared through each row's sum, norm and largest magnitude). A
-tensor with no batch dimension (shared by all examples) fails this or has no rows to read,
+gradient by its own c_b (compared through each row's sum, norm, largest and smallest entry).
+A tensor with no batch dimension (shared by all examples) fails this or has no rows to read,
 and is refused before any gradient is written, naming the layer. That check keeps the graph
-for extra backward passes, so it raises the memory of that one backward (about 1.2-1.3x on
-a small Llama, full fine-tuning): run the first backward on a few rows (DPTrainer does, on
-its probe rows at construction) and every later step costs what a plain step costs.
+for extra backward passes, so it raises the peak memory of that one backward (1.02-1.13x on
+small GPT-2 and Llama models, full fine-tuning, `benchmarks/step_memory.py`): run the first
+backward on a few rows (DPTrainer does, on its probe rows at construction) and every later
+step costs what a plain step costs.
 
 In the steady state (every layout verified) a backward reads nothing back from the device:
 the units and packed rows are built on the host ([`~hf_dp.clipping.terms.UnitIndex`],
