@@ -17,6 +17,8 @@ import secrets
 import numpy as np
 import torch
 
+from .transfer import to_device
+
 _NOISE_STREAM = 1
 _LOGGING_STREAM = 2
 NOISE_CHUNK = 1 << 22  # elements per generator: 16 MiB of float32 noise at a time
@@ -92,8 +94,6 @@ def add_scalar_noise(values, stds, *, seed: int, step: int):
     rng = np.random.default_rng(np.random.SeedSequence([seed, step, _LOGGING_STREAM]))
     noise = [float(rng.normal(0.0, std)) for std in stds]
     if isinstance(values, torch.Tensor):
-        draws = torch.tensor(noise, dtype=torch.float64)
-        if values.device.type != "cpu":
-            draws = draws.pin_memory().to(values.device, non_blocking=True)
+        draws = to_device(torch.tensor(noise, dtype=torch.float64), values.device)
         return values[: len(noise)].to(torch.float64) + draws
     return [float(value) + draw for value, draw in zip(values, noise)]

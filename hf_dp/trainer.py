@@ -62,6 +62,7 @@ from .data import examples_per_user, keyed_seed, partition_by_user
 from .losses import is_causal_lm, packed_per_example_loss, per_example_loss
 from .noise import add_noise, add_scalar_noise, fresh_seed
 from .sampling import PoissonBatchSampler
+from .transfer import to_device
 from .vocabulary import MECHANISMS
 
 logger = logging.getLogger(__name__)
@@ -511,7 +512,7 @@ class DPTrainer(Trainer):
                 losses, example_ids = self._per_example_losses(model, micro_batch)
                 units = micro_batch.units
                 if micro_batch.loss_weights is not None:  # ULS: a user's gradient is that of their mean loss
-                    losses = losses * _on_device(micro_batch.loss_weights, losses.device)
+                    losses = losses * to_device(micro_batch.loss_weights, losses.device)
                 # 1/m folded into the clip factors: the clipped sums arrive normalised.
                 norms = self.clipper.backward(losses, unit_ids=units, max_grad_norm=max_grad_norm,
                                               example_ids=example_ids, grad_scale=1.0 / expected_batch_size)
@@ -550,7 +551,7 @@ class DPTrainer(Trainer):
         example_ids = _packed_example_ids(features)  # on the host, before the copy: no device read
         if example_ids is not None:
             features["use_cache"] = False  # a cache turns off transformers' per-example attention masking
-        features = _on_device(features, self.args.device)
+        features = to_device(features, self.args.device)
         labels = features.pop("labels", None)
         if labels is None:
             raise ValueError("DP training batches need 'labels' (per-example losses are computed from them).")
@@ -571,7 +572,7 @@ class DPTrainer(Trainer):
             num_examples = int(example_ids.numpy().max()) + 1  # a host tensor
             if micro_batch.num_examples is not None and num_examples != micro_batch.num_examples:
                 raise ValueError(_examples_lost(num_examples, micro_batch.num_examples))
-            losses = packed_per_example_loss(logits, labels, _on_device(example_ids, logits.device), num_examples,
+            losses = packed_per_example_loss(logits, labels, to_device(example_ids, logits.device), num_examples,
                                              causal_lm=self._causal_lm)
         if micro_batch.num_examples is not None and losses.shape[0] != micro_batch.num_examples:
             raise ValueError(_examples_lost(losses.shape[0], micro_batch.num_examples))
@@ -1115,15 +1116,6 @@ _LOSS_FUNC_PACKED = (
 
 def _unwrapped(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _on_device(data, device):
-    """Host tensors (or a dict of them) on `device`; to an accelerator from pinned memory, without blocking."""
-    if torch.device(device).type == "cpu":
-        return send_to_device(data, device)
-    pinned = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in data.items()} if isinstance(data, dict) \
-        else data.pin_memory()
-    return send_to_device(pinned, device, non_blocking=True)
 
 
 def _packed_example_ids(features: dict) -> torch.Tensor | None:

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..transfer import to_device
+
 
 def examples_from_position_ids(position_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
     """`(B, T)` index of the example each token belongs to: a new example wherever the position
@@ -89,8 +91,7 @@ class PackedRows:
         """`self.<name>` on `device`, copied once per micro-batch without blocking the host."""
         key = (name, torch.device(device))
         if key not in self._on_device:
-            tensor = getattr(self, name)
-            self._on_device[key] = tensor if key[1].type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+            self._on_device[key] = to_device(getattr(self, name), key[1])
         return self._on_device[key]
 
     def regroup(self, tensor: Tensor) -> Tensor:

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..transfer import to_device
+
 OUTER = "outer"
 EXAMPLE = "example"
 
@@ -147,7 +149,7 @@ class UnitIndex:
                 same_unit = self.inverse[:, None] == self.inverse[None, :]
                 first, second = np.nonzero(same_unit if name == "ordered_pairs" else np.triu(same_unit))
                 array = np.stack([first, second, self.inverse[first]])
-            self._device_tensors[key] = _to_device(torch.from_numpy(np.ascontiguousarray(array)), key[1])
+            self._device_tensors[key] = to_device(torch.from_numpy(np.ascontiguousarray(array)), key[1])
         return self._device_tensors[key]
 
     def grouped(self, per_example: Tensor) -> Optional[Tensor]:
@@ -180,13 +182,6 @@ class UnitIndex:
     def example_pairs_per_unit(self) -> float:
         """Σ_u n_u (n_u + 1) / 2: the number of i <= j example pairs the ghost norm visits."""
         return float((self.counts * (self.counts + 1)).sum()) / 2
-
-
-def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on `device`; to an accelerator from pinned memory, without blocking the host."""
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------------------
