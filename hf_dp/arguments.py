@@ -320,7 +320,7 @@ class DPTrainingArguments(TrainingArguments):
         if self.push_to_hub and self.hub_strategy in ("checkpoint", "all_checkpoints"):
             problems.append(
                 f"hub_strategy={str(getattr(self.hub_strategy, 'value', self.hub_strategy))!r}: it uploads checkpoint "
-                "folders, whose privacy ledger (dp_state.json) holds the secret that drew G and each user's rows; "
+                "folders, whose resume state (dp_resume.json) holds the secret that drew G and each user's rows; "
                 "use hub_strategy='every_save' or 'end' (the model and the privacy card only)."
             )
         if self.privacy_unit == "user" and self.sampling == "els" and self.contribution_bound is None:

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 # What never goes to the Hub: checkpoints (they hold optimizer state and the ledger), trainer internals.
-IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", "_*", "*.tmp", "training_args.bin", "dp_state.json"]
+IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", "_*", "*.tmp", "training_args.bin", "dp_resume.json"]
 # The privacy block must state at least the guarantee itself.
 _CARD_KEYS = ("epsilon", "delta", "privacy_unit", "mechanism")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")

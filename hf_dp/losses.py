@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from .clipping.packing import examples_from_position_ids
+
 _CAUSAL_LM_CLASSES = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
@@ -17,7 +19,7 @@ def is_causal_lm(model) -> bool:
     for `AutoModelForCausalLM`, or when it subclasses one of transformers' causal-LM heads. Its own class name does
     not matter: `class Decoder(LlamaForCausalLM)` is one, `LlamaForSequenceClassification` is not.
     """
-    base = _unwrapped(model)
+    base = base_model(model)
     classes = type(base).__mro__
     config = getattr(base, "config", None)
     if config is not None:
@@ -35,7 +37,7 @@ def is_causal_lm(model) -> bool:
     return any(cls.__module__.startswith("transformers.") and cls.__name__ in _CAUSAL_LM_CLASSES for cls in classes)
 
 
-def _unwrapped(model):
+def base_model(model):
     """The model under peft (`get_base_model`), DDP (`module`) and `torch.compile` (`_orig_mod`) wrappers."""
     for _ in range(8):
         if hasattr(model, "get_base_model"):
@@ -94,3 +96,50 @@ def packed_per_example_loss(logits: torch.Tensor, labels: torch.Tensor, example_
     sums = token_loss.new_zeros(num_examples + 1).index_add_(0, owners, token_loss)[:num_examples]
     counts = token_loss.new_zeros(num_examples + 1).index_add_(0, owners, torch.ones_like(token_loss))[:num_examples]
     return sums / counts.clamp(min=1)
+
+
+def packed_example_ids(features: dict) -> torch.Tensor | None:
+    """For packed rows, the example of each token (`(rows, T)`, see
+    [`~hf_dp.clipping.packing.examples_from_position_ids`]); `None` for one example per row.
+
+    Rows are packed when `position_ids` restart inside a row (DataCollatorWithFlattening: one row, no
+    attention mask). With an attention mask transformers would let a row's examples attend to each other: refused.
+    Reads the collator's host tensors: no device sync.
+    """
+    position_ids = features.get("position_ids")
+    if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return None
+    mask = features.get("attention_mask")
+    real = mask.bool() if torch.is_tensor(mask) and mask.shape == position_ids.shape else \
+        torch.ones_like(position_ids, dtype=torch.bool)
+    # Padding (left or right) may carry any position: only restarts between two real tokens count.
+    restarts = (torch.diff(position_ids, dim=-1) != 1) & real[:, 1:] & real[:, :-1]
+    if not restarts.cpu().numpy().any():
+        return None
+    if mask is not None:
+        raise ValueError(
+            "Packed rows (position_ids restart inside a row) with an attention_mask: transformers then lets the "
+            "examples of a row attend to each other, so one example's gradient would depend on the others. Drop the "
+            "attention_mask (DataCollatorWithFlattening returns none) or pad one example per row."
+        )
+    return examples_from_position_ids(position_ids)
+
+
+def examples_lost(found: int, sampled: int) -> str:
+    return (f"The data collator returned {found} examples for {sampled} sampled rows: a unit's rows must stay "
+            "distinct examples to be clipped as sampled. DataCollatorWithFlattening drops rows with no tokens: "
+            "filter them out of the training data.")
+
+
+PACKED_NEEDS_TOKEN_HEAD = (
+    "Packed (padding-free) batches, e.g. from DataCollatorWithFlattening, put several examples in one row and are "
+    "supported for causal language models; {model} is not one: a sequence-classification head pools each row into "
+    "one prediction, which cannot be split into the row's examples (DP needs per-example losses and gradients). "
+    "Use a padding collator (DataCollatorWithPadding) for this model."
+)
+
+LOSS_FUNC_PACKED = (
+    "compute_loss_func with packed rows (DataCollatorWithFlattening): its losses would be one per packed row, not one "
+    "per example; use a padding collator with compute_loss_func, or drop compute_loss_func (the built-in loss "
+    "splits packed rows into their examples)."
+)

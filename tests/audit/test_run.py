@@ -146,17 +146,17 @@ def test_dp_at_epsilon_one_stays_at_most_one(tmp_path):
 @pytest.mark.slow
 def test_noise_shrunk_behind_the_ledger_is_caught(tmp_path, monkeypatch):
     """A broken mechanism: noise 100x smaller than the ledger accounts for. The ledger still says ε ≤ 1."""
-    import hf_dp.trainer
+    import hf_dp.step
 
-    honest, calls = hf_dp.trainer.add_noise, []
+    honest, calls = hf_dp.step.add_noise, []
 
     def shrunk(params, *, noise_multiplier, **kwargs):
         calls.append(noise_multiplier)
         honest(params, noise_multiplier=noise_multiplier / 100, **kwargs)
 
-    monkeypatch.setattr(hf_dp.trainer, "add_noise", shrunk)
+    monkeypatch.setattr(hf_dp.step, "add_noise", shrunk)
     report = _audit(tmp_path, target_epsilon=1.0)
-    assert calls, "the trainer no longer adds noise through hf_dp.trainer.add_noise: update this test's patch"
+    assert calls, "the trainer no longer adds noise through hf_dp.step.add_noise: update this test's patch"
     assert report.epsilon_upper_bound <= 1.0  # what the ledger claims
     assert report.exceeds_upper_bound and report.epsilon_lower_bound > 1.0, report.to_dict()
     assert "Warning: this lower bound exceeds the proven" in report.card_section()

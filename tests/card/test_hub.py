@@ -58,7 +58,7 @@ def model_dir(tmp_path):
     write_privacy_card(report, folder, ledger=privacy_ledger(report), base_model="test/tiny", eval_result=0.7,
                        baseline_result=0.4)
     (folder / "checkpoint-5").mkdir()
-    (folder / "checkpoint-5" / "dp_state.json").write_text("{}")
+    (folder / "checkpoint-5" / "dp_resume.json").write_text("{}")
     return folder
 
 

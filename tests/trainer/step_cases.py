@@ -8,7 +8,7 @@ from tiny_models import model_inputs, per_example_loss, tiny_batch, tiny_model, 
 from trainer_fixtures import pad_collator, tiny_llama, user_dataset
 from transformers import TrainerCallback
 
-import hf_dp.trainer
+import hf_dp.step
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.clipping import GhostClipper, examples_from_position_ids
 
@@ -89,13 +89,13 @@ def trainer_case(name: str, output_dir) -> dict:
 
 def _no_gradient_noise():
     """The gradient noise switched off (zero std), wherever the trainer draws it."""
-    target = "add_noise" if hasattr(hf_dp.trainer, "add_noise") else None
+    target = "add_noise" if hasattr(hf_dp.step, "add_noise") else None
     if target is None:
         raise RuntimeError("step_cases: update _no_gradient_noise for the trainer's noise function")
-    original = getattr(hf_dp.trainer, target)
+    original = getattr(hf_dp.step, target)
 
     def silent(*args, **kwargs):
         kwargs["noise_multiplier"] = 0.0
         return original(*args, **kwargs)
 
-    return mock.patch.object(hf_dp.trainer, target, silent)
+    return mock.patch.object(hf_dp.step, target, silent)

@@ -20,10 +20,10 @@ import dp_accounting
 from dp_accounting import pld, rdp
 
 from hf_dp import DPTrainer, accounting
-from hf_dp import trainer as trainer_module
+from hf_dp import releases, step
 from hf_dp.clipping.adaptive import effective_noise_multiplier, gradient_noise_multiplier
 from hf_dp.hub import check_privacy_card
-from hf_dp.trainer import _ledger_digest
+from hf_dp.checkpoint import digest
 from trainer_fixtures import make_args, make_trainer, pad_collator, tiny_bert, user_dataset
 
 # 64 users, 16 expected per step, one micro-batch per step: σ_b = m/20 = 0.8 by default.
@@ -41,8 +41,8 @@ class Recorder:
 
     def __init__(self, trainer, monkeypatch):
         self.micro_batches, self.noise, self.releases, self.updates, self.sampled = [], [], [], [], []
-        backward, add_noise = trainer.clipper.backward, trainer_module.add_noise
-        add_scalar_noise = trainer_module.add_scalar_noise
+        backward, add_noise = trainer.clipper.backward, step.add_noise
+        add_scalar_noise = releases.add_scalar_noise
 
         def recording_backward(*args, max_grad_norm, **kwargs):
             norms = backward(*args, max_grad_norm=max_grad_norm, **kwargs)
@@ -67,8 +67,8 @@ class Recorder:
 
         monkeypatch.setattr(trainer, "training_step", recording_step)
         monkeypatch.setattr(trainer.clipper, "backward", recording_backward)
-        monkeypatch.setattr(trainer_module, "add_noise", recording_noise)
-        monkeypatch.setattr(trainer_module, "add_scalar_noise", recording_scalars)
+        monkeypatch.setattr(step, "add_noise", recording_noise)
+        monkeypatch.setattr(releases, "add_scalar_noise", recording_scalars)
         if trainer.quantile_tracker is not None:
             update = trainer.quantile_tracker.update
 
@@ -234,11 +234,11 @@ def adaptive_runs(tmp_path_factory):
 
 def test_resume_restores_the_tracked_norm(tmp_path, adaptive_runs):
     straight, out, settings = adaptive_runs
-    ledger = json.loads((out / "checkpoint-2" / "dp_state.json").read_text())
-    state = ledger["quantile_tracker"]
+    resume = json.loads((out / "checkpoint-2" / "dp_resume.json").read_text())
+    state = resume["quantile_tracker"]
     assert state["steps"] == 2 and state["count_noise"] == 0.8 and state["norm"] != 0.05
-    assert ledger["config"]["adaptive_clipping"] is True
-    final = json.loads((out / "checkpoint-4" / "dp_state.json").read_text())["quantile_tracker"]
+    assert resume["config"]["adaptive_clipping"] is True
+    final = json.loads((out / "checkpoint-4" / "dp_resume.json").read_text())["quantile_tracker"]
     assert final["norm"] == straight.clipping_norm  # the checkpointed run took the same path
 
     resumed = make_trainer(tmp_path, model=tiny_bert(seed=99), **settings)
@@ -278,19 +278,22 @@ def test_a_tracker_state_that_does_not_match_the_ledger_is_refused(tmp_path, ada
     _, out, settings = adaptive_runs
     copy = tmp_path / "checkpoint-2"
     shutil.copytree(out / "checkpoint-2", copy)
-    path = copy / "dp_state.json"
-    ledger = json.loads(path.read_text())
-    ledger["quantile_tracker"]["steps"] = 1  # re-digested: only the cross-check can catch it
-    ledger["digest"] = _ledger_digest(ledger)
-    path.write_text(json.dumps(ledger))
+    path = copy / "dp_resume.json"
+    resume = json.loads(path.read_text())
+
+    def write(resume):
+        resume["digest"] = digest({key: value for key, value in resume.items() if key != "digest"})
+        path.write_text(json.dumps(resume))
+
+    resume["quantile_tracker"]["steps"] = 1  # re-digested: only the cross-check can catch it
+    write(resume)
     trainer = make_trainer(tmp_path, **settings)
-    with pytest.raises(ValueError, match="dp_state.json: its adaptive clipping state has"):
-        trainer._restore_ledger(str(copy))
-    ledger["quantile_tracker"] = None
-    ledger["digest"] = _ledger_digest(ledger)
-    path.write_text(json.dumps(ledger))
+    with pytest.raises(ValueError, match="dp_resume.json: its adaptive clipping state has"):
+        trainer._resume_privacy_state(str(copy))
+    resume["quantile_tracker"] = None
+    write(resume)
     with pytest.raises(ValueError, match="no valid adaptive clipping state"):
-        trainer._restore_ledger(str(copy))
+        trainer._resume_privacy_state(str(copy))
     assert trainer.accountant.steps == 0 and trainer.clipping_norm == 0.05
 
 

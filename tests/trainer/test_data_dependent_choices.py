@@ -12,7 +12,7 @@ from hf_dp import DPTrainer, DPTrainingArguments, accounting
 from hf_dp.accounting import planner
 from hf_dp.data import keyed_uniform, partition_by_user
 from hf_dp.workflows.runs import split_by_user, subsample_users
-from hf_dp.trainer import _data_secret
+from hf_dp.contribution import data_secret
 from trainer_fixtures import pad_collator, tiny_bert, user_dataset
 
 GRID = planner.CONTRIBUTION_BOUND_GRID
@@ -133,9 +133,9 @@ def test_bound_epsilon_arguments():
 
 def test_secret_comes_from_os_entropy_unless_a_test_seed_is_given():
     args = DPTrainingArguments(output_dir="x", use_cpu=True)
-    assert _data_secret(args) != _data_secret(args)
+    assert data_secret(args) != data_secret(args)
     seeded = DPTrainingArguments(output_dir="x", noise_seed=5, use_cpu=True)
-    assert _data_secret(seeded) == _data_secret(seeded)
+    assert data_secret(seeded) == data_secret(seeded)
 
 
 # ---- per-user randomness: one user more or less changes nothing for the others --------------------------
@@ -210,7 +210,7 @@ def test_resume_keeps_the_bound_and_the_rows(tmp_path, bound):
                          save_strategy="steps", save_steps=2, noise_seed=11)
     first.train()
     checkpoint = tmp_path / "a" / "out" / "checkpoint-2"
-    assert json.loads((checkpoint / "dp_state.json").read_text())["data_secret"] == first._data_secret
+    assert json.loads((checkpoint / "dp_resume.json").read_text())["data_secret"] == first._data_secret
     # Another secret (here another test seed; by default fresh OS entropy) would choose other rows ...
     resumed = make_trainer(tmp_path / "b", dataset=data, contribution_bound=bound, target_epsilon=8.0,
                            noise_seed=12)

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from hf_dp import DPTrainer
 from hf_dp.batch_independence import check_batch_independence
 from hf_dp.data import examples_per_user, partition_by_user
-from hf_dp.trainer import LOCK_NAME, _ledger_digest
+from hf_dp.checkpoint import LOCK_FILE, digest
 from tiny_models import VOCAB as BATCH_VOCAB
 from tiny_models import model_inputs, tiny_batch, tiny_model
 from trainer_fixtures import VOCAB, make_args, make_trainer, pad_collator, tiny_bert, tiny_llama, user_dataset
@@ -185,16 +185,21 @@ def checkpoint_4(tmp_path_factory):
     return tmp_path / "out" / "checkpoint-4"
 
 
-def _tampered(tmp_path, checkpoint, edit, redigest=True):
+def _tampered(tmp_path, checkpoint, name, edit, redigest=True):
+    """A copy of the checkpoint with `name` (the ledger or the resume state) edited; `redigest` re-signs the edit
+    as a forger would (then only the consistency checks can catch it)."""
     copy = tmp_path / "checkpoint-4"
     shutil.copytree(checkpoint, copy)
-    path = copy / "dp_state.json"
+    path = copy / name
     if callable(edit):
-        ledger = json.loads(path.read_text())
-        edit(ledger)
+        content = json.loads(path.read_text())
+        edit(content)
+        path.write_text(json.dumps(content))
         if redigest:
-            ledger["digest"] = _ledger_digest(ledger)
-        path.write_text(json.dumps(ledger))
+            resume = json.loads((copy / "dp_resume.json").read_text())
+            resume["ledger_digest"] = digest(json.loads((copy / "dp_ledger.json").read_text()))
+            resume["digest"] = digest({key: value for key, value in resume.items() if key != "digest"})
+            (copy / "dp_resume.json").write_text(json.dumps(resume))
     else:
         path.write_text(edit)
     return str(copy)
@@ -209,32 +214,37 @@ def _set_sigma(ledger):
 
 
 @pytest.mark.parametrize(
-    "edit, redigest, message",
+    "name, edit, redigest, message",
     [
-        (lambda ledger: ledger["accountant"].update(segments=[]), True, "records 0 steps but .* global step 4"),
-        (lambda ledger: _set_steps(ledger, 2), True, "records 2 steps but .* global step 4"),
-        (_set_sigma, True, "segment 0 has .* not this run's"),
-        (lambda ledger: _set_steps(ledger, 3), False, "integrity digest does not match"),
-        (lambda ledger: ledger["accountant"]["pure_dp"].append({"label": "x", "epsilon": 1.0}), False,
-         "integrity digest does not match"),
-        (lambda ledger: ledger.pop("digest"), False, "not a DPTrainer ledger"),
-        ('{"format": 2, "config": {"privacy_un', None, "cannot read the privacy ledger"),
-        ("[]", None, "not a DPTrainer ledger"),
+        ("dp_ledger.json", lambda ledger: ledger["accountant"].update(segments=[]), True,
+         "records 0 steps but .* global step 4"),
+        ("dp_ledger.json", lambda ledger: _set_steps(ledger, 2), True, "records 2 steps but .* global step 4"),
+        ("dp_ledger.json", _set_sigma, True, "segment 0 has .* not this run's"),
+        ("dp_ledger.json", lambda ledger: _set_steps(ledger, 3), False, "does not match the digest"),
+        ("dp_ledger.json", lambda ledger: ledger["accountant"]["pure_dp"].append({"label": "x", "epsilon": 1.0}),
+         False, "does not match the digest"),
+        ("dp_ledger.json", '{"format": 1, "delta": 0.0', None, "cannot read the privacy ledger"),
+        ("dp_resume.json", lambda resume: resume.pop("digest"), False, "not a DPTrainer resume state"),
+        ("dp_resume.json", lambda resume: resume.update(data_secret="0" * 32), False, "integrity digest"),
+        ("dp_resume.json", '{"format": 1, "config": {"privacy_un', None, "cannot read the resume state"),
+        ("dp_resume.json", "[]", None, "not a DPTrainer resume state"),
     ],
-    ids=["emptied-segments", "edited-steps", "edited-sigma", "edited-no-digest", "edited-pure-dp", "no-digest",
-         "truncated", "empty-list"],
+    ids=["emptied-segments", "edited-steps", "edited-sigma", "edited-no-digest", "edited-pure-dp", "truncated-ledger",
+         "no-digest", "edited-secret", "truncated-resume", "empty-list"],
 )
-def test_a_ledger_that_does_not_match_its_checkpoint_is_refused(tmp_path, checkpoint_4, edit, redigest, message):
-    checkpoint = _tampered(tmp_path, checkpoint_4, edit, redigest)
+def test_a_ledger_that_does_not_match_its_checkpoint_is_refused(tmp_path, checkpoint_4, name, edit, redigest,
+                                                                message):
+    checkpoint = _tampered(tmp_path, checkpoint_4, name, edit, redigest)
     trainer = make_trainer(tmp_path, max_steps=4)
-    with pytest.raises(ValueError, match=f"dp_state.json.*{message}") as error:
-        trainer._restore_ledger(checkpoint)
+    with pytest.raises(ValueError, match=f"{name}.*{message}") as error:
+        trainer._resume_privacy_state(checkpoint)
     assert "\n" not in str(error.value)
     assert trainer.accountant.steps == 0
 
 
 def test_an_emptied_ledger_does_not_restart_epsilon(tmp_path, checkpoint_4):
-    checkpoint = _tampered(tmp_path, checkpoint_4, lambda ledger: ledger["accountant"].update(segments=[]))
+    checkpoint = _tampered(tmp_path, checkpoint_4, "dp_ledger.json",
+                            lambda ledger: ledger["accountant"].update(segments=[]))
     trainer = make_trainer(tmp_path, max_steps=4)
     with pytest.raises(ValueError, match="records 0 steps"):
         trainer.train(resume_from_checkpoint=checkpoint)
@@ -243,7 +253,7 @@ def test_an_emptied_ledger_does_not_restart_epsilon(tmp_path, checkpoint_4):
 
 def test_an_intact_ledger_is_restored(tmp_path, checkpoint_4):
     trainer = make_trainer(tmp_path, max_steps=4)
-    trainer._restore_ledger(str(checkpoint_4))
+    trainer._resume_privacy_state(str(checkpoint_4))
     assert trainer.accountant.steps == 4
 
 
@@ -285,7 +295,7 @@ def test_integral_float_batch_size_is_accepted(tmp_path):
 def test_a_second_live_run_in_the_same_output_dir_is_refused(tmp_path):
     output_dir = tmp_path / "out"
     output_dir.mkdir()
-    lock_path = output_dir / LOCK_NAME
+    lock_path = output_dir / LOCK_FILE
     with open(lock_path, "a+") as other_run:  # another live run holds the lock
         fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
         trainer = make_trainer(tmp_path, max_steps=1)
@@ -305,7 +315,7 @@ def test_the_lock_is_released_when_training_fails(tmp_path):
                         data_collator=pad_collator, optimizers=(torch.optim.SGD(stale, lr=0.1), None))
     with pytest.raises(RuntimeError, match="no gradient"):
         trainer.train()
-    with open(tmp_path / "out" / LOCK_NAME) as lock:
+    with open(tmp_path / "out" / LOCK_FILE) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
 
 

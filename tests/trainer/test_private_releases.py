@@ -17,7 +17,8 @@ from transformers.trainer_callback import ProgressCallback
 
 from app_fixtures import privacy_ledger, privacy_report
 from hf_dp import DPTrainer, DPTrainingArguments, accounting
-from hf_dp import trainer as trainer_module
+from hf_dp import callbacks
+from hf_dp import releases as releases_module
 from hf_dp.card import LEDGER_FILE, render_privacy_card, write_privacy_card
 from hf_dp.hub import PrivacyCardError, check_privacy_card
 from trainer_fixtures import pad_collator, tiny_bert, user_dataset
@@ -55,7 +56,7 @@ def test_logged_loss_is_a_bounded_noised_sum_even_for_an_outlier_user(tmp_path, 
                            learning_rate=0.0, max_loss=2.0)
     plan = trainer.privacy_plan
     releases, sampled = [], []
-    real_noise, real_step = trainer_module.add_scalar_noise, trainer.training_step
+    real_noise, real_step = releases_module.add_scalar_noise, trainer.training_step
 
     def recording_noise(values, stds, **kwargs):
         noised = real_noise(values, stds, **kwargs)
@@ -66,7 +67,7 @@ def test_logged_loss_is_a_bounded_noised_sum_even_for_an_outlier_user(tmp_path, 
         sampled.append(inputs.total_units)
         return real_step(model, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "add_scalar_noise", recording_noise)
+    monkeypatch.setattr(releases_module, "add_scalar_noise", recording_noise)
     monkeypatch.setattr(trainer, "training_step", recording_step)
     trainer.train()
 
@@ -101,7 +102,7 @@ def test_nothing_exact_reaches_trainer_state_or_the_progress_bar(tmp_path):
     progress.training_bar = Bar()
     trainer.add_callback(progress)
     privacy_progress = next(cb for cb in trainer.callback_handler.callbacks
-                            if isinstance(cb, trainer_module._PrivacyProgress))
+                            if isinstance(cb, callbacks.PrivacyProgress))
     privacy_progress.on_step_end(trainer.args, trainer.state, trainer.control)
     assert set(progress.training_bar.postfix) == {"eps", "sigma", "refresh"}
 

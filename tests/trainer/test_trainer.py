@@ -172,8 +172,9 @@ def test_resume_reproduces_an_uninterrupted_run_and_keeps_the_ledger(tmp_path):
     first = make_trainer(tmp_path / "b", model=tiny_bert(seed=1), max_steps=4, save_strategy="steps", save_steps=2)
     first.train()
     checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
-    ledger = json.loads((checkpoint / "dp_state.json").read_text())
+    ledger = json.loads((checkpoint / "dp_ledger.json").read_text())
     assert ledger["accountant"]  # the ledger is saved with the checkpoint
+    assert "data_secret" not in ledger and "data_secret" in json.loads((checkpoint / "dp_resume.json").read_text())
     resumed = make_trainer(tmp_path / "c", model=tiny_bert(seed=99), max_steps=4)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.accountant.steps == 4
@@ -189,7 +190,7 @@ def test_resume_with_other_privacy_arguments_is_refused(tmp_path):
     other = make_trainer(tmp_path, max_steps=4, max_grad_norm=0.5)
     with pytest.raises(ValueError, match="different privacy configuration.*max_grad_norm"):
         other.train(resume_from_checkpoint=checkpoint)
-    os.remove(os.path.join(checkpoint, "dp_state.json"))
+    os.remove(os.path.join(checkpoint, "dp_ledger.json"))
     same = make_trainer(tmp_path, max_steps=4)
     with pytest.raises(ValueError, match="no privacy ledger"):
         same.train(resume_from_checkpoint=checkpoint)

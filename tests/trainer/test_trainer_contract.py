@@ -4,8 +4,6 @@ report's vocabulary."""
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import tomllib
 from pathlib import Path
 
@@ -19,10 +17,9 @@ from transformers import (BertGenerationConfig, BertGenerationDecoder, DataColla
                           LlamaForSequenceClassification, Trainer)
 
 from hf_dp import DPTrainer
-from hf_dp.card import LEDGER_FILE
 from hf_dp.hub import check_privacy_card
 from hf_dp.losses import is_causal_lm
-from hf_dp.trainer import SUPPORTED_TRANSFORMERS, _ledger_digest, check_trainer_hooks
+from hf_dp.compatibility import SUPPORTED_TRANSFORMERS, check_trainer_hooks
 from hf_dp.vocabulary import MECHANISMS
 from trainer_fixtures import VOCAB, make_args, make_trainer, pad_collator, tiny_bert, tiny_llama, user_dataset
 
@@ -301,15 +298,12 @@ def test_report_and_ledger_name_the_mechanism_by_its_key(tmp_path, overrides, me
     assert trainer.privacy_plan.fingerprint(trainer.args)["mechanism"] == mechanism
 
 
-def test_a_checkpoint_whose_ledger_says_sampling_still_resumes(tmp_path):
-    """Checkpoints written before the fingerprint's "sampling" became "mechanism" resume as before."""
-    make_trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=2).train()
-    path = tmp_path / "out" / "checkpoint-4" / "dp_state.json"  # the newest: what resume_from_checkpoint=True takes
-    ledger = json.loads(path.read_text())
-    ledger["config"]["sampling"] = ledger["config"].pop("mechanism")
-    ledger["digest"] = _ledger_digest(ledger)
-    path.write_text(json.dumps(ledger))
+def test_a_checkpoint_of_the_older_single_file_format_is_refused_clearly(tmp_path):
+    """Checkpoints of hf_dp before the ledger/resume-state split held one `dp_state.json`: refused in one line."""
+    make_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    (checkpoint / "dp_resume.json").rename(checkpoint / "dp_state.json")
     resumed = make_trainer(tmp_path, max_steps=4)
-    resumed.train(resume_from_checkpoint=True)
-    assert resumed.accountant.steps == 4
-    assert os.path.isfile(tmp_path / "out" / LEDGER_FILE)
+    with pytest.raises(ValueError, match="written by an older hf_dp .dp_state.json.") as error:
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert "\n" not in str(error.value) and resumed.accountant.steps == 0

@@ -1,0 +1,212 @@
+"""What a checkpoint holds for privacy, and the lock that keeps one run per `output_dir`.
+
+Every checkpoint gets two files beside Trainer's:
+- the ledger (`dp_ledger.json`, the same record that is saved beside the privacy card): the accountant's state
+  and what ε is computed from;
+- the resume state (`dp_resume.json`, never uploaded): the plan's fingerprint, the data secret that drew G and each
+  user's rows, adaptive clipping's running C, and a digest over both files.
+
+A resumed run continues only from a checkpoint whose two files are intact, match each other and Trainer's step,
+and were written under the same privacy configuration: the ε already spent is never lost or rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from filelock import FileLock, Timeout
+from transformers.trainer import TRAINER_STATE_NAME
+
+from . import accounting
+from .arguments import DPTrainingArguments
+from .card import LEDGER_FILE
+from .clipping.adaptive import QuantileTracker
+from .privacy_plan import PrivacyPlan
+
+RESUME_FILE = "dp_resume.json"  # in every checkpoint, never uploaded: it holds the data secret
+LOCK_FILE = "_hf_dp.lock"  # in output_dir while a run trains there (never uploaded: `_*`)
+_RESUME_FORMAT = 1
+
+
+def ledger_record(plan: PrivacyPlan, args: DPTrainingArguments, accountant: accounting.PrivacyAccountant) -> dict:
+    """The ledger: what `hf-dp publish` recomputes ε from (accountant state, δ, privacy unit, mechanism, sampling)."""
+    return {"format": 1, "delta": plan.delta, "privacy_unit": args.privacy_unit, "mechanism": plan.mechanism,
+            "sampling": args.sampling if args.privacy_unit == "user" else None,
+            "accountant": accountant.state_dict()}
+
+
+def write_checkpoint(folder: str, *, ledger: dict, fingerprint: dict, data_secret: str,
+                     quantile_tracker: QuantileTracker | None) -> None:
+    """Write the ledger and the resume state into a checkpoint folder Trainer has just written."""
+    if not os.path.isdir(folder):
+        raise RuntimeError(f"Trainer reported a checkpoint at {folder}, which does not exist: its privacy ledger "
+                           "cannot be saved with it.")
+    resume = {
+        "format": _RESUME_FORMAT,
+        "config": fingerprint,
+        "data_secret": data_secret,  # a resumed run keeps G and the rows it chose; never released
+        # adaptive clipping's running C: a resumed run clips where the checkpoint's would have
+        "quantile_tracker": quantile_tracker.to_dict() if quantile_tracker is not None else None,
+        "ledger_digest": digest(ledger),
+    }
+    resume["digest"] = digest({key: value for key, value in resume.items() if key != "digest"})
+    _write_json(os.path.join(folder, LEDGER_FILE), ledger)
+    _write_json(os.path.join(folder, RESUME_FILE), resume)
+
+
+@dataclass
+class SavedRun:
+    """A checkpoint's privacy state, read and checked for integrity (not yet against this run's plan)."""
+
+    folder: str
+    config: dict
+    accountant: accounting.PrivacyAccountant
+    data_secret: str | None
+    quantile_tracker: dict | None
+
+
+def read_checkpoint(checkpoint: str) -> SavedRun:
+    """Read a checkpoint's ledger and resume state; check their digests and the step count against Trainer's.
+
+    Raises:
+        ValueError: one line naming the file: missing, unreadable, edited, or not matching its checkpoint.
+    """
+    ledger_path, resume_path = os.path.join(checkpoint, LEDGER_FILE), os.path.join(checkpoint, RESUME_FILE)
+    if os.path.isfile(os.path.join(checkpoint, "dp_state.json")) and not os.path.isfile(resume_path):
+        raise ValueError(f"{checkpoint} was written by an older hf_dp (dp_state.json): resume it with that version, "
+                         "or start a new run.")
+    if not os.path.isfile(resume_path) or not os.path.isfile(ledger_path):
+        missing = RESUME_FILE if not os.path.isfile(resume_path) else LEDGER_FILE
+        raise ValueError(
+            f"{checkpoint} has no privacy {'ledger' if missing == LEDGER_FILE else 'resume state'} ({missing}): it "
+            "was not written by DPTrainer. Resuming from it would lose the ε already spent; start a new run instead."
+        )
+    ledger, resume = read_json(ledger_path, "the privacy ledger"), read_json(resume_path, "the resume state")
+    if not isinstance(resume, dict) or not isinstance(resume.get("config"), dict) \
+            or not isinstance(resume.get("digest"), str) or not isinstance(ledger, dict) \
+            or not isinstance(ledger.get("accountant"), dict):
+        raise ValueError(f"{resume_path} is not a DPTrainer resume state with 'config' and 'digest' beside a ledger "
+                         "with 'accountant' (written by another hf_dp version, or edited): resume from a checkpoint "
+                         "of this version or start a new run.")
+    if resume["digest"] != digest({key: value for key, value in resume.items() if key != "digest"}):
+        raise ValueError(f"{resume_path}: its integrity digest does not match its contents (edited or corrupted): "
+                         "resume from an intact checkpoint or start a new run.")
+    if resume.get("ledger_digest") != digest(ledger):
+        raise ValueError(f"{ledger_path}: the ledger does not match the digest its resume state records (the ledger "
+                         "was edited or corrupted): resume from an intact checkpoint or start a new run.")
+    accountant = accounting.PrivacyAccountant()
+    try:
+        accountant.load_state_dict(ledger["accountant"])
+    except ValueError as error:
+        raise ValueError(f"{ledger_path}: {error}") from error
+    state = read_json(os.path.join(checkpoint, TRAINER_STATE_NAME), "the trainer state")
+    global_step = state.get("global_step") if isinstance(state, dict) else None
+    if accountant.steps != global_step:
+        raise ValueError(f"{ledger_path} records {accountant.steps} steps but its checkpoint is at global step "
+                         f"{global_step} ({TRAINER_STATE_NAME}): the ledger does not match its checkpoint; resume "
+                         "from an intact checkpoint or start a new run.")
+    return SavedRun(checkpoint, dict(resume["config"]), accountant, resume.get("data_secret"),
+                    resume.get("quantile_tracker"))
+
+
+def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArguments) -> QuantileTracker | None:
+    """Check a checkpoint's privacy state against this run's plan; return its adaptive clipping tracker (or None).
+
+    Raises:
+        ValueError: a different privacy configuration, a ledger whose steps were composed under another plan, or
+            an adaptive clipping state that does not match.
+    """
+    current = plan.fingerprint(args)
+    changed = {k: (saved.config.get(k), v) for k, v in current.items() if not same(saved.config.get(k), v)}
+    if changed:
+        details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"Checkpoint {saved.folder} was trained under a different privacy configuration ({details}). "
+                         "Resume with the same privacy arguments and data, or start a new run.")
+    ledger_path = os.path.join(saved.folder, LEDGER_FILE)
+    expected = (plan.sample_rate, plan.effective_noise_multiplier, plan.group_size)
+    for i, segment in enumerate(saved.accountant.history):
+        found = (segment["sample_rate"], segment["noise_multiplier"], segment["group_size"])
+        if not all(same(a, b) for a, b in zip(found, expected)):
+            raise ValueError(f"{ledger_path}: segment {i} has (sample_rate, noise_multiplier, group_size) = {found}, "
+                             f"not this run's {expected}: the ledger does not match the plan; start a new run.")
+    return _saved_tracker(saved, plan)
+
+
+def _saved_tracker(saved: SavedRun, plan: PrivacyPlan) -> QuantileTracker | None:
+    path, state = os.path.join(saved.folder, RESUME_FILE), saved.quantile_tracker
+    if plan.adaptive_clipping is None:
+        if state is not None:
+            raise ValueError(f"{path} holds an adaptive clipping state but its configuration says a fixed "
+                             "clipping norm: the resume state is inconsistent; start a new run.")
+        return None
+    try:
+        tracker = QuantileTracker.from_dict(state)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: no valid adaptive clipping state ({error}); resume from a checkpoint of this "
+                         "version or start a new run.") from None
+    found = (tracker.target_quantile, tracker.learning_rate, tracker.count_noise, tracker.steps)
+    expected = (plan.adaptive_clipping.target_quantile, plan.adaptive_clipping.learning_rate, plan.count_noise,
+                saved.accountant.steps)
+    if not all(same(a, b) for a, b in zip(found, expected)):
+        raise ValueError(f"{path}: its adaptive clipping state has (target_unclipped_quantile, "
+                         f"clipping_learning_rate, clipping_count_noise, steps) = {found}, not this run's "
+                         f"{expected}: the resume state does not match the plan; start a new run.")
+    return tracker
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str, enabled: bool = True):
+    """Hold an exclusive lock on `output_dir/_hf_dp.lock` while one run writes there.
+
+    The OS releases the lock when the process ends, even if it crashes: a leftover file does not block a later run.
+
+    Raises:
+        RuntimeError: another live run holds the lock.
+    """
+    if not enabled:
+        yield
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_FILE)
+    lock = FileLock(path, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RuntimeError(f"output_dir={output_dir!r} is in use by another live training run ({path} is locked): "
+                           "wait for it to finish or choose another --output_dir.") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def read_json(path: str, what: str):
+    """A JSON file of a checkpoint or output folder, or one clear `ValueError` saying it is unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: cannot read {what} ({type(error).__name__}: {error}); the file is truncated "
+                         "or corrupted: resume from an intact checkpoint or start a new run.") from error
+
+
+def same(a, b) -> bool:
+    """Equal, floats to 1e-9 relative (a value that went through JSON)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and bool(np.isclose(a, b, rtol=1e-9, atol=0))
+    return a == b
+
+
+def digest(content: dict) -> str:
+    """sha256 of the canonical JSON (catches edits and corruption)."""
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _write_json(path: str, content: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2)

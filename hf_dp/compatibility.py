@@ -1,0 +1,184 @@
+"""What DP training needs from the Trainer class, the model and the loss, checked before any step.
+
+Each check either passes or refuses with one line saying what to change: the private Trainer hooks the DP mixin
+overrides exist and are called, no subclass replaces `compute_loss`, the model is neither compiled nor built by
+`model_init` nor sharded, a `compute_loss_func` returns one loss per example, and the clipping engine's one-off
+checks pass on the first training rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import torch
+import transformers
+from accelerate.utils import send_to_device
+from transformers import DataCollatorWithFlattening, Trainer
+
+from .losses import LOSS_FUNC_PACKED, packed_example_ids, per_example_loss
+
+# The transformers versions the DP mixin is tested with (pyproject.toml declares the same range).
+SUPPORTED_TRANSFORMERS = ">=5.24,<6"
+
+# Private Trainer methods the DP mixin overrides or calls, with the leading parameters (after self) each must take.
+TRAINER_HOOKS = {
+    "_clip_grad_norm": ("model",),
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_get_num_items_in_batch": ("batch_samples", "device"),
+    "_remove_unused_columns": ("dataset", "description"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def check_trainer_hooks(trainer_class: type = Trainer) -> None:
+    """Check that `trainer_class` has the private hooks the DP mixin overrides or calls, and that its training loop
+    calls the overridden ones (else, e.g., its global clipping would rescale the noised gradient).
+
+    Raises:
+        RuntimeError: one line naming the hooks missing, the transformers version and the supported range.
+    """
+    problems = []
+    for name, parameters in TRAINER_HOOKS.items():
+        hook = getattr(trainer_class, name, None)
+        if not callable(hook):
+            problems.append(f"{name} is missing")
+            continue
+        try:
+            found = tuple(inspect.signature(hook).parameters)[1:]
+        except (TypeError, ValueError):
+            continue
+        if found[: len(parameters)] != parameters:
+            problems.append(f"{name}{tuple(found)} does not take {parameters}")
+    sources = []
+    for cls in trainer_class.__mro__:
+        if isinstance(cls, type) and issubclass(cls, Trainer):
+            try:
+                sources.append(inspect.getsource(cls))
+            except (OSError, TypeError):  # no source shipped: the names above are all that can be checked
+                sources = None
+                break
+    if sources is not None:
+        source = "\n".join(sources)
+        problems += [f"its training loop never calls {name}" for name in TRAINER_HOOKS
+                     if name != "_remove_unused_columns" and f"self.{name}(" not in source]
+    if problems:
+        raise RuntimeError(
+            f"hf_dp's DP trainers support transformers{SUPPORTED_TRANSFORMERS}; the installed transformers "
+            f"{transformers.__version__} has a {trainer_class.__name__} where {'; '.join(problems)}: install a "
+            f"supported version (pip install 'transformers{SUPPORTED_TRANSFORMERS}')."
+        )
+    if trainer_class is Trainer and not version_supported(transformers.__version__):
+        warnings.warn(f"hf_dp is tested with transformers{SUPPORTED_TRANSFORMERS}, not {transformers.__version__}: "
+                      "DPTrainer's Trainer hooks exist there, but install a tested version if anything misbehaves.",
+                      stacklevel=3)
+
+
+def version_supported(version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True)
+
+
+def check_no_loss_override(trainer_class: type, base: type) -> None:
+    """A subclass's `compute_loss` would be ignored by the DP step (it needs one loss per example): refused."""
+    if trainer_class.compute_loss is not base.compute_loss:
+        raise ValueError(
+            f"{trainer_class.__name__} overrides compute_loss, which DP training cannot use (it clips each unit's "
+            "gradient, so it needs one loss per example, not a batch loss): remove the override and pass "
+            "compute_loss_func=f, where f(outputs, labels, num_items_in_batch=None) returns a (batch,) tensor."
+        )
+
+
+def check_model(model, model_init) -> None:
+    if model_init is not None:
+        raise ValueError("model_init: DP training attaches its per-unit clipping to the model at construction and "
+                         "Trainer would replace that model in train(); pass model=model_init() instead.")
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        raise ValueError(
+            "model is a torch.compile wrapper: the per-unit clipping hooks into the model's layers, which makes the "
+            "compiled graph break and recompile at every batch shape (slower, not faster); pass the model itself "
+            "(model._orig_mod)."
+        )
+
+
+def check_not_sharded(trainer) -> None:
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("FSDP / DeepSpeed (from the accelerate config): sharded parameters are not supported by "
+                         "the clipping engine yet; launch with a DDP config (recipes/configs/multi_gpu.yaml).")
+
+
+def check_per_example(losses, rows: int) -> None:
+    """A `compute_loss_func` result must be `(rows,)`: one loss per example."""
+    if not (torch.is_tensor(losses) and tuple(losses.shape) == (rows,)):
+        shape = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+        raise ValueError(
+            f"compute_loss_func returned {shape} for a batch of {rows} examples: DP training clips each unit's "
+            f"gradient, so it needs one loss per example, shape ({rows},) (e.g. reduction='none', then each "
+            "example's mean over its tokens); return that, or drop compute_loss_func."
+        )
+
+
+def probe_batch(trainer, dataset) -> dict:
+    """The first training rows collated like a micro-batch, for the batch-independence, loss and clipping probes."""
+    dataset = trainer._remove_unused_columns(dataset, description="training")
+    examples = [dataset[i] for i in range(min(len(dataset), max(2, trainer.args.per_device_train_batch_size), 4))]
+    features = trainer.data_collator(examples)
+    if packed_example_ids(features) is not None:
+        # Packed into one row: the probe perturbs one row and watches the others, so give it one example per
+        # row (each collated alone, cut to the shortest).
+        singles = [trainer.data_collator([example]) for example in examples]
+        width = min(single["position_ids"].shape[-1] for single in singles)
+        features = {key: torch.cat([single[key][:, :width] for single in singles])
+                    for key, value in singles[0].items() if torch.is_tensor(value) and value.dim() == 2}
+    return send_to_device(features, trainer.args.device)
+
+
+def check_loss_func(trainer, features: dict) -> None:
+    """Refuse a `compute_loss_func` that does not return one loss per example (tried on the probe batch: it only
+    decides whether to train, nothing is released)."""
+    if trainer.compute_loss_func is None:
+        return
+    if isinstance(trainer.data_collator, DataCollatorWithFlattening):
+        raise ValueError(LOSS_FUNC_PACKED)
+    rows = next(v.shape[0] for v in features.values() if torch.is_tensor(v) and v.dim() > 0)
+    inputs = {k: v for k, v in features.items() if k != "labels"}
+    model = trainer.model
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            outputs = model(**inputs)
+            losses = trainer.compute_loss_func(outputs, features.get("labels"), num_items_in_batch=None)
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"compute_loss_func failed on the first training rows ({type(error).__name__}: "
+                         f"{reason}); DP training calls it as compute_loss_func(outputs, labels, "
+                         "num_items_in_batch=None) and needs one loss per example, shape (batch,).") from error
+    finally:
+        model.train(was_training)
+    check_per_example(losses, rows)
+
+
+def verify_clipping(trainer, features: dict, *, causal_lm: bool) -> None:
+    """Run the clipper's one-off checks (every gradient covered by a rule, every layer's rows attributed to their
+    examples) on the probe rows, before any step: the first training step then needs no second backward pass and no
+    kept graph, so it costs the memory of every other step. Only decides whether to train: the gradients are
+    discarded and nothing is released."""
+    inputs = {k: v for k, v in features.items() if k != "labels"}
+    labels = features.get("labels")
+    if labels is None:  # the first step says what is missing
+        return
+    model = trainer.model
+    was_training = model.training
+    model.train()
+    try:
+        outputs = model(**inputs)
+        if trainer.compute_loss_func is not None:
+            losses = trainer.compute_loss_func(outputs, labels, num_items_in_batch=None).float()
+        else:
+            losses = per_example_loss(outputs.logits, labels, causal_lm=causal_lm)
+        trainer.clipper.backward(losses, max_grad_norm=1.0)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)

@@ -1,0 +1,88 @@
+"""The contribution bound G and the user partition it shapes, both keyed by the run's data secret.
+
+G is the most rows one user contributes; each user keeps a random subset of at most G rows. G is given, or chosen
+from the data with ε-DP ("auto"), a release the ledger records. Both draws are keyed by a secret (fresh OS entropy,
+shared by all ranks, saved in checkpoints so a resumed run redraws the same G and rows; never released).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from collections import Counter
+
+import numpy as np
+
+from .accounting import planner
+from .arguments import DPTrainingArguments
+from .data import UserPartition, examples_per_user, keyed_seed, partition_by_user
+
+
+def data_secret(args: DPTrainingArguments) -> str:
+    """The key of G's private draw and of every user's row choice: fresh OS entropy, shared by all ranks, or
+    derived from `noise_seed` for tests."""
+    if args.noise_seed is not None:
+        return hashlib.sha256(f"hf_dp data secret {args.noise_seed}".encode()).hexdigest()[:32]
+    secret = secrets.token_hex(16)
+    if args.world_size > 1:
+        from accelerate.utils import broadcast_object_list
+
+        secret = broadcast_object_list([secret], from_process=0)[0]
+    return secret
+
+
+def partition(dataset, args: DPTrainingArguments, secret: str) -> UserPartition:
+    """Rows grouped by user under the bound G, G and every user's rows drawn with `secret`."""
+    return partition_by_user(dataset, args.user_id_column, contribution_bound(dataset, args, secret), secret)
+
+
+def bound_epsilon(args: DPTrainingArguments) -> float:
+    """ε spent choosing G from the data: `contribution_bound_epsilon` for "auto" at user level, else 0."""
+    auto = args.contribution_bound == "auto" and args.mechanism != "example"
+    return float(args.contribution_bound_epsilon) if auto else 0.0
+
+
+def contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int | None:
+    """G from the arguments; "auto" is chosen with ε-DP ([`~hf_dp.accounting.planner.private_contribution_bound`]).
+
+    ELS: a DP median of the rows per user, from the public grid. ULS: the noise-prediction heuristic of
+    Charles et al. 2024 run on that DP median (compute budget of `expected_batch_size` users × the median
+    rows), for the run's steps and the ε left to DP-SGD. The draw is keyed by `secret`.
+    """
+    if args.contribution_bound is None or (args.mechanism == "example" and args.contribution_bound == "auto"):
+        return None  # no bound: every row is kept
+    if args.contribution_bound != "auto":
+        return int(args.contribution_bound)
+    counts = examples_per_user(dataset, args.user_id_column)
+    if len(counts) == 0:
+        return None  # partition_by_user raises the clear error
+    sample_rate = min(1.0, args.expected_batch_size / len(counts))  # above 1: the plan raises the clear error
+    steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
+    return planner.private_contribution_bound(
+        counts, sampling=args.mechanism, epsilon=args.contribution_bound_epsilon,
+        expected_batch_size=args.expected_batch_size, steps=steps,
+        target_epsilon=(args.target_epsilon or planner.DEFAULT_TARGET_EPSILON) - bound_epsilon(args),
+        delta=args.target_delta, rng=np.random.default_rng(keyed_seed(secret, "contribution_bound", "bound")),
+    )
+
+
+def bound_choice(args: DPTrainingArguments, mechanism: str, spent: float) -> str:
+    """How G was chosen, for the report and the card (`spent`: the ε of its choice)."""
+    if mechanism == "example" or args.contribution_bound is None:
+        return "none: every row is kept"
+    if not spent:
+        return "given (contribution_bound): not read from the data"
+    rule = "the ELS median" if mechanism == "els" else "the ULS noise-prediction heuristic on that median"
+    return (f"auto: an ε-DP median of the rows per user (exponential mechanism over the public grid "
+            f"{', '.join(map(str, planner.CONTRIBUTION_BOUND_GRID))}; ε = {spent:g}, in the ledger), "
+            f"then {rule}")
+
+
+def canary_counts(dataset, user_id_column: str, bound: int | None) -> tuple[int, int]:
+    """(users, kept rows) of audit canaries: trained on like any user (they count in q and δ), never counted in the
+    report's or the card's number of users and examples."""
+    from .audit.canaries import is_canary_user  # TODO(merge): core module
+
+    rows = Counter(user for user in dataset[user_id_column] if is_canary_user(user))
+    return len(rows), sum(n if bound is None else min(n, bound) for n in rows.values())

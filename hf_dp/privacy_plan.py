@@ -1,0 +1,194 @@
+"""The privacy plan: what the accountant composes, fixed from the arguments and the user partition before step 1.
+
+Each step releases up to three noised sums over the same Poisson sample: the clipped gradients (sensitivity C,
+noise σ·C); with private logging the clipped losses (sensitivity `max_loss`, noise σ_log·max_loss, σ_log = r·σ,
+r = `logging_noise_ratio`) and, for a fixed C, the count of clipped units (sensitivity 1, noise σ_log); with
+adaptive clipping the centred count of unclipped units (sensitivity 1/2, noise σ_b), released every step because
+it sets the next C. Scaled by their noise they are one Gaussian mechanism whose noise multiplier is
+
+    σ_eff = (σ⁻² + 2·σ_log⁻²)^(-1/2)                     fixed C, private logging
+    σ_eff = (σ⁻² + (2σ_b)⁻² [+ σ_log⁻²])^(-1/2)          adaptive clipping (Andrew et al. 2021, Theorem 1)
+
+For ELS a user with k sampled examples moves each sum by at most k times its sensitivity, so the
+mixture-of-Gaussians accountant applies with that σ_eff too. The gradient noise of a step clipped at C_t is σ·C_t,
+so ε does not depend on the C reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from . import accounting
+from .arguments import DPTrainingArguments
+from .clipping.adaptive import AdaptiveClipping, effective_noise_multiplier, gradient_noise_multiplier
+from .contribution import bound_epsilon
+from .data import UserPartition
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """What the accountant composes at every step; `steps` and the noise are final once it is built."""
+
+    mechanism: str  # "uls" | "els" | "example": a key of hf_dp.vocabulary.MECHANISMS
+    num_units: int  # units sampled: users (ULS) or rows (ELS, example-level)
+    num_privacy_units: int  # units protected: users, or rows for example-level
+    sample_rate: float
+    steps: int
+    noise_multiplier: float  # σ of the gradient
+    delta: float
+    contribution_bound: int | None  # G: the most rows one user contributes; None: every row kept
+    logging_noise_multiplier: float | None = None  # σ_log of the logged loss (and fixed-C count); None: not logged
+    effective_noise_multiplier: float | None = None  # σ_eff the accountant composes
+    adaptive_clipping: AdaptiveClipping | None = None  # C tracks a quantile from C_0 = max_grad_norm; None: fixed C
+    count_noise: float | None = None  # σ_b of the adaptive count, in units; None for a fixed C
+
+    @property
+    def group_size(self) -> int:
+        """The accountant's mixture size: G for ELS (a user moves up to G sampled rows), else 1."""
+        return self.contribution_bound if self.mechanism == "els" else 1
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·N, what every step's clipped sums and noise are divided by."""
+        return self.sample_rate * self.num_units
+
+    @property
+    def private_logging(self) -> bool:
+        return self.logging_noise_multiplier is not None
+
+    def fingerprint(self, args: DPTrainingArguments) -> dict:
+        """Everything a resumed run must share with the checkpoint for the ledger to stay true."""
+        adaptive = self.adaptive_clipping
+        return {
+            "privacy_unit": args.privacy_unit,
+            "mechanism": self.mechanism,
+            "max_grad_norm": args.max_grad_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "logging_noise_multiplier": self.logging_noise_multiplier,
+            "max_loss": args.max_loss if self.private_logging else None,
+            "sample_rate": self.sample_rate,
+            "contribution_bound": self.contribution_bound,
+            "target_epsilon": args.target_epsilon,
+            "target_delta": self.delta,
+            "num_units": self.num_units,
+            "adaptive_clipping": adaptive is not None,
+            "target_unclipped_quantile": adaptive.target_quantile if adaptive else None,
+            "clipping_learning_rate": adaptive.learning_rate if adaptive else None,
+            "clipping_count_noise": self.count_noise,
+        }
+
+
+def plan_privacy(args: DPTrainingArguments, partition: UserPartition) -> PrivacyPlan:
+    """The plan for these arguments and this partition; sets `args.max_steps` to the planned steps.
+
+    Raises:
+        ValueError: fewer than 2 privacy units, an expected batch above the units, δ ≥ 1/units, a budget no noise
+            meets, a first step that alone exceeds `target_epsilon`, or an adaptive count noise that alone would
+            spend the budget.
+    """
+    mechanism = args.mechanism
+    num_units = partition.num_users if mechanism == "uls" else partition.num_examples
+    num_privacy_units = partition.num_examples if mechanism == "example" else partition.num_users
+    unit_name = "users" if args.privacy_unit == "user" else "examples"
+    if num_privacy_units < 2:
+        raise ValueError(
+            f"The training data has {num_privacy_units} {unit_name[:-1]}: a {args.privacy_unit}-level guarantee "
+            f"needs many {unit_name}. Check --user_id_column ({args.user_id_column!r}) or add data."
+        )
+    sample_rate = args.expected_batch_size / num_units
+    if sample_rate > 1:
+        raise ValueError(
+            f"expected_batch_size={args.expected_batch_size} exceeds the {num_units} "
+            f"{'users' if mechanism == 'uls' else 'examples'} available: lower --expected_batch_size."
+        )
+    steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
+    args.max_steps = steps
+    delta = args.target_delta if args.target_delta is not None else 1.0 / (10 * num_privacy_units)
+    if delta >= 1.0 / num_privacy_units:
+        raise ValueError(
+            f"target_delta={delta:g} is not below 1/{num_privacy_units} {unit_name}: such a δ allows "
+            f"releasing a whole {args.privacy_unit}'s data. Lower --target_delta (default 1/(10·{unit_name}))."
+        )
+    group_size = partition.contribution_bound if mechanism == "els" else 1
+    ratio = args.logging_noise_ratio if args.private_logging else None
+    adaptive = adaptive_clipping(args)
+    count_noise = adaptive.count_noise_for(args.expected_batch_size) if adaptive else None
+    sigma = args.noise_multiplier
+    effective = None if sigma is None else _effective_noise(sigma, ratio, count_noise)
+    spent_on_bound = bound_epsilon(args)  # spent choosing G: DP-SGD gets the rest of the target
+    if sigma is None:
+        try:
+            effective = accounting.noise_multiplier(
+                target_epsilon=args.target_epsilon - spent_on_bound, delta=delta, sample_rate=sample_rate,
+                steps=steps, group_size=group_size,
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"{error} Planned: {steps} steps at sample rate {sample_rate:.4g}. Raise --target_epsilon, "
+                "or train fewer steps/epochs or with a smaller --expected_batch_size."
+            ) from error
+        sigma = _gradient_noise(effective, ratio, count_noise, args)
+    elif args.target_epsilon is not None:
+        _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_size, spent_on_bound)
+    return PrivacyPlan(mechanism, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta,
+                       partition.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
+                       effective_noise_multiplier=float(effective), adaptive_clipping=adaptive,
+                       count_noise=count_noise)
+
+
+def adaptive_clipping(args: DPTrainingArguments) -> AdaptiveClipping | None:
+    """The adaptive clipping configuration of the arguments (C_0 = `max_grad_norm`), or `None` for a fixed C."""
+    if not args.adaptive_clipping:
+        return None
+    return AdaptiveClipping(target_quantile=args.target_unclipped_quantile, learning_rate=args.clipping_learning_rate,
+                            initial_norm=args.max_grad_norm, count_noise=args.clipping_count_noise)
+
+
+def _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_size, spent_on_bound) -> None:
+    """A given σ with a target ε: refuse a first step above the target; warn when the plan would stop early."""
+    first = accounting.epsilon(sample_rate=sample_rate, noise_multiplier=effective, steps=1, delta=delta,
+                               group_size=group_size)
+    if first + spent_on_bound > args.target_epsilon:
+        raise ValueError(
+            f"noise_multiplier={sigma:g} spends ε={first:.3g} on the first step alone, above "
+            f"target_epsilon={args.target_epsilon:g}: raise --target_epsilon or --noise_multiplier."
+        )
+    planned = accounting.epsilon(sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta,
+                                 group_size=group_size)
+    if planned + spent_on_bound > args.target_epsilon:
+        logger.warning("noise_multiplier=%g spends ε=%.3g over the %d planned steps, above target_epsilon=%g: "
+                       "training will stop early, before the budget is exceeded.", sigma, planned, steps,
+                       args.target_epsilon)
+
+
+def _effective_noise(sigma: float, ratio: float | None, count_noise: float | None) -> float:
+    """σ_eff for gradient noise multiplier σ (see the module docstring)."""
+    if count_noise is not None:
+        return effective_noise_multiplier(sigma, count_noise, logging_noise_ratio=ratio)
+    return sigma / math.sqrt(1.0 + 2.0 / ratio**2) if ratio else sigma
+
+
+def _gradient_noise(effective: float, ratio: float | None, count_noise: float | None,
+                    args: DPTrainingArguments) -> float:
+    """σ, the gradient noise multiplier that leaves the step at σ_eff (the inverse of `_effective_noise`).
+
+    Raises:
+        ValueError: with adaptive clipping, a count noise σ_b ≤ σ_eff/2 (the count alone would spend the budget).
+    """
+    if count_noise is None:
+        return effective * math.sqrt(1.0 + 2.0 / ratio**2) if ratio else effective
+    try:
+        return gradient_noise_multiplier(effective, count_noise, logging_noise_ratio=ratio)
+    except ValueError:
+        default = " (the default expected_batch_size/20)" if args.clipping_count_noise is None else ""
+        raise ValueError(
+            f"clipping_count_noise={count_noise:g}{default} is not above σ_eff/2 = {effective / 2:g}, half the "
+            f"noise multiplier target_epsilon allows for the whole step: adaptive clipping's count of unclipped "
+            f"units alone would spend the budget. Raise --clipping_count_noise (a few times {effective / 2:g} keeps "
+            "the gradient noise near σ_eff), raise --expected_batch_size or --target_epsilon, or turn "
+            "--adaptive_clipping off."
+        ) from None

@@ -1,0 +1,114 @@
+"""The privacy report (what the card, the app and the logs state) and Trainer's model-card fields mapped onto it.
+
+Everything here is post-processing of the plan and the ledger: no effect on ε.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import accounting
+from .arguments import DPTrainingArguments
+from .budget import PrivacyBudget
+from .card import round_count
+from .contribution import bound_choice
+from .vocabulary import MECHANISMS
+
+ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency directions"
+
+
+def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping_norm: float, num_users: int,
+                   num_examples: int) -> dict:
+    """The guarantee earned so far, in the project's vocabulary (see `DPTrainerMixin.privacy_report`)."""
+    plan, accountant = budget.plan, budget.accountant
+    adaptive = plan.adaptive_clipping
+    steps = accountant.steps
+    lower, estimate, upper = budget.epsilon_bounds()
+    bound_epsilon = budget.bound_epsilon
+    report = {
+        "epsilon": upper,
+        "epsilon_lower": lower,
+        "epsilon_estimate": estimate,
+        "delta": plan.delta,
+        "target_epsilon": args.target_epsilon,
+        "privacy_unit": args.privacy_unit,
+        "mechanism": plan.mechanism,
+        "mechanism_description": MECHANISMS[plan.mechanism].description,
+        "sampling": args.sampling if args.privacy_unit == "user" else None,
+        "noise_multiplier": plan.noise_multiplier,
+        "logging_noise_multiplier": plan.logging_noise_multiplier,
+        "max_loss": args.max_loss if plan.private_logging else None,
+        "effective_noise_multiplier": plan.effective_noise_multiplier,
+        "sample_rate": plan.sample_rate,
+        "expected_batch_size": args.expected_batch_size,
+        "steps": steps,
+        "max_grad_norm": clipping_norm,
+        "adaptive_clipping": adaptive is not None,
+        "initial_max_grad_norm": args.max_grad_norm if adaptive else None,
+        "target_unclipped_quantile": adaptive.target_quantile if adaptive else None,
+        "clipping_learning_rate": adaptive.learning_rate if adaptive else None,
+        "clipping_count_noise": plan.count_noise,
+        "contribution_bound": plan.contribution_bound,
+        # ε-DP choice of G ("auto": a DP median on the public grid; 0 when G was given) and DP-SGD's share of ε.
+        "contribution_bound_epsilon": bound_epsilon,
+        "contribution_bound_choice": bound_choice(args, plan.mechanism, bound_epsilon),
+        "epsilon_training": upper - accountant.pure_dp_epsilon,
+        "num_users": round_count(num_users),
+        "num_examples": round_count(num_examples),
+        "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mechanism == "els" else ""),
+        "epsilon_group_privacy": None,
+        "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
+    }
+    if plan.mechanism == "els" and steps:
+        report["epsilon_group_privacy"] = accounting.group_privacy_epsilon(
+            sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps,
+            delta=plan.delta, group_size=plan.group_size,
+        ) + accountant.pure_dp_epsilon  # the same releases as `epsilon`, composed loosely
+    return report
+
+
+def base_model_name(model) -> str | None:
+    """The Hub id the model was loaded from; `None` for a local folder (pass `base_model` to the card)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = getattr(getattr(base, "config", None), "_name_or_path", None)
+    return name if name and not os.path.exists(name) else None
+
+
+def card_fields(*, model_name, finetuned_from, tasks, dataset_tags, dataset, dataset_args) -> dict:
+    """Trainer's `create_model_card` fields as privacy card arguments (those given).
+
+    Raises:
+        ValueError: `dataset_args`, or several tasks or datasets (the card states one of each).
+    """
+    if dataset_args is not None:
+        raise ValueError(f"create_model_card(dataset_args={dataset_args!r}): the privacy card names its dataset "
+                         "(dataset_tags or dataset) but no dataset configuration; leave dataset_args unset.")
+    fields = {"model_name": model_name, "base_model": finetuned_from, "task": _one("tasks", tasks),
+              "dataset_name": _one("dataset_tags", dataset_tags) or _one("dataset", dataset)}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def add_card_metadata(path, *, language=None, license=None, tags=None) -> None:
+    """Add `language`, `license` and `tags` (after the card's own) to a written card's front matter."""
+    if language is None and license is None and not tags:
+        return
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(path)
+    if language is not None:
+        card.data.language = language
+    if license is not None:
+        card.data.license = license
+    if tags:
+        own = list(card.data.tags or [])
+        card.data.tags = own + [tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in own]
+    card.save(path)
+
+
+def _one(name: str, value):
+    """A card field Trainer may pass as a list: one value, or a clear refusal."""
+    if isinstance(value, (list, tuple)):
+        if len(value) > 1:
+            raise ValueError(f"create_model_card({name}={list(value)!r}): the privacy card states one; pass one.")
+        return value[0] if value else None
+    return value
