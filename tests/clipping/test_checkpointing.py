@@ -28,7 +28,7 @@ def test_gradient_checkpointing_matches_oracle(arch, lora):
     model.activation_checkpointing_enable()
     with GhostClipper(model) as clipper:
         losses = hf_loss(head)(model(**inputs), batch["labels"])
-        deferred = [capture for capture in clipper._captures if capture.pending]
+        deferred = [capture for capture in clipper.forward_capture.captures if capture.pending]
         assert deferred and all(capture.activations is None for capture in deferred)
         assert all(capture.layer.checkpoint_blocks for capture in deferred)  # only inside checkpointed blocks
         norms = clipper.backward(losses, unit_ids=UNIT_IDS, max_grad_norm=0.3)
@@ -74,7 +74,7 @@ def test_gradient_checkpointing_of_a_block_shared_across_depths():
     model.block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
     with GhostClipper(model) as clipper:
         losses = loss(model(**inputs), labels)
-        assert sum(capture.pending for capture in clipper._captures) == 6
+        assert sum(capture.pending for capture in clipper.forward_capture.captures) == 6
         norms = clipper.backward(losses, unit_ids=UNIT_IDS, max_grad_norm=0.5)
     assert torch.allclose(norms.double(), norms_oracle, rtol=REL_TOL, atol=0)
     for name, param in model.named_parameters():

@@ -142,10 +142,10 @@ def test_no_grad_forward_captures_nothing_and_plain_backward_still_works():
     with torch.no_grad():
         for _ in range(3):
             model(**model_inputs(batch))
-    assert clipper._captures == []
+    assert clipper.forward_capture.captures == []
     with clipper.disabled():
         model(**model_inputs(batch)).logits.sum().backward()
-    assert clipper._captures == []
+    assert clipper.forward_capture.captures == []
     reference = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     clipper.detach()
