@@ -145,7 +145,8 @@ def add_clipped_sums(
 
 
 def ensure_grads(params: Sequence[nn.Parameter]) -> None:
-    """Zeros as `.grad` where a parameter has none: every trainable parameter gets a (noised) update."""
+    """Zeros as `.grad` where a parameter has none (no unit reached it), so that the noise the caller adds
+    reaches every trainable parameter."""
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)

@@ -102,15 +102,15 @@ class GhostClipper:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.model = model
         self.strategy = strategy
-        self._layers = find_layers(model)
-        self._checks = AttributionChecks(self._layers, enabled=check_coverage)
+        self._attached = find_layers(model)
+        self._checks = AttributionChecks(self._attached, enabled=check_coverage)
         check_gradient_checkpointing(model)
-        self.forward_capture = ForwardCapture(model, self._layers.by_module)
+        self.forward_capture = ForwardCapture(model, self._attached.by_module)
 
     @property
     def layers(self) -> Dict[str, str]:
         """Hooked module paths and the rule clipping each."""
-        return self._layers.rules()
+        return self._attached.rules()
 
     @property
     def enabled(self) -> bool:
@@ -189,7 +189,7 @@ class GhostClipper:
         )
         if losses.shape[0] == 0:
             self.forward_capture.forget()
-            ensure_grads(self._layers.params)
+            ensure_grads(self._attached.params)
             return losses.new_zeros(0, dtype=torch.float32)
         if not step.captures:
             raise RuntimeError(
@@ -231,4 +231,4 @@ class GhostClipper:
         norm_sq_parts, reducers, scales = unit_norms(terms_by_param, step.units, self.strategy, measure_scales=checking)
         if checking:
             self._checks.verify_coverage(step, reducers, scales, bits_by_param)
-        return add_clipped_sums(norm_sq_parts, reducers, step, self._layers.params)
+        return add_clipped_sums(norm_sq_parts, reducers, step, self._attached.params)
