@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from scipy.stats import poisson
 
-from .clipping.terms import UnitIndex
+from .clipping.units import UnitIndex
 from .sampling import SampledUnits
 
 

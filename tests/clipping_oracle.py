@@ -10,10 +10,11 @@ on a batch of one, one example at a time. All three are independent of the engin
 Every comparison is in float64, to a relative error of `REL_TOL`.
 
 This is the only reference implementation of per-unit clipping in the tests: the files of
-`tests/clipping/` (one per module of `hf_dp/clipping/`: `test_engine.py`, `test_registry.py`,
-`test_terms.py`, `test_linear.py`, `test_embedding.py`, `test_norm.py`,
-`test_position_bias.py`, `test_packing.py`, `test_checkpointing.py`, plus the model tables
-`test_architectures.py` and `test_clipping_families.py`) all check the engine against it.
+`tests/clipping/` (one per module of `hf_dp/clipping/`: `test_engine.py`, `test_attach.py`,
+`test_capture.py`, `test_rows.py`, `test_attribution.py`, `test_clip.py`, `test_registry.py`,
+`test_terms.py`, `test_linear.py`, `test_embedding.py`, `test_norm.py`, `test_position_bias.py`,
+`test_packing.py`, plus the model tables `test_architectures.py` and `test_clipping_families.py`)
+check the engine against it.
 """
 from __future__ import annotations
 

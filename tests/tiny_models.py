@@ -3,7 +3,7 @@
 Architectures: GPT-2 (transformers `Conv1D`, learned positions, tied LM head), Llama
 (RMSNorm, rotary, untied), BERT (LayerNorm, token-type and `(1, T)` position ids), Qwen2
 (RMSNorm, q/k/v biases, tied LM head). Heads: sequence classification and causal LM.
-Each optionally with a peft LoRA adapter.
+Each optionally with a peft LoRA adapter. Also `FlattenedRowsModel`, whose layer sees (batch·time) rows.
 """
 from __future__ import annotations
 
@@ -177,3 +177,21 @@ def model_inputs(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 def trainable_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+class FlattenedRowsModel(torch.nn.Module):
+    """Runs its linear layer on the tokens flattened to (B·T, d), batch-major (as OPT) or time-major."""
+
+    def __init__(self, time_major: bool):
+        super().__init__()
+        self.time_major = time_major
+        self.inner, self.outer = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, input):  # (B, T, 3)
+        batch, tokens = input.shape[:2]
+        if self.time_major:
+            flat = self.inner(input.transpose(0, 1).reshape(batch * tokens, 3))  # rows: t * B + b
+            hidden = flat.reshape(tokens, batch, 4).transpose(0, 1)
+        else:
+            hidden = self.inner(input.reshape(batch * tokens, 3)).reshape(batch, tokens, 4)  # rows: b * T + t
+        return self.outer(torch.tanh(hidden))

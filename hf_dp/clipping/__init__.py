@@ -9,6 +9,11 @@ norms = clipper.backward(losses, unit_ids=unit_ids, max_grad_norm=1.0)  # (U,)
 clipper.detach()
 ```
 
+One module per job: `attach` (which layers, each with its rule from `registry`), `capture` (forward
+hooks), `rows` and `attribution` (whose rows are whose, first-step checks), `clip` (per-unit norms and
+clipped sums, from the `terms` the rules `linear`, `embedding`, `norm` return), `units` (examples -> units),
+`packing` (several examples per row), `position_bias` (T5), and `engine` (`GhostClipper`, wiring them).
+
 `adaptive`: private adaptive clipping (Andrew et al. 2021), C tracking a quantile of the per-unit norms.
 """
 from .adaptive import AdaptiveClipping, QuantileTracker, centered_unclipped_count

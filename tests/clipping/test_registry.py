@@ -1,6 +1,7 @@
 """`hf_dp/clipping/registry.py`: rule lookup by layer type (MRO) and class name, custom rules
-registered with `register_rule` (checked against the shared oracle, `clipping_oracle.py`), and
-trainable layers no rule covers, refused before any step with `UnsupportedLayerError`.
+registered with `register_rule` (checked against the shared oracle, `clipping_oracle.py`), and a
+parameter shared by layers whose rules cannot give its joint norm. Trainable layers no rule covers are
+refused when the clipper attaches: `test_attach.py`.
 """
 from __future__ import annotations
 
@@ -98,37 +99,3 @@ def test_parameter_shared_by_incompatible_rules_raises():
     model[1].weight = model[0].weight  # a linear weight also used elementwise: no joint rule
     with pytest.raises(UnsupportedLayerError, match=r"shared by 0\.weight, 1\.weight.*freeze"):
         GhostClipper(model)
-
-
-# ---------------------------------------------------------------------------------------
-# Coverage: trainable layers without a rule, before any step
-
-
-class _RawParameter(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return x * self.gain
-
-
-def test_unknown_trainable_layers_raise_naming_each():
-    model = nn.Sequential(nn.Linear(4, 4), _RawParameter(), nn.Conv2d(1, 1, 1))
-    with pytest.raises(UnsupportedLayerError) as raised:
-        GhostClipper(model)
-    message = str(raised.value)
-    assert "1 (" in message and "_RawParameter" in message and "gain" in message
-    assert "2 (" in message and "Conv2d" in message
-    # Nothing was attached: a plain forward and backward still work.
-    model[0](torch.randn(2, 4)).sum().backward()
-
-
-def test_frozen_unknown_layers_are_fine_and_get_nothing():
-    model = nn.Sequential(nn.Linear(4, 4), _RawParameter())
-    model[1].requires_grad_(False)
-    with GhostClipper(model) as clipper:
-        losses = model(torch.randn(3, 4)).sum(dim=1)
-        clipper.backward(losses, max_grad_norm=1.0)
-    assert model[1].gain.grad is None
-    assert model[0].weight.grad is not None

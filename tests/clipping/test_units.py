@@ -1,11 +1,11 @@
-"""`UnitIndex` (`hf_dp/clipping/terms.py`): which examples form which unit, known on the host."""
+"""`hf_dp/clipping/units.py`: `UnitIndex`: which examples form which unit, known on the host."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from hf_dp.clipping.terms import UnitIndex
+from hf_dp.clipping.units import UnitIndex
 
 
 def test_units_are_ordered_by_sorted_id_and_read_on_the_host():

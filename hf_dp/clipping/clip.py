@@ -1,0 +1,173 @@
+"""Clipping one backward: per-unit norms, clip factors, and the clipped weighted gradient.
+
+DP-SGD bounds each unit's influence on the update by clipping its gradient g_u to norm C. Here
+the captured inputs and output gradients ([`ClippingStep`]) go through the layers' rules into
+factored per-example gradients, [`~hf_dp.clipping.terms`] turns them into per-unit squared norms
+and "reducers" (functions from per-unit weights to a weighted gradient sum), and the update
+grad_scale · Σ_u min(1, C/‖g_u‖)·g_u is formed from those factors (book-keeping, Bu et al. 2023)
+and added to `.grad`: no per-unit gradient of the whole model is ever held.
+
+In the steady state nothing here reads a device value back to the host: the units and packed rows
+are host data, every layer's norms are combined once on the device, and C may be a device tensor
+(adaptive clipping's running C). Norms and sums are computed in float32 (float64 for float64
+models), also when the forward pass ran under autocast.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .capture import Capture
+from .packing import PackedRows
+from .rows import batch_first
+from .terms import GradTerm, Reducer, norm_sq_and_reducer
+from .units import UnitIndex
+
+
+@dataclass
+class ClippingStep:
+    """Everything one [`~hf_dp.clipping.GhostClipper.backward`] works on, in one place.
+
+    Built from the backward's arguments and the forward pass's captures ([`ClippingStep.prepare`]),
+    completed by the backward pass (`output_grads`, `coverage_grads`), then consumed by [`gradient_terms`],
+    which takes the captured tensors out so that they are freed as soon as the rules are done with them.
+    """
+
+    captures: List[Capture]  # the hooked layers' forward calls, in call order
+    units: UnitIndex  # which examples form which unit, and the order of the returned norms
+    packing: Optional[PackedRows]  # several examples per row: which tokens are whose
+    batch_size: int  # rows of the captured tensors (examples, or packed rows)
+    max_grad_norm: Union[float, Tensor]  # C: a float, or a 0-dim tensor kept on the device
+    grad_scale: float  # multiplies the clipped sum (the trainer's 1 / expected batch size)
+    device: torch.device
+    coverage_params: List[nn.Parameter] = field(default_factory=list)  # checked against autograd (first step)
+    output_grads: Sequence[Optional[Tensor]] = ()  # per capture: the loss's gradient at the layer's output
+    coverage_grads: Sequence[Optional[Tensor]] = ()  # autograd's gradient of each of `coverage_params`
+
+    @classmethod
+    def prepare(
+        cls,
+        losses: Tensor,
+        captures: List[Capture],
+        *,
+        unit_ids: Optional[Union[Tensor, Sequence[int], UnitIndex]],
+        max_grad_norm: Union[float, Tensor],
+        example_ids: Optional[Tensor],
+        grad_scale: float,
+        coverage_params: List[nn.Parameter],
+    ) -> "ClippingStep":
+        """The step for `losses` (one per example) and the backward's arguments; host work only."""
+        packing = PackedRows(example_ids, losses.shape[0]) if example_ids is not None else None
+        units = unit_ids if isinstance(unit_ids, UnitIndex) else UnitIndex(unit_ids, losses.shape[0])
+        if units.batch_size != losses.shape[0]:
+            raise ValueError(f"unit_ids cover {units.batch_size} examples, the losses {losses.shape[0]}")
+        return cls(
+            captures=captures, units=units, packing=packing,
+            batch_size=losses.shape[0] if packing is None else packing.rows,
+            max_grad_norm=max_grad_norm, grad_scale=grad_scale, device=losses.device,
+            coverage_params=coverage_params,
+        )
+
+
+def gradient_terms(
+    step: ClippingStep, record_precision: bool = False
+) -> Tuple[Dict[nn.Parameter, List[GradTerm]], Dict[nn.Parameter, int]]:
+    """Each parameter's per-example gradient terms from its layers' captured calls (the step's captured
+    tensors are taken out of it); with `record_precision`, also the least precise dtype (in bits) its
+    gradient went through, for the coverage check's tolerance."""
+    captures, output_grads = step.captures, step.output_grads
+    step.captures, step.output_grads = [], ()
+    packing = step.packing
+    terms_by_param: Dict[nn.Parameter, List[GradTerm]] = {}
+    bits_by_param: Dict[nn.Parameter, int] = {}
+    for capture, grads in zip(captures, output_grads):
+        if grads is None:  # this call's output does not reach the loss
+            continue
+        layer = capture.layer
+        activations, grads = batch_first(capture, grads, step.batch_size, packing)
+        if packing is not None:  # (rows, T, ...) -> (examples, L, ...)
+            activations = None if activations is None else packing.regroup(activations)
+            grads = packing.regroup(grads)
+        terms = layer.rule.fn(layer.module, activations, grads)
+        bits = precision_bits(grads, activations) if record_precision else None
+        for name, param in layer.params.items():
+            terms_by_param.setdefault(param, []).append(terms[name])
+            if record_precision:
+                bits_by_param[param] = min(bits_by_param.get(param, 64), bits, precision_bits(param))
+    return terms_by_param, bits_by_param
+
+
+def unit_norms(
+    terms_by_param: Dict[nn.Parameter, List[GradTerm]], units: UnitIndex, strategy: str, measure_scales: bool = False
+) -> Tuple[List[Tensor], Dict[nn.Parameter, Reducer], Dict[nn.Parameter, float]]:
+    """Per parameter: its `(U,)` squared per-unit norms and its reducer; `terms_by_param` is emptied as it goes.
+
+    With `measure_scales`, also Σ_u ‖g_u‖ per parameter (a host read), the size the coverage check's rounding
+    is relative to.
+    """
+    norm_sq_parts, reducers, scales = [], {}, {}
+    while terms_by_param:
+        param, terms = terms_by_param.popitem()
+        param_norm_sq, reducer = norm_sq_and_reducer(terms, units, strategy, param.shape)
+        norm_sq_parts.append(param_norm_sq)
+        reducers[param] = reducer
+        if measure_scales:
+            scales[param] = float(param_norm_sq.clamp_min(0).sqrt().sum())  # Σ_u ‖g_u‖ for this param
+        del terms
+    return norm_sq_parts, reducers, scales
+
+
+def add_clipped_sums(
+    norm_sq_parts: List[Tensor], reducers: Dict[nn.Parameter, Reducer], step: ClippingStep,
+    params: Sequence[nn.Parameter],
+) -> Tensor:
+    """Adds grad_scale · Σ_u min(1, C/‖g_u‖)·g_u to each parameter's `.grad` (zeros for `params` that got
+    nothing); returns the `(U,)` float32 pre-clip norms over all parameters jointly."""
+    units = step.units
+    # Every layer's norms combined once, on the device (no per-layer accumulation, no host read).
+    norm_sq = _stacked_sum(norm_sq_parts, units.num_units, step.device)
+    norms = norm_sq.clamp_min(0).sqrt()
+    # min(1, C/‖g_u‖)·s; a zero norm gives inf -> s.
+    unit_weights = ((step.max_grad_norm * step.grad_scale) / norms).clamp(max=step.grad_scale)
+    unit_weights = unit_weights.to(norm_sq_parts[0].dtype if norm_sq_parts else torch.float32)  # once
+    for param, reducer in reducers.items():
+        clipped_sum = reducer(unit_weights).to(param.dtype)
+        if param.grad is None:
+            param.grad = clipped_sum
+        else:
+            param.grad.add_(clipped_sum)
+    ensure_grads(params)
+    return norms.to(torch.float32)
+
+
+def ensure_grads(params: Sequence[nn.Parameter]) -> None:
+    """Zeros as `.grad` where a parameter has none (no unit reached it), so that the noise the caller adds
+    reaches every trainable parameter."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def precision_bits(*tensors: Optional[Tensor]) -> int:
+    """Bits of the least precise floating-point tensor among `tensors`."""
+    return min((torch.finfo(t.dtype).bits for t in tensors if t is not None and t.is_floating_point()), default=64)
+
+
+@contextlib.contextmanager
+def autocast_disabled(device: torch.device) -> Iterator[None]:
+    """Norms and sums in float32 (float64) even when the forward pass ran under autocast."""
+    with contextlib.ExitStack() as stack:
+        for device_type in {"cpu", device.type}:
+            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        yield
+
+
+def _stacked_sum(parts: List[Tensor], num_units: int, device: torch.device) -> Tensor:
+    """Σ over parameters of their `(U,)` squared norms, in float64: one stack and one sum."""
+    if not parts:
+        return torch.zeros(num_units, dtype=torch.float64, device=device)
+    return torch.stack([part.to(parts[0].dtype) for part in parts]).sum(0, dtype=torch.float64)
