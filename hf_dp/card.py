@@ -14,7 +14,7 @@ templates. It has
 - a plain statement of the guarantee at its unit, the parameters, the accountant and its
   error bounds (for ELS, the loose group-privacy ε beside the mixture-of-Gaussians ε),
   the evaluation beside the public-only baseline, and, in one section, what the guarantee
-  covers and what it does not (DESIGN §7; Tramèr, Kamath and Carlini 2024).
+  covers and what it does not (after Tramèr, Kamath and Carlini 2024; `docs/guarantee.md` explains each item).
 
 Stated numbers never flatter the guarantee: ε and δ (and q) are rounded up, σ and the lower
 bound of ε down; the user and example counts are shown rounded to 2 significant figures and
