@@ -81,13 +81,16 @@ def version_supported(version: str) -> bool:
     return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True)
 
 
-def check_no_loss_override(trainer_class: type, base: type) -> None:
-    """A subclass's `compute_loss` would be ignored by the DP step (it needs one loss per example): refused."""
-    if trainer_class.compute_loss is not base.compute_loss:
+def check_no_loss_override(trainer_class: type, known: tuple = ()) -> None:
+    """A `compute_loss` override would be ignored by the DP step (it needs one loss per example): refused, unless
+    the class defining it is `Trainer` or one of `known` (base trainers whose loss the DP trainer reproduces)."""
+    owner = next(cls for cls in trainer_class.__mro__ if "compute_loss" in vars(cls))
+    if owner is not Trainer and owner not in known:
         raise ValueError(
-            f"{trainer_class.__name__} overrides compute_loss, which DP training cannot use (it clips each unit's "
-            "gradient, so it needs one loss per example, not a batch loss): remove the override and pass "
-            "compute_loss_func=f, where f(outputs, labels, num_items_in_batch=None) returns a (batch,) tensor."
+            f"{trainer_class.__name__} overrides compute_loss (in {owner.__name__}), which DP training cannot use (it "
+            "clips each unit's gradient, so it needs one loss per example, not a batch loss): remove the override "
+            "and pass compute_loss_func=f, where f(outputs, labels, num_items_in_batch=None) returns a (batch,) "
+            "tensor."
         )
 
 

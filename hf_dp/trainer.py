@@ -51,6 +51,9 @@ class DPTrainerMixin:
     logs and the model card; refuses what would break the guarantee. See [`DPTrainer`] for the behaviour.
     """
 
+    # Trainer subclasses whose `compute_loss` override this class knowingly replaces with per-example losses.
+    known_loss_overrides: tuple = ()
+
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, *trainer_args,
                  privacy_card_kwargs: dict | None = None, **trainer_kwargs):
         base = trainer_base(type(self))
@@ -58,7 +61,7 @@ class DPTrainerMixin:
         if not isinstance(args, DPTrainingArguments):
             raise TypeError(f"{type(self).__name__} needs DPTrainingArguments (they carry the privacy settings).")
         args = _dp_arguments(args)
-        compatibility.check_no_loss_override(type(self), base)
+        compatibility.check_no_loss_override(type(self), self.known_loss_overrides)
         given = inspect.signature(base.__init__).bind_partial(
             None, model, args, data_collator, train_dataset, *trainer_args, **trainer_kwargs).arguments
         compatibility.check_model(model, given.get("model_init"))
