@@ -1,11 +1,8 @@
-"""Trainer callbacks of DP training: ε on the progress bar, the ledger in every checkpoint."""
+"""Trainer callbacks of DP training: ε on the progress bar."""
 
 from __future__ import annotations
 
-import os
-
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 
 class PrivacyProgress(TrainerCallback):
@@ -26,15 +23,3 @@ class PrivacyProgress(TrainerCallback):
         if state.global_step % every == 0 or state.global_step == plan.steps:
             self.epsilon = trainer.current_epsilon()
         bar.set_postfix(eps=f"{self.epsilon:.3g}", sigma=f"{plan.noise_multiplier:.3g}", refresh=False)
-
-
-class LedgerCheckpoints(TrainerCallback):
-    """Saves the ledger and the resume state into every checkpoint, right after Trainer wrote it (`on_save`)."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, **kwargs):
-        if args.should_save:
-            self.trainer.save_privacy_state(
-                os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))

@@ -16,11 +16,13 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
 from filelock import FileLock, Timeout
 from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import accounting
 from .arguments import DPTrainingArguments
@@ -30,6 +32,7 @@ from .privacy_plan import PrivacyPlan
 
 RESUME_FILE = "dp_resume.json"  # in every checkpoint, never uploaded: it holds the data secret
 LOCK_FILE = "_hf_dp.lock"  # in output_dir while a run trains there (never uploaded: `_*`)
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"  # Trainer's just-in-time save removes it once complete
 _RESUME_FORMAT = 1
 
 
@@ -42,10 +45,12 @@ def ledger_record(plan: PrivacyPlan, args: DPTrainingArguments, accountant: acco
 
 def write_checkpoint(folder: str, *, ledger: dict, fingerprint: dict, data_secret: str,
                      quantile_tracker: QuantileTracker | None) -> None:
-    """Write the ledger and the resume state into a checkpoint folder Trainer has just written."""
-    if not os.path.isdir(folder):
-        raise RuntimeError(f"Trainer reported a checkpoint at {folder}, which does not exist: its privacy ledger "
-                           "cannot be saved with it.")
+    """Write the ledger and the resume state into a checkpoint folder, before Trainer's own files: a checkpoint whose
+    `trainer_state.json` exists (Trainer writes it last) then holds its privacy state too.
+
+    Raises:
+        RuntimeError: the files cannot be written (e.g. a full disk); earlier checkpoints are untouched.
+    """
     resume = {
         "format": _RESUME_FORMAT,
         "config": fingerprint,
@@ -55,8 +60,14 @@ def write_checkpoint(folder: str, *, ledger: dict, fingerprint: dict, data_secre
         "ledger_digest": digest(ledger),
     }
     resume["digest"] = digest({key: value for key, value in resume.items() if key != "digest"})
-    _write_json(os.path.join(folder, LEDGER_FILE), ledger)
-    _write_json(os.path.join(folder, RESUME_FILE), resume)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _write_json(os.path.join(folder, LEDGER_FILE), ledger)
+        _write_json(os.path.join(folder, RESUME_FILE), resume)
+    except OSError as error:
+        raise RuntimeError(f"Saving the privacy state of {folder} failed ({type(error).__name__}: {error}): the "
+                           "checkpoint is incomplete and will not be resumed from; earlier checkpoints are intact. "
+                           "Free disk space (or fix the folder's permissions) and resume.") from error
 
 
 @dataclass
@@ -80,11 +91,19 @@ def read_checkpoint(checkpoint: str) -> SavedRun:
     if os.path.isfile(os.path.join(checkpoint, "dp_state.json")) and not os.path.isfile(resume_path):
         raise ValueError(f"{checkpoint} was written by an older hf_dp (dp_state.json): resume it with that version, "
                          "or start a new run.")
-    if not os.path.isfile(resume_path) or not os.path.isfile(ledger_path):
-        missing = RESUME_FILE if not os.path.isfile(resume_path) else LEDGER_FILE
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"resume_from_checkpoint={checkpoint!r} does not exist: pass a checkpoint folder of this "
+                         "output_dir, or True for the newest complete one.")
+    if os.path.isfile(os.path.join(checkpoint, INCOMPLETE_MARKER)):
+        raise ValueError(f"{checkpoint} is incomplete (Trainer's {INCOMPLETE_MARKER} is still there: the save was "
+                         "interrupted); resume from an earlier checkpoint, or pass True for the newest complete one.")
+    missing = [name for name in (LEDGER_FILE, RESUME_FILE, TRAINER_STATE_NAME)
+               if not os.path.isfile(os.path.join(checkpoint, name))]
+    if missing:
         raise ValueError(
-            f"{checkpoint} has no privacy {'ledger' if missing == LEDGER_FILE else 'resume state'} ({missing}): it "
-            "was not written by DPTrainer. Resuming from it would lose the ε already spent; start a new run instead."
+            f"{checkpoint} is incomplete or was not written by a DP trainer: it has no {' or '.join(missing)} (an "
+            "interrupted save leaves this). Resuming without its ledger would lose the ε already spent: resume from "
+            "an earlier checkpoint, pass True for the newest complete one, or start a new run."
         )
     ledger, resume = read_json(ledger_path, "the privacy ledger"), read_json(resume_path, "the resume state")
     if not isinstance(resume, dict) or not isinstance(resume.get("config"), dict) \
@@ -112,6 +131,30 @@ def read_checkpoint(checkpoint: str) -> SavedRun:
                          "from an intact checkpoint or start a new run.")
     return SavedRun(checkpoint, dict(resume["config"]), accountant, resume.get("data_secret"),
                     resume.get("quantile_tracker"))
+
+
+def newest_complete_checkpoint(output_dir: str) -> tuple[str, list[str]]:
+    """The newest checkpoint in `output_dir` whose privacy state reads and verifies, and why newer ones were skipped.
+
+    Raises:
+        ValueError: no checkpoint, or none complete (each one's reason listed).
+    """
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    found = sorted(((int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+                    if (m := pattern.match(name)) and os.path.isdir(os.path.join(output_dir, name))), reverse=True)
+    if not found:
+        raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): nothing to resume from.")
+    skipped = []
+    for _, name in found:
+        folder = os.path.join(output_dir, name)
+        try:
+            read_checkpoint(folder)
+        except ValueError as error:
+            skipped.append(f"{name}: {error}")
+            continue
+        return folder, skipped
+    raise ValueError(f"No complete checkpoint in {output_dir} (each has a missing or unverifiable privacy state): "
+                     + " | ".join(skipped))
 
 
 def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArguments) -> QuantileTracker | None:
@@ -208,5 +251,10 @@ def digest(content: dict) -> str:
 
 
 def _write_json(path: str, content: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Write to a temporary file, then rename: a crash leaves the old file or the new one, never half of one."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
         json.dump(content, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, temporary[: -len(".tmp")])

@@ -28,6 +28,7 @@ TRAINER_HOOKS = {
     "_get_grad_norm": ("model", "grad_norm"),
     "_get_num_items_in_batch": ("batch_samples", "device"),
     "_remove_unused_columns": ("dataset", "description"),
+    "_save_checkpoint": ("model", "trial"),
 }
 
 

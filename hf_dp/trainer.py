@@ -1,15 +1,10 @@
 """DP training as a mixin for any `transformers.Trainer`, and `DPTrainer`, that mixin on `Trainer`.
 
 Per optimizer step: Poisson-sample units -> per-unit clipped gradients (ghost clipping) -> all-reduce -> Gaussian
-noise once -> divide by the expected batch size -> optimizer; the ledger advances every step, is saved with every
-checkpoint and restored on resume. This module only wires the stages; each lives in its own module:
-
-- `privacy_plan` (what the accountant composes), `contribution` (G, its private draw, the user partition),
-  `budget` (the accountant and the target ε);
-- `compatibility` (what DP training needs from the Trainer class, model and loss, checked before any step);
-- `sampling` and `batching` (the Poisson sample, in micro-batches), `step` (losses, clipping, aggregation),
-  `releases` (the scalar releases of private logging and adaptive clipping);
-- `checkpoint` (ledger and resume state in checkpoints, the run lock), `report` and `card` (what is published).
+noise once -> divide by the expected batch size -> optimizer; the ledger advances every step and travels with every
+checkpoint. This module only wires the stages, each in its own module: `contribution` (G, the user partition),
+`privacy_plan`, `budget` (accountant and target ε), `compatibility` (checks before step 1), `sampling` and
+`batching`, `step` (losses, clipping, aggregation), `releases` (scalar releases), `checkpoint`, `report`.
 """
 
 from __future__ import annotations
@@ -17,18 +12,19 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import os
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening, Trainer
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import checkpoint, compatibility, contribution, step
 from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity, poisson_capacity
 from .budget import PrivacyBudget
-from .callbacks import LedgerCheckpoints, PrivacyProgress
+from .callbacks import PrivacyProgress
 from .clipping import GhostClipper
 from .clipping.adaptive import QuantileTracker
 from .losses import PACKED_NEEDS_TOKEN_HEAD, base_model, is_causal_lm
@@ -91,8 +87,8 @@ class DPTrainerMixin:
         self.privacy_card_kwargs = dict(privacy_card_kwargs or {})
         self._seed = self._shared_seed()
         self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed)
+        self._state_before_step = None  # (ledger, tracker) before the last step's releases, see save_privacy_state
         self.add_callback(PrivacyProgress(self))
-        self.add_callback(LedgerCheckpoints(self))
         logger.info("DP plan: %s", self.privacy_plan)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -169,6 +165,7 @@ class DPTrainerMixin:
         step.aggregate(params, sums, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
                        seed=self._seed, step=inputs.step, expected_batch_size=plan.expected_batch_size,
                        distributed=self.accelerator.num_processes > 1)
+        self._state_before_step = self._privacy_state()  # what a save between here and the update must write
         if not self.budget.record_step():
             self.control.should_training_stop = True
         loss_sum = self.releases.release(sums, inputs.step, self.quantile_tracker)
@@ -312,10 +309,11 @@ class DPTrainerMixin:
             ValueError: the checkpoint has no ledger, or one that is edited or does not match.
         """
         with checkpoint.output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
-            if resume_from_checkpoint is True:  # as Trainer does: the newest checkpoint in output_dir
-                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-                if resume_from_checkpoint is None:
-                    raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            if resume_from_checkpoint is True:  # the newest checkpoint whose privacy state verifies
+                resume_from_checkpoint, skipped = checkpoint.newest_complete_checkpoint(self.args.output_dir)
+                for reason in skipped:
+                    logger.warning("Not resuming from %s", reason)
+                logger.warning("Resuming from %s, the newest complete checkpoint.", resume_from_checkpoint)
             if resume_from_checkpoint:
                 self._resume_privacy_state(resume_from_checkpoint)
             output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
@@ -324,11 +322,30 @@ class DPTrainerMixin:
                 self.write_privacy_card()
         return output
 
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, with the privacy state written first (so a folder holding Trainer's last file,
+        `trainer_state.json`, holds it too); also for just-in-time saves, which bypass `on_save`."""
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            self.save_privacy_state(folder)
+        super()._save_checkpoint(model, trial)
+
+    def _privacy_state(self) -> tuple[dict, QuantileTracker | None]:
+        """The ledger and adaptive clipping's tracker as they stand (the tracker copied without a device read)."""
+        tracker = self.quantile_tracker.copy() if self.quantile_tracker is not None else None
+        return self.privacy_ledger(), tracker
+
     def save_privacy_state(self, folder: str) -> None:
-        """Write the ledger and the resume state into a checkpoint folder (called on every save)."""
-        checkpoint.write_checkpoint(folder, ledger=self.privacy_ledger(),
-                                    fingerprint=self.privacy_plan.fingerprint(self.args),
-                                    data_secret=self._data_secret, quantile_tracker=self.quantile_tracker)
+        """Write the ledger and the resume state of the model's current weights into a checkpoint folder.
+
+        A save between a step's releases and its optimizer update (a just-in-time save) writes the state before
+        that step: the weights saved have not taken it, and a resumed run redraws the same sample and noise.
+        """
+        ledger, tracker = self._privacy_state()
+        if self.budget.steps == self.state.global_step + 1 and self._state_before_step is not None:
+            ledger, tracker = self._state_before_step
+        checkpoint.write_checkpoint(folder, ledger=ledger, fingerprint=self.privacy_plan.fingerprint(self.args),
+                                    data_secret=self._data_secret, quantile_tracker=tracker)
 
     def _resume_privacy_state(self, folder: str) -> None:
         """Restore the ledger, the data secret and adaptive clipping's C from a checkpoint, after checking them."""
@@ -357,14 +374,8 @@ class DPTrainer(DPTrainerMixin, Trainer):
     ledger beside it (`dp_ledger.json`). Logs hold ε, δ, σ, q and, with `private_logging` (the default), a noised
     `loss` and `dp/clipped_fraction` that the ledger accounts; nothing else computed from the data.
 
-    Adaptive clipping (`adaptive_clipping=True`, Andrew et al. 2021): C starts at `max_grad_norm` and after every
-    step moves towards the `target_unclipped_quantile` of the per-unit gradient norms (which the clipping engine
-    computes anyway), from a noised count of unclipped units that the ledger composes with the gradient (see
-    [`PrivacyPlan`]). The running C is in the logs (`dp/max_grad_norm`), the checkpoints, the report and the card.
-
-    Packed (padding-free) batches: with a causal LM, `data_collator=DataCollatorWithFlattening()` packs each
-    micro-batch into one row (`position_ids` restarting at each example, no attention mask); every example keeps its
-    own loss, tokens and user, so clipping, noise and ε are exactly those of the padded run, without the padding.
+    Adaptive clipping (`adaptive_clipping=True`), packed batches (`DataCollatorWithFlattening` with a causal LM)
+    and several processes work as described in docs/trainer.md; ε is exactly that of the plain run in each case.
 
     Args:
         model, args, data_collator, train_dataset, eval_dataset, processing_class, ...: Trainer's parameters, in
@@ -380,23 +391,9 @@ class DPTrainer(DPTrainerMixin, Trainer):
             Extra fields for the privacy card, e.g. `dataset_name`, `eval_result`, `baseline_result`
             (the public-only baseline), `non_private_result`, `metric_name`. Post-processing: no effect on ε.
 
-    Trainer's extension points:
-    - a subclass overriding `compute_loss` is refused (the DP step needs per-example losses; pass a per-example
-      `compute_loss_func`);
-    - `create_model_card` (what `push_to_hub` calls) writes the privacy card with Trainer's fields: `model_name`
-      (its title), `finetuned_from` (its `base_model`), `tasks` (its pipeline tag), `dataset_tags` or `dataset`
-      (its dataset), `language`, `license` and `tags` (its metadata); what `privacy_card_kwargs` sets wins;
-      `dataset_args`, several tasks or several datasets are refused;
-    - `hyperparameter_search` is refused: each trial would spend ε that no ledger composes;
-    - the ledger is written into each checkpoint by an `on_save` callback and restored by
-      `train(resume_from_checkpoint=...)`; `training_step` is the DP step.
-
-    Private Trainer hooks still overridden, for want of public ones (checked at construction against
-    `SUPPORTED_TRANSFORMERS`, the range pyproject.toml declares; a `RuntimeError` naming it if one is missing or no
-    longer called): `_clip_grad_norm` (off: every unit was clipped already, and Trainer's global clipping would
-    rescale the noised gradient), `_get_grad_norm` (nothing logged: it would be the norm of the noise),
-    `_get_num_items_in_batch` (DP normalises by the expected batch size; a logical batch is no dict of tensors to
-    count). The private helper `_remove_unused_columns` is called to drop the columns the model does not take.
+    Trainer's extension points (`compute_loss` overrides refused, `create_model_card` writing the privacy card,
+    `hyperparameter_search` refused, the private Trainer hooks still overridden and checked against
+    `SUPPORTED_TRANSFORMERS`): see docs/trainer.md, "Trainer's contract".
 
     Raises:
         ValueError: missing user column, user ids of mixed types, no user, an impossible budget or sample rate,

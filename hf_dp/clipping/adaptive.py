@@ -63,7 +63,7 @@ tracker.update(released, m)                                  # C for the next st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -280,7 +280,6 @@ class AdaptiveClipping:
                                count_noise=self.count_noise_for(expected_batch_size), norm=self.initial_norm)
 
 
-@dataclass
 class QuantileTracker:
     """The running clipping norm C of private quantile tracking: the state a checkpoint must carry.
 
@@ -289,42 +288,53 @@ class QuantileTracker:
     uninterrupted one; ε does not depend on C). `count_noise` σ_b is part of the state because the ledger's σ_eff
     was derived with it: a resumed run must noise the count the same way.
 
-    On an accelerator C lives on the device ([`norm_on`]; `update` with a tensor count): a step never reads it
-    back, and `norm` reads it only when asked (logs, checkpoints, the report).
+    C has one home: a float, or, once a step moved it on an accelerator, a 0-dim float64 tensor there
+    ([`norm_on`]; `update` with a tensor count), so a step never reads it back. `norm` reads it when asked (logs,
+    checkpoints, the report).
     """
 
-    target_quantile: float
-    learning_rate: float
-    count_noise: float
-    norm: float
-    steps: int = field(default=0)
-
-    def __post_init__(self):
-        config = AdaptiveClipping(self.target_quantile, self.learning_rate, 1.0, self.count_noise)  # validates
+    def __init__(self, target_quantile: float, learning_rate: float, count_noise: float, norm: float,
+                 steps: int = 0):
+        config = AdaptiveClipping(target_quantile, learning_rate, 1.0, count_noise)  # validates
         self.target_quantile = config.target_quantile
         self.learning_rate = config.learning_rate
-        self.count_noise = _positive_finite("count_noise", self.count_noise)
-        self.norm = _positive_finite("norm", self.norm)
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
-            raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}.")
+        self.count_noise = _positive_finite("count_noise", count_noise)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps must be a non-negative integer, got {steps!r}.")
+        self.steps = steps
+        self._norm: float | torch.Tensor = _positive_finite("norm", norm)
+        self._read: tuple | None = None  # (device tensor, its float value): read back once per change
 
-    def __getattribute__(self, name):
-        if name == "norm":  # C moved on the device since it was last read: read it back now, once
-            state = object.__getattribute__(self, "__dict__")
-            if state.get("_unread_device_norm", False):
-                state["_unread_device_norm"] = False
-                state["norm"] = _tracked_norm(float(state["_device_norm"]), state["steps"])
-        return object.__getattribute__(self, name)
+    @property
+    def norm(self) -> float:
+        """C for the next step (read back from the device when it lives there; raises if it left the float range)."""
+        if not isinstance(self._norm, torch.Tensor):
+            return self._norm
+        if self._read is None or self._read[0] is not self._norm:
+            self._read = (self._norm, _tracked_norm(float(self._norm), self.steps))
+        return self._read[1]
 
     def norm_on(self, device) -> torch.Tensor:
         """C as a 0-dim float64 tensor on `device`, the one the next [`update`] with a tensor count moves."""
-        state, target = self.__dict__, torch.device(device)
-        device_norm = state.get("_device_norm")
-        if device_norm is None or device_norm.device.type != target.type or \
-                (target.index is not None and device_norm.device.index != target.index):
-            device_norm = torch.tensor(self.norm, dtype=torch.float64, device=target)
-            state["_device_norm"], state["_unread_device_norm"] = device_norm, False
-        return device_norm
+        target = torch.device(device)
+        norm = self._norm
+        if not (isinstance(norm, torch.Tensor) and norm.device.type == target.type
+                and (target.index is None or norm.device.index == target.index)):
+            norm = self._norm = torch.tensor(self.norm, dtype=torch.float64, device=target)
+        return norm
+
+    def copy(self) -> QuantileTracker:
+        """An independent copy (a device C is cloned on its device, not read back)."""
+        other = QuantileTracker(self.target_quantile, self.learning_rate, self.count_noise, 1.0, self.steps)
+        other._norm = self._norm.clone() if isinstance(self._norm, torch.Tensor) else self._norm
+        return other
+
+    def __repr__(self) -> str:
+        return (f"QuantileTracker(target_quantile={self.target_quantile}, learning_rate={self.learning_rate}, "
+                f"count_noise={self.count_noise}, norm={self.norm}, steps={self.steps})")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, QuantileTracker) and self.to_dict() == other.to_dict()
 
     @staticmethod
     def unclipped_fraction(noised_centered_count, expected_batch_size: float):
@@ -367,14 +377,12 @@ class QuantileTracker:
         if isinstance(fraction, torch.Tensor):
             norm = self.norm_on(fraction.device)
             norm = norm * torch.exp(-self.learning_rate * (fraction.clamp(0.0, 1.0) - self.target_quantile))
-            self.__dict__["_device_norm"] = norm.clamp(_NORM_RANGE[0], _NORM_RANGE[1])
-            self.__dict__["_unread_device_norm"] = True
+            self._norm = norm.clamp(_NORM_RANGE[0], _NORM_RANGE[1])  # outside: reported when `norm` is read
             self.steps += 1
-            return self.__dict__["_device_norm"]
+            return self._norm
         fraction = min(1.0, max(0.0, fraction))
         norm = _tracked_norm(self.norm * math.exp(-self.learning_rate * (fraction - self.target_quantile)), self.steps)
-        self.norm = norm
-        self.__dict__["_device_norm"] = None  # the host's C is the current one
+        self._norm = norm  # the host's C is the current one
         self.steps += 1
         return norm
 

@@ -20,7 +20,8 @@ import dp_accounting
 from dp_accounting import pld, rdp
 
 from hf_dp import DPTrainer, accounting
-from hf_dp import releases, step
+from hf_dp import releases
+from hf_dp import step as step_module
 from hf_dp.clipping.adaptive import effective_noise_multiplier, gradient_noise_multiplier
 from hf_dp.hub import check_privacy_card
 from hf_dp.checkpoint import digest
@@ -41,7 +42,7 @@ class Recorder:
 
     def __init__(self, trainer, monkeypatch):
         self.micro_batches, self.noise, self.releases, self.updates, self.sampled = [], [], [], [], []
-        backward, add_noise = trainer.clipper.backward, step.add_noise
+        backward, add_noise = trainer.clipper.backward, step_module.add_noise
         add_scalar_noise = releases.add_scalar_noise
 
         def recording_backward(*args, max_grad_norm, **kwargs):
@@ -67,7 +68,7 @@ class Recorder:
 
         monkeypatch.setattr(trainer, "training_step", recording_step)
         monkeypatch.setattr(trainer.clipper, "backward", recording_backward)
-        monkeypatch.setattr(step, "add_noise", recording_noise)
+        monkeypatch.setattr(step_module, "add_noise", recording_noise)
         monkeypatch.setattr(releases, "add_scalar_noise", recording_scalars)
         if trainer.quantile_tracker is not None:
             update = trainer.quantile_tracker.update

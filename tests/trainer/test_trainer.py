@@ -192,7 +192,7 @@ def test_resume_with_other_privacy_arguments_is_refused(tmp_path):
         other.train(resume_from_checkpoint=checkpoint)
     os.remove(os.path.join(checkpoint, "dp_ledger.json"))
     same = make_trainer(tmp_path, max_steps=4)
-    with pytest.raises(ValueError, match="no privacy ledger"):
+    with pytest.raises(ValueError, match="incomplete or was not written by a DP trainer: it has no dp_ledger.json"):
         same.train(resume_from_checkpoint=checkpoint)
 
 
