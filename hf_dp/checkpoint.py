@@ -157,6 +157,17 @@ def newest_complete_checkpoint(output_dir: str) -> tuple[str, list[str]]:
                      + " | ".join(skipped))
 
 
+def secret_to_resume(args: DPTrainingArguments) -> str | None:
+    """The data secret of `args.resume_from_checkpoint` (read and verified before G is drawn), or None: a run that
+    says where it resumes from draws G and the rows once, with the checkpoint's secret."""
+    resume = args.resume_from_checkpoint
+    if resume is None or resume is False or str(resume).lower() in ("", "false"):
+        return None
+    if resume is True or str(resume).lower() == "true":
+        resume, _ = newest_complete_checkpoint(args.output_dir)
+    return read_checkpoint(str(resume)).data_secret
+
+
 def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArguments) -> QuantileTracker | None:
     """Check a checkpoint's privacy state against this run's plan; return its adaptive clipping tracker (or None).
 

@@ -19,7 +19,18 @@ ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency di
 
 def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping_norm: float, num_users: int,
                    num_examples: int) -> dict:
-    """The guarantee earned so far, in the project's vocabulary (see `DPTrainerMixin.privacy_report`)."""
+    """The guarantee earned so far, in the project's vocabulary (what the card and the app show).
+
+    `mechanism` is the key of [`~hf_dp.vocabulary.MECHANISMS`] (`"uls"`, `"els"` or `"example"`) and
+    `mechanism_description` its one-sentence account; `sampling` is the `sampling` argument at user level and
+    `None` at example level (where it is unused). `num_users` and `num_examples` are rounded to 2 significant
+    figures: they are not covered by ε.
+
+    `max_grad_norm` is the clipping norm C: with `adaptive_clipping` the tracked C after the last step (what a
+    continued run would clip at; a post-processing of the noised counts, covered by ε), with
+    `initial_max_grad_norm` the C it started from and `target_unclipped_quantile`, `clipping_learning_rate`
+    and `clipping_count_noise` (σ_b) its settings; for a fixed C those four are `None`.
+    """
     plan, accountant = budget.plan, budget.accountant
     adaptive = plan.adaptive_clipping
     steps = accountant.steps

@@ -65,7 +65,7 @@ class DPTrainerMixin:
             raise ValueError("DP training needs a train_dataset with a user column to account privacy.")
         # The data secret keys G's private draw and each user's rows; saved with checkpoints, never released.
         self._user_dataset, self._requested_max_steps = train_dataset, args.max_steps
-        self._data_secret = contribution.data_secret(args)
+        self._data_secret = checkpoint.secret_to_resume(args) or contribution.data_secret(args)
         self._partition_users(args)
         if args.per_device_train_batch_size is None:  # a pass holds a Poisson sample: one pass per step
             rows_per_unit = (self.partition.contribution_bound or 1) if args.mechanism == "uls" else 1
@@ -222,18 +222,8 @@ class DPTrainerMixin:
         super().log(logs, start_time)
 
     def privacy_report(self) -> dict:
-        """The guarantee earned so far, in the project's vocabulary (what the card and the app show).
-
-        `mechanism` is the key of [`~hf_dp.vocabulary.MECHANISMS`] (`"uls"`, `"els"` or `"example"`) and
-        `mechanism_description` its one-sentence account; `sampling` is the `sampling` argument at user level and
-        `None` at example level (where it is unused). `num_users` and `num_examples` are rounded to 2 significant
-        figures: they are not covered by ε.
-
-        `max_grad_norm` is the clipping norm C: with `adaptive_clipping` the tracked C after the last step (what a
-        continued run would clip at; a post-processing of the noised counts, covered by ε), with
-        `initial_max_grad_norm` the C it started from and `target_unclipped_quantile`, `clipping_learning_rate`
-        and `clipping_count_noise` (σ_b) its settings; for a fixed C those four are `None`.
-        """
+        """The guarantee earned so far, in the project's vocabulary (what the card and the app show); its fields
+        are described in [`~hf_dp.report.privacy_report`]."""
         canary_users, canary_rows = self._canaries
         return privacy_report(self.budget, self.args, clipping_norm=self.clipping_norm,
                               num_users=self.partition.num_users - canary_users,
@@ -350,8 +340,11 @@ class DPTrainerMixin:
     def _resume_privacy_state(self, folder: str) -> None:
         """Restore the ledger, the data secret and adaptive clipping's C from a checkpoint, after checking them."""
         saved = checkpoint.read_checkpoint(folder)
+        discarded_draw = 0.0
         if saved.data_secret is not None and saved.data_secret != self._data_secret:
-            # Redo G's draw and the row choice with the checkpoint's secret, so they match the checkpoint's.
+            # Redo G's draw and the row choice with the checkpoint's secret, so they match the checkpoint's. The
+            # draw made at construction read the data too: its ε stays in the ledger.
+            discarded_draw = self.budget.bound_epsilon
             self._data_secret = saved.data_secret
             self._partition_users(self.args)
             self.train_dataset = self.partition.dataset
@@ -360,6 +353,11 @@ class DPTrainerMixin:
             self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed)
         tracker = checkpoint.check_saved_run(saved, self.privacy_plan, self.args)
         self.budget.restore(saved.accountant)
+        if discarded_draw:
+            self.accountant.record_pure_dp("contribution_bound (drawn at construction, replaced on resume)",
+                                           discarded_draw)
+            logger.warning("contribution_bound='auto' was drawn at construction, then replaced by the checkpoint's: "
+                           "ε=%g more in the ledger (set args.resume_from_checkpoint to draw once).", discarded_draw)
         self.quantile_tracker = tracker
 
 
