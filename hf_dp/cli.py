@@ -226,12 +226,13 @@ def _cmd_plan(args) -> int:
     return 0
 
 
-def _fmt(value, spec: str = ".3g") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source: str) -> str:
     """The plan as an aligned text table with a header and notes (column names: the planner's keys)."""
+    from .formatting import format_number
+
+    def _fmt(value, spec: str) -> str:
+        return format_number(value, spec, missing="-")
+
     first = rows[0]
     lines = [
         f"Privacy budget plan: {source}",

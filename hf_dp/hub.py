@@ -356,11 +356,11 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
         if privacy.get("non_private"):
             commit_message = "Upload model fine-tuned without differential privacy (hf_dp)"
         else:
-            from .card import _fmt_sig, _fmt_up
+            from .formatting import format_significant, format_upper_bound  # as the card rounds them
 
-            commit_message = (f"Upload DP model: ({_fmt_up(privacy['epsilon'], 2)}, "
-                              f"{_fmt_sig(privacy['delta'], 3, up=True)})-DP at the {privacy['privacy_unit']} "
-                              "level (hf_dp)")
+            commit_message = (f"Upload DP model: ({format_upper_bound(privacy['epsilon'], 2)}, "
+                              f"{format_significant(privacy['delta'], 3, up=True)})-DP at the "
+                              f"{privacy['privacy_unit']} level (hf_dp)")
     repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True)
     api.upload_folder(repo_id=repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id, folder_path=model_dir,
                       commit_message=commit_message, token=token, ignore_patterns=IGNORE_PATTERNS)
