@@ -9,8 +9,9 @@ The core, in the order one DP step's data flows through it:
 - `card` (the privacy card) and `hub` (`hf-dp publish`); `audit` (an empirical lower bound on ε).
 
 `workflows` (corpora, tasks, the study behind `hf-dp demo`, the Gradio app) is built on the core, which imports
-nothing from it. Public objects are imported on first use, so `hf-dp plan` does not pay for torch and
-transformers.
+nothing from it, nor from `audit` (`tests/test_imports.py`). Public objects are imported on first use, so
+`hf-dp plan` never loads torch. Every command line parses dataclasses with `transformers.HfArgumentParser`
+(`parser`); `formatting` writes numbers the same way in the card, the plan table and the app.
 """
 
 import importlib

@@ -26,24 +26,32 @@ Writing a card is post-processing: it never changes the guarantee, it only repor
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
-import math
 import numbers
 import os
-from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .formatting import format_lower_bound, format_number, format_significant, format_upper_bound
 from .vocabulary import DP_MECHANISMS, EVAL_KEYS, MECHANISMS
 
 __all__ = ["render_privacy_card", "write_privacy_card", "round_count", "LEDGER_FILE", "TEMPLATE_NAME"]
 
 TEMPLATE_NAME = "privacy_card.md"
 LEDGER_FILE = "dp_ledger.json"  # the accountant's state beside the card: `hf-dp publish` recomputes ε from it
+
+# hf_dp.formatting's number formatters, with the card's words for a missing number. Each rounds in the direction
+# that never flatters the guarantee: ε up (`_fmt_up`), lower bounds down, δ and q up, σ down (`_fmt_sig`).
+_NOT_REPORTED = "not reported"
+_fmt = functools.partial(format_number, missing=_NOT_REPORTED)
+_fmt_up = functools.partial(format_upper_bound, missing=_NOT_REPORTED)
+_fmt_down = functools.partial(format_lower_bound, missing=_NOT_REPORTED)
+_fmt_sig = functools.partial(format_significant, missing=_NOT_REPORTED)
 
 # The report's keys, in the order the `privacy:` block lists them.
 REPORT_KEYS = (
@@ -88,39 +96,6 @@ def _plain(value: Any, key: str) -> Any:
     if hasattr(value, "item"):  # 0-d arrays / tensors
         return _plain(value.item(), key)
     raise TypeError(f"privacy report field {key!r} has unsupported type {type(value).__name__}.")
-
-
-def _fmt(value: Any, spec: str) -> str:
-    if value is None:
-        return "not reported"
-    if isinstance(value, float) and math.isinf(value):
-        return "∞"
-    return format(value, spec)
-
-
-def _rounded(value: Any, exponent: int | None, up: bool, digits: int | None = None) -> Any:
-    """`value` rounded up (or down) to a multiple of 10**exponent, or to `digits` significant figures."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value == 0:
-        return value
-    exact = Decimal(repr(float(value)))  # the shortest decimal that is this float
-    if digits is not None:
-        exponent = exact.adjusted() - digits + 1
-    return float(exact.quantize(Decimal(1).scaleb(exponent), rounding=ROUND_CEILING if up else ROUND_FLOOR))
-
-
-def _fmt_up(value: Any, decimals: int) -> str:
-    """Round an upper bound *up*, so the card never shows a smaller ε than was accounted."""
-    return _fmt(_rounded(value, -decimals, up=True), f".{decimals}f")
-
-
-def _fmt_down(value: Any, decimals: int) -> str:
-    """Round a lower bound *down*, so the stated interval always contains the accountant's."""
-    return _fmt(_rounded(value, -decimals, up=False), f".{decimals}f")
-
-
-def _fmt_sig(value: Any, digits: int, up: bool) -> str:
-    """`digits` significant figures, rounded up (δ, q) or down (σ): in the direction that never flatters ε."""
-    return _fmt(_rounded(value, None, up=up, digits=digits), f".{digits}g")
 
 
 def round_count(count: int | None) -> int | None:

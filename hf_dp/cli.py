@@ -17,132 +17,150 @@ Subcommands:
   With `--data`, the plan reads two numbers from the private file: the number of users and an ε-DP
   median of the examples per user (`--data_epsilon`, default 0.1); it prints no exact count statistic.
 
-Flags are spelled like the `DPTrainingArguments` fields they stand for (`--target_epsilon`, `--target_delta`,
-`--user_id_column`, `--noise_multiplier`, `--contribution_bound`); every flag also accepts dashes
-(`--target-epsilon`). Bad input prints one line saying what to change on stderr and exits with status 2.
+Every command's flags are the fields of a dataclass parsed by `transformers.HfArgumentParser`
+([`hf_dp.parser.ArgumentParser`]), spelled like the `DPTrainingArguments` fields they stand for
+(`--target_epsilon`, `--target_delta`, `--user_id_column`, `--noise_multiplier`, `--contribution_bound`); every flag
+also accepts dashes (`--target-epsilon`). Bad input, and a command whose optional dependencies are not installed
+(`pip install 'hf_dp[demo]'`, `'hf_dp[app]'`), print one line saying what to change on stderr and exit with
+status 2.
 
-New subcommands: add a `_add_<name>(subparsers)` that registers the parser with
-`set_defaults(func=_cmd_<name>)` and call it from `build_parser()`.
+New subcommands: a module with an arguments dataclass and `run(arguments) -> int`, listed in `_MODULE_COMMANDS`
+(the module must import nothing heavy at import time: `hf-dp --help` imports it).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 
-__all__ = ["build_parser", "main"]
+from .parser import ArgumentParser, MissingExtraError
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage dump): `hf-dp plan: error: ...`, exit status 2."""
-
-    def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message}\n")
+__all__ = ["PlanDataArguments", "PlanRunArguments", "build_parser", "format_plan", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `hf-dp` parser: one subparser per command, each with `func` set to its handler."""
-    parser = _Parser(prog="hf-dp", description="User-level differentially private fine-tuning on the Hugging Face "
-                                                "stack.")
+def build_parser() -> ArgumentParser:
+    """The `hf-dp` parser: one subparser per command (an `ArgumentParser` over its arguments dataclasses), each
+    with `func` set to its handler and `command_parser` to itself."""
+    parser = ArgumentParser(prog="hf-dp", one_line_errors=True,
+                            description="User-level differentially private fine-tuning on the Hugging Face stack.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_plan(subparsers)
-    for name in _MODULE_COMMANDS:
-        _add_module_command(subparsers, name)
+    _add_command(subparsers, "plan", (PlanDataArguments, PlanRunArguments), _cmd_plan, *_PLAN_HELP)
+    for name, (module_name, arguments_name, help_text, description) in _MODULE_COMMANDS.items():
+        module = importlib.import_module(f".{module_name}", __package__)  # light: heavy imports wait for `run`
+        _add_command(subparsers, name, getattr(module, arguments_name), module.run, help_text, description)
     return parser
+
+
+def _add_command(subparsers, name: str, dataclass_types, func, help_text: str, description: str) -> None:
+    command = subparsers.add_parser(name, dataclass_types=dataclass_types, one_line_errors=True, help=help_text,
+                                    description=description, formatter_class=argparse.HelpFormatter)
+    command.set_defaults(func=func, command_parser=command)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run `hf-dp` with `argv` (default: the process arguments); returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    namespace = parser.parse_args(argv)
     try:
-        return args.func(args) or 0
-    except (ValueError, OSError) as error:
+        return namespace.func(*namespace.command_parser.dataclasses_from(namespace)) or 0
+    except (MissingExtraError, ValueError, OSError) as error:
         message = " ".join(str(error).split())  # one line
-        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
+        print(f"{parser.prog} {namespace.command}: error: {message}", file=sys.stderr)
         return 2
 
 
-# ---- hf-dp demo / app / publish (flags and behaviour: hf_dp.workflows.study / hf_dp.workflows.app / hf_dp.hub) ----
+# ---- hf-dp demo / app / publish / audit (flags and behaviour: the module named) ----------------------------
 
-# name -> (module with build_parser/run, help, description)
+# name -> (module, its arguments dataclass, help, description); each module also has `run(arguments)`.
 _MODULE_COMMANDS = {
-    "demo": ("workflows.study", "the privacy/utility study on the embedded default (MiniLM genres; --task causal_lm: "
+    "demo": ("workflows.study", "StudyArguments",
+             "the privacy/utility study on the embedded default (MiniLM genres; --task causal_lm: "
              "SmolLM2 next-token)",
              "Public-only baseline, user-level DP (ULS) at ε=8 with adaptive clipping and non-private fine-tuning of "
              "the embedded MiniLM on Shakespeare speeches by role; --task causal_lm: the same for next-token "
              "prediction with the embedded SmolLM2-135M; --grid runs the full study."),
-    "app": ("workflows.app", "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
+    "app": ("workflows.app", "AppArguments",
+            "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
             "Serve the Gradio app on --host:--port over the runs in --results_dir."),
-    "publish": ("hub", "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
+    "publish": ("hub", "PublishArguments",
+                "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
                 "Upload a saved model, its tokenizer and its privacy card to the Hub; checks the card and that the "
                 "Hub is reachable before uploading anything."),
-    "audit": ("workflows.audit_demo", "empirical privacy audit: an ε lower bound from canary users beside the proven ε",
+    "audit": ("workflows.audit_demo", "AuditArguments",
+              "empirical privacy audit: an ε lower bound from canary users beside the proven ε",
               "One-run privacy audit (Steinke, Nasr & Jagielski 2023) of the demo's ULS run on the embedded MiniLM: "
               "canary users added by fair coins, trained at --target_epsilon, scored; prints the ε lower bound beside "
               "the accountant's ε and writes --results_dir/audit.json."),
 }
 
 
-def _add_module_command(subparsers, name: str) -> None:
-    import importlib
-
-    module_name, help_text, description = _MODULE_COMMANDS[name]
-    module = importlib.import_module(f".{module_name}", __package__)
-    parser = subparsers.add_parser(name, help=help_text, description=description)
-    module.build_parser(parser).set_defaults(func=module.run)
-
-
 # ---- hf-dp plan -------------------------------------------------------------------------------
 
-def _flag(group, name: str, **kwargs) -> None:
-    """`--name_with_underscores` (the `DPTrainingArguments` spelling), also accepted as `--name-with-dashes`."""
-    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    group.add_argument(*spellings, dest=name, **kwargs)
+_PLAN_HELP = (
+    "σ, ε, contribution bound G and expected_batch_size for ULS, ELS and example-level DP-SGD",
+    "Plan a DP fine-tuning run: for ULS, ELS (mixture-of-Gaussians accountant) and example-level "
+    "DP-SGD at the same compute budget, the noise multiplier σ each needs to meet (ε, δ), the ε "
+    "each spends at a fixed σ, the recommended contribution bound G, the sample rate, the "
+    "expected_batch_size to train with and the steps. Flags are DPTrainingArguments' field names "
+    "(dashes also accepted).",
+)
 
 
-def _add_plan(subparsers) -> None:
-    plan = subparsers.add_parser(
-        "plan",
-        help="σ, ε, contribution bound G and expected_batch_size for ULS, ELS and example-level DP-SGD",
-        description="Plan a DP fine-tuning run: for ULS, ELS (mixture-of-Gaussians accountant) and example-level "
-                    "DP-SGD at the same compute budget, the noise multiplier σ each needs to meet (ε, δ), the ε "
-                    "each spends at a fixed σ, the recommended contribution bound G, the sample rate, the "
-                    "expected_batch_size to train with and the steps. Flags are DPTrainingArguments' field names "
-                    "(dashes also accepted).",
-    )
-    population = plan.add_argument_group("data (either --users with --examples_per_user, or --data)")
-    _flag(population, "users", type=int, help="number of users (at least 2)")
-    _flag(population, "examples_per_user", type=int, help="examples (rows) of every user")
-    _flag(population, "data", help="a .csv, .jsonl/.json or .parquet file with one example per row")
-    _flag(population, "user_id_column", help="the column of --data holding the user id")
-    _flag(population, "data_epsilon", type=float, default=0.1,
-          help="ε of the DP median of --data's examples per user, the only statistic the plan reads from it "
-               "besides the number of users (exponential mechanism on a public grid; spent by this plan, in no "
-               "run's ledger). Default: 0.1")
-    run = plan.add_argument_group("run")
-    _flag(run, "examples_per_step", type=float, default=64.0,
-          help="compute budget: expected examples processed per step, the same for every mechanism (ELS and "
-               "example-level sample expected_batch_size = this many examples; ULS samples this many examples' "
-               "worth of users). Default: 64")
-    _flag(run, "steps", type=int, help="optimizer steps. Default: one expected pass over the examples")
-    _flag(run, "target_epsilon", type=float, default=8.0, help="target ε. Default: 8")
-    _flag(run, "target_delta", type=float,
-          help="δ, below 1/users. Default: 1/(10·users) for the user-level rows and 1/(10·examples) for the "
-               "example-level row (the defaults of DPTrainingArguments)")
-    _flag(run, "noise_multiplier", type=float, help="also report the ε each mechanism spends at this fixed σ")
-    _flag(run, "contribution_bound", type=int,
-          help="G, the most examples kept per user, for ULS and ELS. Default: the median examples per user for "
-               "ELS, the noise-prediction heuristic (Charles et al. 2024) for ULS")
-    _flag(run, "adaptive_clipping", action="store_true",
-          help="plan for private adaptive clipping (Andrew et al. 2021): σ is then the gradient noise multiplier "
-               "DPTrainer calibrates, which leaves room for the noised count of unclipped units each step releases")
-    _flag(run, "clipping_count_noise", type=float,
-          help="σ_b, the noise std of adaptive clipping's count, in units. Default: expected_batch_size / 20, as "
-               "DPTrainer (only with --adaptive_clipping)")
-    plan.set_defaults(func=_cmd_plan)
+@dataclass
+class PlanDataArguments:
+    """`hf-dp plan`: the population, given as numbers or read from a data file."""
+
+    _argument_group_name = "data (either --users with --examples_per_user, or --data)"
+
+    users: int | None = field(default=None, metadata={"help": "number of users (at least 2)"})
+    examples_per_user: int | None = field(default=None, metadata={"help": "examples (rows) of every user"})
+    data: str | None = field(default=None,
+                             metadata={"help": "a .csv, .jsonl/.json or .parquet file with one example per row"})
+    user_id_column: str | None = field(default=None, metadata={"help": "the column of --data holding the user id"})
+    data_epsilon: float = field(
+        default=0.1,
+        metadata={"help": "ε of the DP median of --data's examples per user, the only statistic the plan reads from "
+                          "it besides the number of users (exponential mechanism on a public grid; spent by this "
+                          "plan, in no run's ledger). Default: 0.1"})
+
+
+@dataclass
+class PlanRunArguments:
+    """`hf-dp plan`: the run to plan (flags named as the `DPTrainingArguments` fields they stand for)."""
+
+    _argument_group_name = "run"
+
+    examples_per_step: float = field(
+        default=64.0,
+        metadata={"help": "compute budget: expected examples processed per step, the same for every mechanism (ELS "
+                          "and example-level sample expected_batch_size = this many examples; ULS samples this many "
+                          "examples' worth of users). Default: 64"})
+    steps: int | None = field(default=None,
+                              metadata={"help": "optimizer steps. Default: one expected pass over the examples"})
+    target_epsilon: float = field(default=8.0, metadata={"help": "target ε. Default: 8"})
+    target_delta: float | None = field(
+        default=None,
+        metadata={"help": "δ, below 1/users. Default: 1/(10·users) for the user-level rows and 1/(10·examples) for "
+                          "the example-level row (the defaults of DPTrainingArguments)"})
+    noise_multiplier: float | None = field(
+        default=None, metadata={"help": "also report the ε each mechanism spends at this fixed σ"})
+    contribution_bound: int | None = field(
+        default=None,
+        metadata={"help": "G, the most examples kept per user, for ULS and ELS. Default: the median examples per "
+                          "user for ELS, the noise-prediction heuristic (Charles et al. 2024) for ULS"})
+    adaptive_clipping: bool = field(
+        default=False,
+        metadata={"help": "plan for private adaptive clipping (Andrew et al. 2021): σ is then the gradient noise "
+                          "multiplier DPTrainer calibrates, which leaves room for the noised count of unclipped "
+                          "units each step releases"})
+    clipping_count_noise: float | None = field(
+        default=None,
+        metadata={"help": "σ_b, the noise std of adaptive clipping's count, in units. Default: expected_batch_size / "
+                          "20, as DPTrainer (only with --adaptive_clipping)"})
 
 
 def _read_examples_per_user(path: str, column: str) -> list[int]:
@@ -153,7 +171,7 @@ def _read_examples_per_user(path: str, column: str) -> list[int]:
         raise ValueError(f"--data {path!r}: no such file.")
     name = path.lower()
     readers = {".csv": pd.read_csv, ".tsv": lambda p: pd.read_csv(p, sep="\t"), ".parquet": pd.read_parquet,
-               ".jsonl": lambda p: pd.read_json(p, lines=True), ".json": _read_json}
+               ".jsonl": lambda p: pd.read_json(p, lines=True), ".json": _read_json_table}
     suffix = next((s for s in readers if name.endswith(s)), None)
     if suffix is None:
         raise ValueError(f"--data {path!r}: use a .csv, .tsv, .jsonl, .json or .parquet file.")
@@ -170,7 +188,8 @@ def _read_examples_per_user(path: str, column: str) -> list[int]:
     return sorted(Counter(ids.tolist()).values())
 
 
-def _read_json(path: str):
+def _read_json_table(path: str):
+    """A .json data file as a frame: a JSON array of rows, or JSON lines."""
     import pandas as pd
 
     try:
@@ -179,59 +198,61 @@ def _read_json(path: str):
         return pd.read_json(path, lines=True)
 
 
-def _cmd_plan(args) -> int:
+def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
+    """`hf-dp plan`: print the plan table (bad input: ValueError, one line from `main`)."""
     from .accounting import planner
 
-    if args.data is not None:
-        if args.users is not None or args.examples_per_user is not None:
+    if data.data is not None:
+        if data.users is not None or data.examples_per_user is not None:
             raise ValueError("give either --data (with --user_id_column) or --users with --examples_per_user, "
                              "not both.")
-        if not args.user_id_column:
+        if not data.user_id_column:
             raise ValueError("--data needs --user_id_column (the column with the user id).")
-        if not (args.data_epsilon > 0 and math.isfinite(args.data_epsilon)):
-            raise ValueError(f"--data_epsilon {args.data_epsilon:g}: must be a positive number.")
-        exact = _read_examples_per_user(args.data, args.user_id_column)
+        if not (data.data_epsilon > 0 and math.isfinite(data.data_epsilon)):
+            raise ValueError(f"--data_epsilon {data.data_epsilon:g}: must be a positive number.")
+        exact = _read_examples_per_user(data.data, data.user_id_column)
         # Plan on public numbers: the number of users and a DP median, never an exact statistic of the data.
-        median = planner.private_quantile(exact, epsilon=args.data_epsilon)
+        median = planner.private_quantile(exact, epsilon=data.data_epsilon)
         population = dict(users=len(exact), examples_per_user=median)
-        source = (f"{args.data} (user column {args.user_id_column!r}), planned as {len(exact)} users x {median} "
-                  f"examples: {median} is an ε-DP median of its examples per user (ε = {args.data_epsilon:g}, "
+        source = (f"{data.data} (user column {data.user_id_column!r}), planned as {len(exact)} users x {median} "
+                  f"examples: {median} is an ε-DP median of its examples per user (ε = {data.data_epsilon:g}, "
                   "exponential mechanism on a public grid); no exact count is shown")
     else:
-        if args.users is None or args.examples_per_user is None:
+        if data.users is None or data.examples_per_user is None:
             raise ValueError("give --users and --examples_per_user, or --data with --user_id_column.")
-        if args.users < 2:
-            raise ValueError(f"--users {args.users}: DPTrainer refuses training data with fewer than 2 users (a "
+        if data.users < 2:
+            raise ValueError(f"--users {data.users}: DPTrainer refuses training data with fewer than 2 users (a "
                              "user-level guarantee needs many users); give the number of users you will train on.")
-        if args.examples_per_user < 1:
-            raise ValueError(f"--examples_per_user {args.examples_per_user}: must be at least 1.")
-        population = dict(users=args.users, examples_per_user=args.examples_per_user)
-        source = f"{args.users} users x {args.examples_per_user} examples"
-    for flag, value in (("--examples_per_step", args.examples_per_step), ("--target_epsilon", args.target_epsilon),
-                        ("--noise_multiplier", args.noise_multiplier), ("--target_delta", args.target_delta),
-                        ("--clipping_count_noise", args.clipping_count_noise)):
+        if data.examples_per_user < 1:
+            raise ValueError(f"--examples_per_user {data.examples_per_user}: must be at least 1.")
+        population = dict(users=data.users, examples_per_user=data.examples_per_user)
+        source = f"{data.users} users x {data.examples_per_user} examples"
+    for flag, value in (("--examples_per_step", run.examples_per_step), ("--target_epsilon", run.target_epsilon),
+                        ("--noise_multiplier", run.noise_multiplier), ("--target_delta", run.target_delta),
+                        ("--clipping_count_noise", run.clipping_count_noise)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{flag} {value:g}: must be a positive number.")
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps {args.steps}: must be at least 1.")
-    if args.contribution_bound is not None and args.contribution_bound < 1:
-        raise ValueError(f"--contribution_bound {args.contribution_bound}: must be at least 1.")
+    if run.steps is not None and run.steps < 1:
+        raise ValueError(f"--steps {run.steps}: must be at least 1.")
+    if run.contribution_bound is not None and run.contribution_bound < 1:
+        raise ValueError(f"--contribution_bound {run.contribution_bound}: must be at least 1.")
     rows = planner.plan(
-        **population, examples_per_step=args.examples_per_step, steps=args.steps, target_epsilon=args.target_epsilon,
-        target_delta=args.target_delta, noise_multiplier=args.noise_multiplier,
-        contribution_bound=args.contribution_bound, adaptive_clipping=args.adaptive_clipping,
-        clipping_count_noise=args.clipping_count_noise,
+        **population, examples_per_step=run.examples_per_step, steps=run.steps, target_epsilon=run.target_epsilon,
+        target_delta=run.target_delta, noise_multiplier=run.noise_multiplier,
+        contribution_bound=run.contribution_bound, adaptive_clipping=run.adaptive_clipping,
+        clipping_count_noise=run.clipping_count_noise,
     )
     print(format_plan(rows, source=source, **population))
     return 0
 
 
-def _fmt(value, spec: str = ".3g") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source: str) -> str:
     """The plan as an aligned text table with a header and notes (column names: the planner's keys)."""
+    from .formatting import format_number
+
+    def _fmt(value, spec: str) -> str:
+        return format_number(value, spec, missing="-")
+
     first = rows[0]
     lines = [
         f"Privacy budget plan: {source}",

@@ -16,7 +16,7 @@ import numpy as np
 
 from .accounting import planner
 from .arguments import DPTrainingArguments
-from .data import UserPartition, examples_per_user, keyed_seed, partition_by_user
+from .data import UserPartition, examples_per_user, is_canary_user, keyed_seed, partition_by_user
 
 
 def data_secret(args: DPTrainingArguments) -> str:
@@ -82,7 +82,5 @@ def bound_choice(args: DPTrainingArguments, mechanism: str, spent: float) -> str
 def canary_counts(dataset, user_id_column: str, bound: int | None) -> tuple[int, int]:
     """(users, kept rows) of audit canaries: trained on like any user (they count in q and δ), never counted in the
     report's or the card's number of users and examples."""
-    from .audit.canaries import is_canary_user  # TODO(merge): core module
-
     rows = Counter(user for user in dataset[user_id_column] if is_canary_user(user))
     return len(rows), sum(n if bound is None else min(n, bound) for n in rows.values())

@@ -10,12 +10,29 @@ import hashlib
 import json
 import logging
 import numbers
+import re
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
+
+# Audit canaries ([`hf_dp.audit.canaries`]) train like any other user (they count in q and δ) but are left out of
+# the number of users and examples that the report and the card state. Their ids follow this one convention, kept
+# here so that the core recognises them without importing the audit.
+CANARY_USER_ID_FORMAT = "__hf_dp_canary_{index:0{width}d}__"
+_CANARY_USER_ID = re.compile(r"__hf_dp_canary_\d+__")
+
+
+def canary_user_id(index: int, width: int = 4) -> str:
+    """The id of canary user `index` ("__hf_dp_canary_0007__"), zero-padded to `width` digits."""
+    return CANARY_USER_ID_FORMAT.format(index=index, width=width)
+
+
+def is_canary_user(user_id) -> bool:
+    """Whether a user id is an audit canary's (so evaluation, counts and baselines can skip it)."""
+    return isinstance(user_id, str) and _CANARY_USER_ID.fullmatch(user_id) is not None
 
 
 @dataclass

@@ -34,12 +34,16 @@ import numbers
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
+
+from .parser import ArgumentParser, run_command
 
 __all__ = [
     "HubUnreachableError",
     "PrivacyCardError",
+    "PublishArguments",
     "check_privacy_card",
     "ensure_hub_reachable",
     "main",
@@ -356,11 +360,11 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
         if privacy.get("non_private"):
             commit_message = "Upload model fine-tuned without differential privacy (hf_dp)"
         else:
-            from .card import _fmt_sig, _fmt_up
+            from .formatting import format_significant, format_upper_bound  # as the card rounds them
 
-            commit_message = (f"Upload DP model: ({_fmt_up(privacy['epsilon'], 2)}, "
-                              f"{_fmt_sig(privacy['delta'], 3, up=True)})-DP at the {privacy['privacy_unit']} "
-                              "level (hf_dp)")
+            commit_message = (f"Upload DP model: ({format_upper_bound(privacy['epsilon'], 2)}, "
+                              f"{format_significant(privacy['delta'], 3, up=True)})-DP at the "
+                              f"{privacy['privacy_unit']} level (hf_dp)")
     repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True)
     api.upload_folder(repo_id=repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id, folder_path=model_dir,
                       commit_message=commit_message, token=token, ignore_patterns=IGNORE_PATTERNS)
@@ -372,30 +376,37 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The `hf-dp publish` flags (pass a subparser to add them to it)."""
-    parser = parser or argparse.ArgumentParser(
-        prog="hf-dp publish",
+@dataclass
+class PublishArguments:
+    """The `hf-dp publish` flags (`python -m hf_dp.hub` takes the same)."""
+
+    run_dir: str = field(metadata={
+        "help": "Saved model folder (e.g. results/models/uls-eps8) or a result JSON (results/<run>.json).",
+        "metavar": "RUN_DIR", "positional": True})
+    repo_id: str = field(metadata={"help": "Hub repo USER/NAME (created if missing)."})
+    token: str | None = field(default=None,
+                              metadata={"help": "Write token (default: the stored login or HF_TOKEN)."})
+    public: bool = field(default=False, metadata={"help": "Create the repo public (default: private)."})
+    allow_non_private: bool = field(
+        default=False, metadata={"help": "Publish a run trained without DP (its training data has no protection)."})
+
+
+def build_parser() -> ArgumentParser:
+    """The `hf-dp publish` parser, over [`PublishArguments`]."""
+    return ArgumentParser(
+        PublishArguments, prog="hf-dp publish", one_line_errors=True, formatter_class=argparse.HelpFormatter,
         description="Upload a saved model, its tokenizer and its privacy card (README.md) to the Hub. Checks the "
                     "card and that the Hub is reachable before uploading anything.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR",
-                        help="Saved model folder (e.g. results/models/uls-eps8) or a result JSON (results/<run>.json).")
-    parser.add_argument("--repo_id", "--repo-id", required=True, help="Hub repo USER/NAME (created if missing).")
-    parser.add_argument("--token", default=None, help="Write token (default: the stored login or HF_TOKEN).")
-    parser.add_argument("--public", action="store_true", help="Create the repo public (default: private).")
-    parser.add_argument("--allow_non_private", "--allow-non-private", action="store_true",
-                        help="Publish a run trained without DP (its training data has no protection).")
-    return parser
 
 
 def main(argv=None) -> int:
     """Entry point of `python -m hf_dp.hub` (`hf-dp publish` calls [`run`])."""
-    return run(build_parser().parse_args(argv))
+    return run_command(build_parser(), run, argv)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Publish with parsed [`build_parser`] flags: prints the repo URL, or one line saying what failed (exit 1)."""
+def run(args: PublishArguments) -> int:
+    """Publish with parsed [`PublishArguments`]: prints the repo URL, or one line saying what failed (exit 1)."""
     try:
         url = publish(args.run_dir, args.repo_id, token=args.token, private=not args.public,
                       allow_non_private=args.allow_non_private)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from . import accounting
 from .arguments import DPTrainingArguments
-from .clipping.adaptive import AdaptiveClipping, effective_noise_multiplier, gradient_noise_multiplier
+from .accounting.adaptive_noise import effective_noise_multiplier, gradient_noise_multiplier
+from .clipping.adaptive import AdaptiveClipping
 from .contribution import bound_epsilon
 from .data import UserPartition
 

@@ -35,8 +35,9 @@ accelerate launch --config_file recipes/configs/cpu.yaml recipes/causal_lm.py \
 ```
 
 Every privacy setting is a DPTrainingArguments flag, spelled as its field (`--user_id_column`, the column with the
-user id, default `user_id`; `--target_epsilon`, `--sampling`, `--expected_batch_size`, `--contribution_bound`, ...);
-the result JSON's `config` records the values the run used.
+user id, default `user_id`; `--target_epsilon`, `--sampling`, `--expected_batch_size`, `--contribution_bound`, ...;
+`--target_epsilon None --noise_multiplier 1.0` trains at a fixed σ and reports the ε spent); the result JSON's
+`config` records the values the run used.
 `--expected_batch_size` is the global logical batch (users per step for ULS, examples otherwise);
 `--per_device_train_batch_size` is the physical micro-batch. Every DPTrainingArguments flag is available:
 `python recipes/causal_lm.py --help`.
@@ -47,9 +48,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser
-
 from hf_dp import DPTrainingArguments
+from hf_dp.parser import ArgumentParser
 from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, run_language_modeling
 from hf_dp.workflows.pretrained import smollm2_path
 from hf_dp.workflows.runs import RecipeArguments, finish_processes, recipe_run, summary_line
@@ -85,8 +85,10 @@ def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> di
     return result
 
 
-def make_parser() -> HfArgumentParser:
-    return HfArgumentParser((ScriptArguments, DPTrainingArguments))
+def make_parser() -> ArgumentParser:
+    """`HfArgumentParser` over the recipe's flags and every DPTrainingArguments field (`None` accepted for optional
+    numbers: `--target_epsilon None --noise_multiplier 1.0` trains at a fixed σ and reports the ε it spent)."""
+    return ArgumentParser((ScriptArguments, DPTrainingArguments))
 
 
 if __name__ == "__main__":

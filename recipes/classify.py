@@ -47,7 +47,8 @@ accelerate launch --config_file recipes/configs/multi_gpu.yaml --num_processes 4
 Every privacy setting is a DPTrainingArguments flag, spelled as its field: `--user_id_column` (the column with the
 user id: the privacy unit, and the split by user; default `user_id`), `--target_epsilon`, `--target_delta`,
 `--privacy_unit`, `--sampling`, `--expected_batch_size`, `--contribution_bound`, `--max_grad_norm`,
-`--noise_multiplier`; the result JSON's `config` records the values the run used.
+`--noise_multiplier` (`--target_epsilon None --noise_multiplier 1.0`: a fixed σ, the ε spent is
+reported); the result JSON's `config` records the values the run used.
 `--expected_batch_size` is the global logical batch (users per step for ULS, examples otherwise) for any
 number of processes; `--per_device_train_batch_size` is the physical micro-batch (memory only).
 `--num_train_epochs` counts expected passes over the privacy units (steps = epochs / sample rate).
@@ -61,9 +62,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import HfArgumentParser
-
 from hf_dp import DPTrainingArguments
+from hf_dp.parser import ArgumentParser
 from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
 from hf_dp.workflows.runs import RecipeArguments, finish_processes, recipe_run, summary_line
 
@@ -105,8 +105,10 @@ def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> di
     return result
 
 
-def make_parser() -> HfArgumentParser:
-    return HfArgumentParser((ScriptArguments, DPTrainingArguments))
+def make_parser() -> ArgumentParser:
+    """`HfArgumentParser` over the recipe's flags and every DPTrainingArguments field (`None` accepted for optional
+    numbers: `--target_epsilon None --noise_multiplier 1.0` trains at a fixed σ and reports the ε it spent)."""
+    return ArgumentParser((ScriptArguments, DPTrainingArguments))
 
 
 if __name__ == "__main__":

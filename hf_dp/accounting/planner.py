@@ -30,6 +30,7 @@ the run's ledger.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from hf_dp import accounting
+from hf_dp.accounting.adaptive_noise import (
+    effective_noise_multiplier,
+    gradient_noise_multiplier,
+    resolve_count_noise,
+)
 from hf_dp.vocabulary import MECHANISMS
 
 __all__ = [
@@ -398,8 +404,9 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
         adaptive_clipping (`bool`, *optional*, defaults to `False`): plan for `DPTrainingArguments.adaptive_clipping`
             (Andrew et al. 2021, [`~hf_dp.clipping.adaptive`]). Each step then also releases a count with noise σ_b,
             and the ledger composes σ_eff = (σ⁻² + (2σ_b)⁻²)^(-1/2): `noise_multiplier` becomes the gradient σ
-            DPTrainer calibrates for the target ([`~hf_dp.clipping.adaptive.gradient_noise_multiplier`] of the σ_eff
-            the accountant needs; larger than the fixed-norm σ), and `epsilon_at_fixed_noise` is accounted at the
+            DPTrainer calibrates for the target
+            ([`~hf_dp.accounting.adaptive_noise.gradient_noise_multiplier`] of the σ_eff the accountant needs;
+            larger than the fixed-norm σ), and `epsilon_at_fixed_noise` is accounted at the
             σ_eff of the fixed gradient σ. Like the fixed-norm rows, it leaves out private logging's loss release.
         clipping_count_noise (`float`, *optional*): σ_b, the count's noise std in units
             (`DPTrainingArguments.clipping_count_noise`); defaults to each row's `expected_batch_size` / 20, as in
@@ -484,7 +491,8 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
 
 
 def _adaptive(adaptive_clipping, clipping_count_noise):
-    """The adaptive clipping configuration to plan for ([`~hf_dp.clipping.adaptive.AdaptiveClipping`]), or None."""
+    """Adaptive clipping's count noise σ_b as a function of the expected batch size m (`clipping_count_noise`,
+    or the default m/20 as in DPTrainer), or None without adaptive clipping."""
     if not isinstance(adaptive_clipping, (bool, np.bool_)):
         raise ValueError(f"adaptive_clipping={adaptive_clipping!r}: use True or False.")
     if clipping_count_noise is not None:
@@ -494,9 +502,7 @@ def _adaptive(adaptive_clipping, clipping_count_noise):
                              "add --adaptive_clipping, or drop --clipping_count_noise.")
     if not adaptive_clipping:
         return None
-    from hf_dp.clipping.adaptive import AdaptiveClipping  # imports torch: only when asked for
-
-    return AdaptiveClipping(count_noise=clipping_count_noise)
+    return functools.partial(resolve_count_noise, clipping_count_noise)
 
 
 def _row(key, group, expected_batch_size, population, examples_per_step, steps, delta, target, sigma_fixed,
@@ -518,7 +524,7 @@ def _row(key, group, expected_batch_size, population, examples_per_step, steps, 
         "noise_multiplier": None,
         "noise_std": None,
         "effective_noise_multiplier": None,
-        "count_noise": None if adaptive is None else adaptive.count_noise_for(expected_batch_size),
+        "count_noise": None if adaptive is None else adaptive(expected_batch_size),
         "fixed_noise_multiplier": sigma_fixed,
         "epsilon_at_fixed_noise": None,
         "examples_used": examples_used,
@@ -540,7 +546,7 @@ def _row(key, group, expected_batch_size, population, examples_per_step, steps, 
                                                 steps=steps, group_size=accounting_group)
         row["effective_noise_multiplier"] = effective
         # With adaptive clipping the accountant's σ_eff also covers the count: the gradient gets DPTrainer's σ.
-        sigma = effective if adaptive is None else adaptive.gradient_noise_multiplier(effective, expected_batch_size)
+        sigma = effective if adaptive is None else gradient_noise_multiplier(effective, count_noise)
         row["noise_multiplier"] = sigma
         row["noise_std"] = sigma / expected_batch_size
     except (ValueError, accounting.AccountingError) as error:
@@ -557,7 +563,7 @@ def _row(key, group, expected_batch_size, population, examples_per_step, steps, 
                 row["epsilon_at_fixed_noise"] = accounting.epsilon(
                     sample_rate=sample_rate, steps=steps, delta=delta, group_size=accounting_group,
                     noise_multiplier=sigma_fixed if adaptive is None
-                    else adaptive.effective_noise_multiplier(sigma_fixed, expected_batch_size))
+                    else effective_noise_multiplier(sigma_fixed, count_noise))
         except (ValueError, accounting.AccountingError) as error:
             problems.append(f"ε at σ={sigma_fixed:g}: {error}")
             row["unbounded"] = "too large to account" in str(error)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from hf_dp.data import canary_user_id, is_canary_user  # the id convention lives in the core
 
 if TYPE_CHECKING:
     import datasets
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["Canaries", "insert", "is_canary_user", "make_canaries", "remove_canaries"]
 
 _FORMAT = "hf_dp.audit.canaries/1"
-_USER_ID = re.compile(r"__hf_dp_canary_\d+__")
 _MARKER = "hf-dp-canary-"
 # Fixed word list: random sequences of ordinary words tokenize like text (so a model can learn them)
 # while the 64-bit marker makes every row unique.
@@ -181,7 +181,7 @@ def make_canaries(
     rng = np.random.default_rng(seed)
     included = rng.integers(0, 2, size=num_canaries).astype(bool)
     width = max(4, len(str(num_canaries - 1)))
-    user_ids = tuple(f"__hf_dp_canary_{i:0{width}d}__" for i in range(num_canaries))
+    user_ids = tuple(canary_user_id(i, width) for i in range(num_canaries))
     rows = []
     for user_id in user_ids:
         user_rows = []
@@ -203,11 +203,6 @@ def make_canaries(
         label_column=label_column,
         num_labels=num_labels,
     )
-
-
-def is_canary_user(user_id: Any) -> bool:
-    """Whether a user id is a canary's (so evaluation, counts and baselines can skip it)."""
-    return isinstance(user_id, str) and _USER_ID.fullmatch(user_id) is not None
 
 
 def insert(dataset: datasets.Dataset, canaries: Canaries) -> datasets.Dataset:

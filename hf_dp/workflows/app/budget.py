@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from hf_dp.formatting import format_number
 from hf_dp.vocabulary import MECHANISMS, mechanism_of
 
-from .common import AppError, error_md, fmt, mechanism_label, one_line
+from .common import AppError, error_md, mechanism_label, one_line
 from .results import RunRecord, is_positive, list_runs, main_metric, study_is_quick
 
 # Columns of the planner's rows shown in the Budget tab, with their headers (the planner's keys).
@@ -54,7 +55,7 @@ def _whole(value, name: str) -> int:
 def batch_text(row: Mapping) -> str:
     """`expected_batch_size` with its unit: "12.5 users" (ULS), "40 examples" (ELS, example-level)."""
     unit = row.get("sampled_unit") or MECHANISMS[str(row.get("mechanism"))].sampled_unit
-    return f"{fmt(row.get('expected_batch_size'), '.4g')} {unit}"
+    return f"{format_number(row.get('expected_batch_size'), '.4g')} {unit}"
 
 
 def _cell(row: Mapping, key: str) -> str:
@@ -63,7 +64,7 @@ def _cell(row: Mapping, key: str) -> str:
     if key == "expected_batch_size":
         return batch_text(row)
     value = row.get(key)
-    return "" if value == "" else fmt(value)
+    return "" if value == "" else format_number(value)
 
 
 def plan_table(rows: Sequence[Mapping], highlight: str | None) -> str:
@@ -198,15 +199,15 @@ def budget_view(results_dir, target_epsilon: float, target_delta: float, privacy
     if sigma is None:
         headline.append(error_md(impossible_budget(row, epsilon)))
     else:
-        headline.append(f"**Noise multiplier needed: σ = {fmt(sigma, '.4g')}**")
+        headline.append(f"**Noise multiplier needed: σ = {format_number(sigma, '.4g')}**")
     details = []
     if row.get("contribution_bound") is not None:
         details.append(f"recommended contribution bound **G = {row['contribution_bound']}**")
     details.append(f"expected_batch_size = {batch_text(row)} per step (sample rate q = "
-                   f"{fmt(row.get('sample_rate'), '.4g')}), {row.get('steps')} steps")
+                   f"{format_number(row.get('sample_rate'), '.4g')}), {row.get('steps')} steps")
     if row.get("epsilon_at_fixed_noise") is not None:
-        details.append(f"at the fixed σ = {fmt(row.get('fixed_noise_multiplier'), '.3g')} it would spend "
-                       f"ε = {fmt(row['epsilon_at_fixed_noise'], '.3g')}")
+        details.append(f"at the fixed σ = {format_number(row.get('fixed_noise_multiplier'), '.3g')} it would spend "
+                       f"ε = {format_number(row['epsilon_at_fixed_noise'], '.3g')}")
     headline.append("; ".join(details) + ".")
     if mechanism == "example":
         headline.append("⚠️ Example-level DP protects single rows: a user with many rows is not protected as a "

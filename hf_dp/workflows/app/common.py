@@ -1,8 +1,8 @@
-"""What every tab shares: the error the page shows as one line, and how numbers are written."""
+"""What every tab shares: the error the page shows as one line and mechanism labels (numbers are written by
+[`hf_dp.formatting.format_number`], as in the card and the plan table)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from hf_dp.vocabulary import MECHANISMS
@@ -22,21 +22,6 @@ def error_md(error: BaseException | str) -> str:
     """An error as the one bold line the page shows."""
     message = error if isinstance(error, str) else one_line(error)
     return f"**⚠️ {message}**"
-
-
-def fmt(value: Any, spec: str = ".4g") -> str:
-    """A number for a table cell: `–` for missing or NaN, `∞` for infinity."""
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        if math.isinf(value):
-            return "∞"
-        if math.isnan(value):
-            return "–"
-        return format(value, spec)
-    return str(value)
 
 
 def mechanism_label(key: Any) -> str:

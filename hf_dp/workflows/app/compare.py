@@ -14,7 +14,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .common import AppError, error_md, fmt, mechanism_label, one_line
+from hf_dp.formatting import format_number
+
+from .common import AppError, error_md, mechanism_label, one_line
 from .results import NON_PRIVATE, RunRecord, find_run
 
 EXAMPLE_TEXTS = [
@@ -180,7 +182,8 @@ def compare_header(run: RunRecord) -> str:
         guarantee = "no privacy guarantee"
     else:
         unit = (result.get("privacy") or {}).get("privacy_unit", "?")
-        guarantee = f"({fmt(result.get('epsilon'), '.3g')}, {fmt(result.get('delta'), '.2g')})-DP, {unit}-level"
+        guarantee = (f"({format_number(result.get('epsilon'), '.3g')}, {format_number(result.get('delta'), '.2g')})"
+                     f"-DP, {unit}-level")
     return (f"**{run.name}**: {mechanism_label(run.mechanism)}, {guarantee}; test {run.metric_name} "
-            f"{fmt(result.get('eval_result'), '.3f')} vs public-only baseline "
-            f"{fmt(result.get('baseline_result'), '.3f')}.")
+            f"{format_number(result.get('eval_result'), '.3f')} vs public-only baseline "
+            f"{format_number(result.get('baseline_result'), '.3f')}.")

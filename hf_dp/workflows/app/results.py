@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from hf_dp.formatting import format_number
 from hf_dp.vocabulary import DP_MECHANISMS
 
-from .common import AppError, error_md, fmt, mechanism_label
+from .common import AppError, error_md, mechanism_label
 
 # Runs started from the Train tab go here (inside the results folder), apart from the study's runs: they
 # train on small subsets, so they are listed for comparison but left out of the plot and the cost estimate.
@@ -81,9 +82,9 @@ class RunRecord:
         elif self.is_baseline:
             eps_text = "no private data"
         else:
-            eps_text = f"ε = {fmt(self.result.get('epsilon'), '.3g')}"
+            eps_text = f"ε = {format_number(self.result.get('epsilon'), '.3g')}"
         return (f"{self.name} — {mechanism_label(self.mechanism)}, {eps_text}, "
-                f"{self.metric_name} {fmt(self.result.get('eval_result'), '.3f')}")
+                f"{self.metric_name} {format_number(self.result.get('eval_result'), '.3f')}")
 
 
 def list_runs(results_dir: str | os.PathLike, *, include_app_runs: bool = True) -> list[RunRecord]:
@@ -165,7 +166,7 @@ def results_overview_markdown(results_dir) -> str:
     lines = ["| run | mechanism | ε | δ | eval_result | baseline_result |", "|---|---|---|---|---|---|"]
     for run in runs:
         r = run.result
-        eps = "∞" if run.mechanism == NON_PRIVATE else fmt(r.get("epsilon"), ".3g")
-        lines.append(f"| {run.name} | {mechanism_label(run.mechanism)} | {eps} | {fmt(r.get('delta'), '.2g')} | "
-                     f"{run.metric_name} {fmt(r.get('eval_result'), '.3f')} | {fmt(r.get('baseline_result'), '.3f')} |")
+        eps = "∞" if run.mechanism == NON_PRIVATE else format_number(r.get("epsilon"), ".3g")
+        lines.append(f"| {run.name} | {mechanism_label(run.mechanism)} | {eps} | {format_number(r.get('delta'), '.2g')} | "
+                     f"{run.metric_name} {format_number(r.get('eval_result'), '.3f')} | {format_number(r.get('baseline_result'), '.3f')} |")
     return "\n".join(lines)

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from hf_dp.formatting import format_number
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
 
-from .common import AppError, error_md, fmt, one_line
+from .common import AppError, error_md, one_line
 from .results import APP_RUNS_DIR
 
 # What the Train tab offers: the DP mechanisms and the non-private comparison.
@@ -206,9 +207,10 @@ def job_status_markdown(state: Mapping) -> str:
         result = state.get("result") or {}
         eps = result.get("epsilon")
         eps_text = ("no guarantee (non-private)" if eps is None
-                    else f"ε = {eps:.3g}, δ = {fmt(result.get('delta'), '.2g')}")
+                    else f"ε = {eps:.3g}, δ = {format_number(result.get('delta'), '.2g')}")
         return (f"**Finished `{result.get('run')}`**: {result.get('metric_name', 'metric')} "
-                f"{fmt(result.get('eval_result'), '.3f')} (public-only baseline "
-                f"{fmt(result.get('baseline_result'), '.3f')}), {eps_text}. It is listed in the Compare and Results "
-                f"tabs as `{APP_RUNS_DIR}/{result.get('run')}`. Quick runs on small subsets: the numbers are noisy.")
+                f"{format_number(result.get('eval_result'), '.3f')} (public-only baseline "
+                f"{format_number(result.get('baseline_result'), '.3f')}), {eps_text}. It is listed in the Compare and "
+                f"Results tabs as `{APP_RUNS_DIR}/{result.get('run')}`. Quick runs on small subsets: the numbers are "
+                "noisy.")
     return ""
