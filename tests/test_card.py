@@ -1,7 +1,7 @@
 """hf_dp.card: golden cards, Hub-readable front matter, what each kind of run must say.
 
 Regenerate the golden files after a deliberate template change with
-`HF_DP_REGENERATE_GOLDEN=1 pytest tests/card/test_card.py`, and review the diff.
+`HF_DP_REGENERATE_GOLDEN=1 pytest tests/test_card.py`, and review the diff.
 """
 import os
 from pathlib import Path
@@ -15,7 +15,7 @@ from huggingface_hub.repocard import metadata_load
 from hf_dp.card import render_privacy_card, write_privacy_card
 from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parent / "golden_cards"
 REGENERATE = os.environ.get("HF_DP_REGENERATE_GOLDEN") == "1"
 
 ULS_REPORT = {
@@ -273,8 +273,8 @@ def test_card_names_the_mechanism_from_the_vocabulary():
 
 
 def test_model_cards_folder_links_the_packaged_template():
-    link = Path(__file__).parents[2] / "model_cards" / "privacy_card_template.md"
-    packaged = Path(__file__).parents[2] / "hf_dp" / "templates" / "privacy_card.md"
+    link = Path(__file__).parents[1] / "model_cards" / "privacy_card_template.md"
+    packaged = Path(__file__).parents[1] / "hf_dp" / "templates" / "privacy_card.md"
     assert link.is_symlink() and link.resolve() == packaged.resolve()
     assert link.read_text(encoding="utf-8").startswith("---\n{{ card_data }}\n---\n")
 
