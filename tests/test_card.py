@@ -12,6 +12,7 @@ import yaml
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard import metadata_load
 
+from app_fixtures import privacy_report
 from hf_dp.card import render_privacy_card, write_privacy_card
 from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
 
@@ -283,3 +284,23 @@ def test_golden_front_matter_is_valid_yaml():
     for golden in sorted(GOLDEN.glob("privacy_card_*.md")):
         front = golden.read_text(encoding="utf-8").split("---\n")[1]
         assert isinstance(yaml.safe_load(front), dict), golden
+
+
+# ---- every stated ε and δ is rounded up ---------------------------------------------------------------------------
+
+
+def test_every_stated_epsilon_and_delta_is_rounded_up(tmp_path):
+    report = dict(privacy_report("els", 2.98712, 3.0), delta=4.16493e-5, epsilon_lower=2.96119,
+                  epsilon_estimate=2.97412, epsilon_group_privacy=58.3121, sample_rate=0.0812345,
+                  noise_multiplier=1.23456)
+    path = write_privacy_card(report, tmp_path, base_model="m")
+    text = path.read_text(encoding="utf-8")
+    assert "**(2.99, 4.17e-05)-differential privacy" in text and "4.16e-05" not in text
+    assert "| δ (`delta`) | 4.17e-05 |" in text
+    assert "between\n2.961 (lower bound) and 2.988 (upper bound)" in text  # interval rounded outwards
+    assert "estimate 2.975" in text and "**ε = 58.32**" in text
+    assert "| Sample rate q (`sample_rate`) | 0.08124 |" in text  # q up, σ down: never flattering
+    assert "| Noise multiplier σ (`noise_multiplier`) | 1.234 |" in text
+    privacy = metadata_load(path)["privacy"]  # the front matter keeps the exact values
+    for key in ("epsilon", "delta", "epsilon_lower", "epsilon_estimate", "epsilon_group_privacy"):
+        assert privacy[key] == report[key]

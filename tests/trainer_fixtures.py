@@ -6,7 +6,9 @@ import random
 
 import torch
 from datasets import Dataset
+from torch import nn
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_dp import DPTrainer, DPTrainingArguments
 
@@ -29,6 +31,52 @@ def tiny_llama(seed: int = 0):
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+class TinyDecoder(LlamaForCausalLM):
+    """A causal LM whose class name says nothing about its head."""
+
+
+class MeanCentering(nn.Module):
+    """Subtracts the batch mean: no parameter, no known type, caught only by the probe."""
+
+    def forward(self, hidden):
+        return hidden - hidden.mean(dim=0, keepdim=True)
+
+
+
+class ChannelFirst(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden):  # (B, d) -> (B, 1, d) for InstanceNorm1d
+        return self.inner(hidden.unsqueeze(1)).squeeze(1)
+
+
+
+class PooledClassifier(nn.Module):
+    """Embedding -> masked mean -> `mixer` -> linear head."""
+
+    def __init__(self, mixer: nn.Module, width: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.mixer = mixer
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        mask = attention_mask.unsqueeze(-1).float()
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+        return SequenceClassifierOutput(logits=self.head(self.mixer(pooled)))
+
+
+
+def frozen(module: nn.Module) -> nn.Module:
+    for param in module.parameters():
+        param.requires_grad_(False)
+    return module
+
 
 
 def user_dataset(num_users: int = 24, max_rows: int = 6, seed: int = 0, causal_lm: bool = False,
@@ -79,3 +127,10 @@ def make_trainer(tmp_path, model=None, dataset=None, **overrides) -> DPTrainer:
         train_dataset=dataset if dataset is not None else user_dataset(),
         data_collator=pad_collator,
     )
+
+
+def one_line(error) -> str:
+    """The message of a `pytest.raises` result, asserted to be one line."""
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
