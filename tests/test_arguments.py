@@ -146,3 +146,34 @@ def test_adaptive_arguments_are_cli_flags():
     for flag in ("--adaptive_clipping", "--target_unclipped_quantile", "--clipping_learning_rate",
                  "--clipping_count_noise"):
         assert flag in help_text
+
+
+# ---- normalised fields, and fields set after construction -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), (4, 4), ("4", 4), (None, None)])
+def test_the_contribution_bound_is_a_positive_integer_auto_or_none(tmp_path, value, parsed):
+    assert make_args(tmp_path, contribution_bound=value).contribution_bound == parsed
+
+
+@pytest.mark.parametrize("value", [0, -2, "4.5", 4.5, "four", "4 users"])
+def test_any_other_contribution_bound_is_refused(tmp_path, value):
+    with pytest.raises(ValueError, match=f"contribution_bound={value!r}: use a positive integer or 'auto'"):
+        make_args(tmp_path, contribution_bound=value)
+
+
+def test_a_field_set_after_construction_is_checked_again(tmp_path):
+    args = make_args(tmp_path)
+    args.validate_privacy_fields()  # valid: passes, again
+    args.max_grad_norm = math.nan
+    args.sampling = "shuffle"
+    with pytest.raises(ValueError) as error:
+        args.validate_privacy_fields()
+    assert "max_grad_norm=nan" in str(error.value) and "sampling='shuffle'" in str(error.value)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True])
+def test_a_micro_batch_size_must_be_a_positive_integer_or_unset(tmp_path, value):
+    assert make_args(tmp_path, per_device_train_batch_size=None).per_device_train_batch_size is None
+    with pytest.raises(ValueError, match=f"per_device_train_batch_size={value!r}"):
+        make_args(tmp_path, per_device_train_batch_size=value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from datasets import Dataset
 from torch import nn
@@ -11,6 +12,7 @@ from transformers import BertConfig, BertForSequenceClassification, LlamaConfig,
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp.data import UserPartition
 
 VOCAB = 40
 
@@ -92,6 +94,13 @@ def user_dataset(num_users: int = 24, max_rows: int = 6, seed: int = 0, causal_l
             rows["input_ids"].append(tokens)
             rows["labels"].append(list(tokens) if causal_lm else tokens[0] % 2)
     return Dataset.from_dict(rows)
+
+
+def user_partition(rows_per_user, contribution_bound: int | None = None) -> UserPartition:
+    """A partition of users holding `rows_per_user[u]` consecutive rows each (no dataset: what the plan reads)."""
+    user_rows = [np.arange(start, start + n) for start, n in zip(np.cumsum([0, *rows_per_user[:-1]]), rows_per_user)]
+    row_user = np.repeat(np.arange(len(rows_per_user)), rows_per_user)
+    return UserPartition(dataset=None, row_user=row_user, user_rows=user_rows, contribution_bound=contribution_bound)
 
 
 def pad_collator(examples: list[dict]) -> dict:

@@ -14,6 +14,7 @@ from huggingface_hub.repocard import metadata_load
 from transformers import DataCollatorWithFlattening, Trainer
 
 from hf_dp import DPTrainer
+from hf_dp.trainer import DPTrainerMixin
 from hf_dp.hub import check_privacy_card
 from hf_dp.vocabulary import MECHANISMS
 from trainer_fixtures import TinyDecoder, make_args, make_trainer, one_line, pad_collator, tiny_bert, tiny_llama, \
@@ -176,6 +177,26 @@ def test_card_fields_the_privacy_card_cannot_hold_are_refused(trained, kwargs, m
     with pytest.raises(ValueError, match=message) as error:
         trained.create_model_card(**kwargs)
     one_line(error)
+
+
+# ---- the mixin makes any Trainer subclass private ----------------------------------------------------------------
+
+
+def test_the_mixin_trains_another_trainer_subclass_with_dp(tmp_path):
+    class LoggingTrainer(Trainer):  # a subclass a user already has, with its own override
+        def log(self, logs, start_time=None):
+            self.seen = [*getattr(self, "seen", []), dict(logs)]
+            super().log(logs, start_time)
+
+    class DPLoggingTrainer(DPTrainerMixin, LoggingTrainer):
+        pass
+
+    trainer = DPLoggingTrainer(model=tiny_bert(), args=make_args(tmp_path, max_steps=2), train_dataset=user_dataset(),
+                               data_collator=pad_collator)
+    trainer.train()
+    assert trainer.accountant.steps == 2 and 0 < trainer.privacy_report()["epsilon"] <= 8.0
+    assert sum("dp/epsilon" in logs for logs in trainer.seen) == 2  # the base's override sees the DP logs
+    assert check_privacy_card(tmp_path / "out")["epsilon"] == pytest.approx(trainer.privacy_report()["epsilon"])
 
 
 # ---- Trainer features that keep working ---------------------------------------------------------------------------
