@@ -6,8 +6,10 @@ import pytest
 from scipy.stats import poisson
 from trainer_fixtures import make_trainer, tiny_llama, user_dataset
 
-from hf_dp.batching import _balanced, poisson_capacity
-from hf_dp.sampling import poisson_sample
+from datasets import Dataset
+
+from hf_dp.batching import LogicalBatches, _balanced, poisson_capacity
+from hf_dp.sampling import SampledUnits, poisson_sample
 
 
 @pytest.mark.parametrize("expected, rows, world", [(8, 2, 1), (64, 4, 1), (64, 1, 2), (1000, 1, 8)])
@@ -52,3 +54,31 @@ def test_a_sample_above_a_set_micro_batch_takes_balanced_passes(tmp_path):
         sizes = [micro.num_examples for micro in batch.micro_batches]
         assert max(sizes) <= 5 and len(sizes) == -(-sum(sizes) // 5)
         assert max(sizes) - min(sizes) <= 1
+
+
+def _rows_collator(examples: list[dict]) -> dict:
+    return {"row": [example["row"] for example in examples]}
+
+
+def test_a_logical_batch_holds_the_sampled_users_whole_with_their_mean_loss_weights():
+    dataset = Dataset.from_dict({"row": [f"r{i}" for i in range(10)]})
+    unit_rows = [np.array([0, 1, 2]), np.array([3]), np.array([4, 5]), np.array([6, 7, 8, 9])]
+    batches = LogicalBatches(dataset, unit_rows=unit_rows, data_collator=_rows_collator, micro_batch_size=4)
+    batch = batches[SampledUnits(step=5, units=np.array([0, 2, 3]), total=3)]
+    assert (batch.step, batch.total_units) == (5, 3)
+    rows = [row for micro in batch.micro_batches for row in micro.features["row"]]
+    assert rows == ["r0", "r1", "r2", "r4", "r5", "r6", "r7", "r8", "r9"]  # the sampled users' rows, in order
+    for micro in batch.micro_batches:
+        counts = micro.units.counts.tolist()
+        assert micro.num_examples == sum(counts) == len(micro.features["row"])
+        assert micro.loss_weights.tolist() == pytest.approx([1 / n for n in counts for _ in range(n)])
+    assert [micro.units.counts.tolist() for micro in batch.micro_batches] == [[3], [2], [4]]  # users never split
+    assert batches[SampledUnits(step=6, units=np.array([], dtype=int), total=0)].micro_batches == []
+
+
+def test_a_logical_batch_of_rows_collates_the_sampled_rows():
+    dataset = Dataset.from_dict({"row": [f"r{i}" for i in range(10)]})
+    batches = LogicalBatches(dataset, unit_rows=None, data_collator=_rows_collator, micro_batch_size=3)
+    batch = batches[SampledUnits(step=0, units=np.array([1, 4, 5, 8, 9]), total=5)]
+    assert [micro.features["row"] for micro in batch.micro_batches] == [["r1", "r4", "r5"], ["r8", "r9"]]
+    assert all(micro.units is None and micro.loss_weights is None for micro in batch.micro_batches)

@@ -78,3 +78,20 @@ def test_scalar_noise_is_the_same_on_the_device_and_on_the_host():
     host = noise.add_scalar_noise(values, [0.5, 2.0], seed=4, step=7)
     device = noise.add_scalar_noise(torch.tensor(values, dtype=torch.float64), [0.5, 2.0], seed=4, step=7)
     assert device.dtype == torch.float64 and device.tolist() == pytest.approx(host, abs=0)
+
+
+def test_scalar_noise_has_the_stated_stds_and_a_stream_of_its_own():
+    draws = np.array([noise.add_scalar_noise([0.0, 10.0], [0.5, 2.0], seed=6, step=step) for step in range(4000)])
+    for column, (value, std) in enumerate([(0.0, 0.5), (10.0, 2.0)]):
+        assert draws[:, column].std() == pytest.approx(std, rel=0.05)
+        assert abs(draws[:, column].mean() - value) < 4 * std / np.sqrt(len(draws))
+    assert abs(np.corrcoef(draws[:, 0], draws[:, 1])[0, 1]) < 0.1
+    # The logged sums' stream is not the gradient's: the same (seed, step) gives unrelated draws.
+    grad = _grads((2,))
+    noise.add_noise(grad, noise_multiplier=1.0, max_grad_norm=1.0, seed=6, step=0)
+    assert not np.allclose(noise.add_scalar_noise([0.0, 0.0], [1.0, 1.0], seed=6, step=0), _flat_noise(grad).numpy())
+
+
+def test_fresh_seeds_are_63_bit_and_never_repeat():
+    seeds = {noise.fresh_seed() for _ in range(100)}
+    assert len(seeds) == 100 and all(0 <= seed < 2**63 for seed in seeds)

@@ -3,7 +3,8 @@
 Architectures: GPT-2 (transformers `Conv1D`, learned positions, tied LM head), Llama
 (RMSNorm, rotary, untied), BERT (LayerNorm, token-type and `(1, T)` position ids), Qwen2
 (RMSNorm, q/k/v biases, tied LM head). Heads: sequence classification and causal LM.
-Each optionally with a peft LoRA adapter. Also `FlattenedRowsModel`, whose layer sees (batch·time) rows.
+Each optionally with a peft LoRA adapter. Also `FlattenedRowsModel`, whose layer sees (batch·time) rows, and
+`with_dropout`, BERT and GPT-2 with dropout on.
 """
 from __future__ import annotations
 
@@ -195,3 +196,15 @@ class FlattenedRowsModel(torch.nn.Module):
         else:
             hidden = self.inner(input.reshape(batch * tokens, 3)).reshape(batch, tokens, 4)  # rows: b * T + t
         return self.outer(torch.tanh(hidden))
+
+
+def with_dropout(arch: str):
+    """A 1-layer BERT classifier or GPT-2 LM with dropout 0.1 everywhere (the probes must see through dropout)."""
+    torch.manual_seed(0)
+    if arch == "bert":
+        return BertForSequenceClassification(BertConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=32, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_labels=2))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from datasets import Dataset
+from torch import nn
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp.data import UserPartition
 
 VOCAB = 40
 
@@ -31,6 +35,52 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(config)
 
 
+class TinyDecoder(LlamaForCausalLM):
+    """A causal LM whose class name says nothing about its head."""
+
+
+class MeanCentering(nn.Module):
+    """Subtracts the batch mean: no parameter, no known type, caught only by the probe."""
+
+    def forward(self, hidden):
+        return hidden - hidden.mean(dim=0, keepdim=True)
+
+
+
+class ChannelFirst(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden):  # (B, d) -> (B, 1, d) for InstanceNorm1d
+        return self.inner(hidden.unsqueeze(1)).squeeze(1)
+
+
+
+class PooledClassifier(nn.Module):
+    """Embedding -> masked mean -> `mixer` -> linear head."""
+
+    def __init__(self, mixer: nn.Module, width: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.mixer = mixer
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        mask = attention_mask.unsqueeze(-1).float()
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+        return SequenceClassifierOutput(logits=self.head(self.mixer(pooled)))
+
+
+
+def frozen(module: nn.Module) -> nn.Module:
+    for param in module.parameters():
+        param.requires_grad_(False)
+    return module
+
+
+
 def user_dataset(num_users: int = 24, max_rows: int = 6, seed: int = 0, causal_lm: bool = False,
                  user_ids=None) -> Dataset:
     """Users with 1..max_rows rows of random tokens; label = parity of the first token (learnable)."""
@@ -44,6 +94,13 @@ def user_dataset(num_users: int = 24, max_rows: int = 6, seed: int = 0, causal_l
             rows["input_ids"].append(tokens)
             rows["labels"].append(list(tokens) if causal_lm else tokens[0] % 2)
     return Dataset.from_dict(rows)
+
+
+def user_partition(rows_per_user, contribution_bound: int | None = None) -> UserPartition:
+    """A partition of users holding `rows_per_user[u]` consecutive rows each (no dataset: what the plan reads)."""
+    user_rows = [np.arange(start, start + n) for start, n in zip(np.cumsum([0, *rows_per_user[:-1]]), rows_per_user)]
+    row_user = np.repeat(np.arange(len(rows_per_user)), rows_per_user)
+    return UserPartition(dataset=None, row_user=row_user, user_rows=user_rows, contribution_bound=contribution_bound)
 
 
 def pad_collator(examples: list[dict]) -> dict:
@@ -79,3 +136,10 @@ def make_trainer(tmp_path, model=None, dataset=None, **overrides) -> DPTrainer:
         train_dataset=dataset if dataset is not None else user_dataset(),
         data_collator=pad_collator,
     )
+
+
+def one_line(error) -> str:
+    """The message of a `pytest.raises` result, asserted to be one line."""
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message

@@ -245,3 +245,63 @@ def test_cli_plan_adaptive_clipping_flags(capsys):
     assert "adaptive clipping" in adaptive and "adaptive clipping" not in plain
     assert cli.main([*argv, "--clipping_count_noise", "0.8"]) == 2  # without --adaptive_clipping: refused
     assert "only used with adaptive clipping" in capsys.readouterr().err
+
+
+# ---- the ε-DP contribution bound: an exponential-mechanism quantile on a public grid ------------------------------
+
+
+GRID = planner.CONTRIBUTION_BOUND_GRID
+# 500 users with 1-29 rows, and one more user with 77 rows.
+USERS = np.random.default_rng(0).integers(1, 30, size=500).tolist()
+OUTLIER = 77
+
+
+def _max_log_ratio(p, q) -> float:
+    return float(np.max(np.abs(np.log(p) - np.log(q))))
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 1.0])
+@pytest.mark.parametrize("quantile", [0.1, 0.5, 0.9])
+def test_quantile_release_is_epsilon_dp_for_neighbouring_counts(epsilon, quantile):
+    """Exact probabilities of every released G: removing/adding one user changes each by at most e^ε."""
+    rng = np.random.default_rng(1)
+    cases = [(USERS, USERS + [OUTLIER]), (USERS, USERS + [1]), ([5] * 40, [5] * 40 + [300])]
+    for _ in range(20):
+        counts = rng.integers(1, 400, size=int(rng.integers(2, 60))).tolist()
+        cases.append((counts, counts + [int(rng.integers(1, 600))]))
+    for smaller, larger in cases:
+        p = planner.quantile_probabilities(smaller, epsilon=epsilon, quantile=quantile)
+        q = planner.quantile_probabilities(larger, epsilon=epsilon, quantile=quantile)
+        assert p.sum() == pytest.approx(1) and q.sum() == pytest.approx(1)
+        assert _max_log_ratio(p, q) <= epsilon * (1 + 1e-9)
+
+
+def test_the_outlier_does_not_set_g():
+    """Old behaviour: G = 77 with the outlier, 29 without. Now G comes from the public grid, whatever the draw."""
+    for sampling in ("uls", "els"):
+        for seed in range(30):
+            bound = planner.private_contribution_bound(
+                USERS + [OUTLIER], sampling=sampling, epsilon=0.1, expected_batch_size=64, steps=100,
+                target_epsilon=7.9, rng=np.random.default_rng(seed))
+            assert bound in GRID and bound != OUTLIER
+    # A quantile that no grid value equals (every user has 5 rows) is never released as such.
+    draws = {planner.private_quantile([5] * 2000, epsilon=0.1, rng=np.random.default_rng(s)) for s in range(50)}
+    assert draws <= set(GRID) and 5 not in draws and 6 in draws
+    # With many users the DP median is accurate: the median of 1..29 rounds up to the grid value 16.
+    p = planner.quantile_probabilities(USERS * 20, epsilon=0.1)
+    assert GRID[int(p.argmax())] == 16 and p.max() > 0.9
+
+
+def test_uls_bound_reads_only_the_dp_median_and_the_number_of_users(monkeypatch):
+    monkeypatch.setattr(planner, "private_quantile", lambda counts, **kwargs: 12)
+    choose = dict(sampling="uls", epsilon=0.1, expected_batch_size=64, steps=100, target_epsilon=7.9)
+    other = [200] * 250 + [1] * 251  # as many users, very different counts
+    assert planner.private_contribution_bound(USERS + [OUTLIER], **choose) == \
+        planner.private_contribution_bound(other, **choose)
+
+
+def test_quantile_rejects_bad_input():
+    for kwargs, match in [(dict(epsilon=0.0), "epsilon"), (dict(epsilon=0.1, quantile=1.5), "quantile"),
+                          (dict(epsilon=0.1, grid=[4, 2]), "grid")]:
+        with pytest.raises(ValueError, match=match):
+            planner.quantile_probabilities([1, 2, 3], **kwargs)

@@ -1,38 +1,27 @@
-"""DPTrainer keeps Trainer's contract: its signature, custom losses, model cards, the hooks it relies on, and the
-report's vocabulary."""
+"""DPTrainer keeps Trainer's contract: its signature, per-example custom losses, model cards, the Trainer features that
+keep working and those refused, and the report's vocabulary."""
 
 from __future__ import annotations
 
 import inspect
-import tomllib
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from huggingface_hub.repocard import metadata_load
-from packaging.specifiers import SpecifierSet
-from transformers import (BertGenerationConfig, BertGenerationDecoder, DataCollatorWithFlattening, LlamaForCausalLM,
-                          LlamaForSequenceClassification, Trainer)
+from transformers import DataCollatorWithFlattening, Trainer
 
 from hf_dp import DPTrainer
+from hf_dp.trainer import DPTrainerMixin
 from hf_dp.hub import check_privacy_card
-from hf_dp.losses import is_causal_lm
-from hf_dp.compatibility import SUPPORTED_TRANSFORMERS, check_trainer_hooks
 from hf_dp.vocabulary import MECHANISMS
-from trainer_fixtures import VOCAB, make_args, make_trainer, pad_collator, tiny_bert, tiny_llama, user_dataset
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def one_line(error) -> str:
-    message = str(error.value)
-    assert "\n" not in message, message
-    return message
+from trainer_fixtures import TinyDecoder, make_args, make_trainer, one_line, pad_collator, tiny_bert, tiny_llama, \
+    user_dataset
 
 
-# ---- signature ------------------------------------------------------------------------------
+# ---- Trainer's signature ------------------------------------------------------------------------------------------
 
 
 def test_init_keeps_trainers_parameters_in_trainers_order():
@@ -56,7 +45,7 @@ def test_positional_arguments_mean_what_they_mean_for_trainer(tmp_path):
     assert trainer.eval_dataset is not None and trainer.partition.num_examples == len(data)
 
 
-# ---- custom losses --------------------------------------------------------------------------
+# ---- a per-example compute_loss_func ------------------------------------------------------------------------------
 
 
 def per_example_cross_entropy(outputs, labels, num_items_in_batch=None):
@@ -125,30 +114,7 @@ def test_a_compute_loss_override_is_refused(tmp_path):
     one_line(error)
 
 
-# ---- causal-LM detection --------------------------------------------------------------------
-
-
-class TinyDecoder(LlamaForCausalLM):
-    """A causal LM whose class name says nothing about its head."""
-
-
-def tiny_bert_generation_decoder():
-    torch.manual_seed(0)
-    config = BertGenerationConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=32, is_decoder=True)
-    return BertGenerationDecoder(config)
-
-
-def test_causal_lms_are_found_by_their_head_not_their_name(tmp_path):
-    llama = tiny_llama()
-    assert is_causal_lm(TinyDecoder(llama.config))
-    assert is_causal_lm(tiny_bert_generation_decoder())  # a transformers causal LM without "CausalLM"/"LMHead"
-    assert not is_causal_lm(LlamaForSequenceClassification(llama.config))
-    assert not is_causal_lm(tiny_bert())
-    # Detected, the decoder gets the next-token shift and may be trained on packed rows (refused for other heads).
-    trainer = DPTrainer(model=TinyDecoder(llama.config), args=make_args(tmp_path),
-                        data_collator=DataCollatorWithFlattening(), train_dataset=user_dataset(causal_lm=True))
-    assert trainer._causal_lm
+# ---- a causal LM by another name trains as one --------------------------------------------------------------------
 
 
 def test_a_causal_lm_by_another_name_trains_with_the_shifted_loss(tmp_path):
@@ -166,7 +132,7 @@ def test_a_causal_lm_by_another_name_trains_with_the_shifted_loss(tmp_path):
         torch.testing.assert_close(a, b)
 
 
-# ---- model cards ----------------------------------------------------------------------------
+# ---- create_model_card writes the privacy card --------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -213,57 +179,48 @@ def test_card_fields_the_privacy_card_cannot_hold_are_refused(trained, kwargs, m
     one_line(error)
 
 
-# ---- the Trainer hooks DPTrainer relies on --------------------------------------------------
+# ---- the mixin makes any Trainer subclass private ----------------------------------------------------------------
 
 
-def test_the_installed_trainer_has_every_hook():
-    check_trainer_hooks(Trainer)
+def test_the_mixin_trains_another_trainer_subclass_with_dp(tmp_path):
+    class LoggingTrainer(Trainer):  # a subclass a user already has, with its own override
+        def log(self, logs, start_time=None):
+            self.seen = [*getattr(self, "seen", []), dict(logs)]
+            super().log(logs, start_time)
+
+    class DPLoggingTrainer(DPTrainerMixin, LoggingTrainer):
+        pass
+
+    trainer = DPLoggingTrainer(model=tiny_bert(), args=make_args(tmp_path, max_steps=2), train_dataset=user_dataset(),
+                               data_collator=pad_collator)
+    trainer.train()
+    assert trainer.accountant.steps == 2 and 0 < trainer.privacy_report()["epsilon"] <= 8.0
+    assert sum("dp/epsilon" in logs for logs in trainer.seen) == 2  # the base's override sees the DP logs
+    assert check_privacy_card(tmp_path / "out")["epsilon"] == pytest.approx(trainer.privacy_report()["epsilon"])
 
 
-def test_a_trainer_without_a_hook_is_refused_naming_the_supported_range():
-    class OldTrainer:  # what a transformers before the hooks looked like: global clipping inline in the loop
-        def _get_grad_norm(self, model, grad_norm=None):
-            return None
-
-        def _get_num_items_in_batch(self, batch_samples, device):
-            return None
-
-        def _remove_unused_columns(self, dataset, description=None):
-            return dataset
-
-    with pytest.raises(RuntimeError, match=r"_clip_grad_norm is missing") as error:
-        check_trainer_hooks(OldTrainer)
-    message = one_line(error)
-    assert f"transformers{SUPPORTED_TRANSFORMERS}" in message and transformers.__version__ in message
+# ---- Trainer features that keep working ---------------------------------------------------------------------------
 
 
-def test_a_trainer_that_no_longer_calls_a_hook_is_refused():
-    class RenamedCallsTrainer:  # the hooks exist but the training loop does not go through them
-        def _clip_grad_norm(self, model):
-            return None
-
-        def _get_grad_norm(self, model, grad_norm=None):
-            return None
-
-        def _get_num_items_in_batch(self, batch_samples, device):
-            return None
-
-        def _remove_unused_columns(self, dataset, description=None):
-            return dataset
-
-    with pytest.raises(RuntimeError, match="never calls _clip_grad_norm"):
-        check_trainer_hooks(RenamedCallsTrainer)
+def test_evaluation_during_training_keeps_working(tmp_path):
+    data = user_dataset()
+    trainer = DPTrainer(model=tiny_bert(), args=make_args(tmp_path, eval_strategy="steps", eval_steps=2),
+                        train_dataset=data, eval_dataset=user_dataset(seed=9), data_collator=pad_collator)
+    trainer.train()
+    evaluations = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert len(evaluations) == 2 and all(math.isfinite(e["eval_loss"]) for e in evaluations)
+    assert trainer.accountant.steps == 4  # evaluation spends no budget
 
 
-def test_pyproject_declares_the_tested_transformers_range():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    declared = [d for d in project["dependencies"] if d.startswith("transformers")]
-    assert declared == [f"transformers{SUPPORTED_TRANSFORMERS}"]
-    assert SpecifierSet(SUPPORTED_TRANSFORMERS).contains(transformers.__version__, prereleases=True), (
-        f"transformers {transformers.__version__} is outside the declared transformers{SUPPORTED_TRANSFORMERS}")
+def test_the_callers_arguments_are_left_untouched(tmp_path):
+    """Planning sets max_steps on the trainer's own copy: the same arguments can start a second run."""
+    args = make_args(tmp_path, max_steps=-1, num_train_epochs=1.0)
+    trainer = DPTrainer(model=tiny_bert(), args=args, train_dataset=user_dataset(), data_collator=pad_collator)
+    assert trainer.args.max_steps == trainer.privacy_plan.steps > 0
+    assert (args.max_steps, args.ignore_data_skip) == (-1, False)
 
 
-# ---- Trainer features DP cannot account -----------------------------------------------------
+# ---- Trainer features DP cannot account are refused ---------------------------------------------------------------
 
 
 def test_model_init_and_hyperparameter_search_are_refused(tmp_path):
@@ -277,7 +234,7 @@ def test_model_init_and_hyperparameter_search_are_refused(tmp_path):
     one_line(error)
 
 
-# ---- the report's vocabulary ----------------------------------------------------------------
+# ---- the report's vocabulary --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -296,14 +253,3 @@ def test_report_and_ledger_name_the_mechanism_by_its_key(tmp_path, overrides, me
     assert (ledger["mechanism"], ledger["sampling"], ledger["privacy_unit"]) == \
         (mechanism, sampling, report["privacy_unit"])
     assert trainer.privacy_plan.fingerprint(trainer.args)["mechanism"] == mechanism
-
-
-def test_a_checkpoint_of_the_older_single_file_format_is_refused_clearly(tmp_path):
-    """Checkpoints of hf_dp before the ledger/resume-state split held one `dp_state.json`: refused in one line."""
-    make_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=2).train()
-    checkpoint = tmp_path / "out" / "checkpoint-2"
-    (checkpoint / "dp_resume.json").rename(checkpoint / "dp_state.json")
-    resumed = make_trainer(tmp_path, max_steps=4)
-    with pytest.raises(ValueError, match="written by an older hf_dp .dp_state.json.") as error:
-        resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert "\n" not in str(error.value) and resumed.accountant.steps == 0

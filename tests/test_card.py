@@ -1,7 +1,7 @@
 """hf_dp.card: golden cards, Hub-readable front matter, what each kind of run must say.
 
 Regenerate the golden files after a deliberate template change with
-`HF_DP_REGENERATE_GOLDEN=1 pytest tests/card/test_card.py`, and review the diff.
+`HF_DP_REGENERATE_GOLDEN=1 pytest tests/test_card.py`, and review the diff.
 """
 import os
 from pathlib import Path
@@ -12,10 +12,11 @@ import yaml
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard import metadata_load
 
+from app_fixtures import privacy_report
 from hf_dp.card import render_privacy_card, write_privacy_card
 from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parent / "golden_cards"
 REGENERATE = os.environ.get("HF_DP_REGENERATE_GOLDEN") == "1"
 
 ULS_REPORT = {
@@ -273,8 +274,8 @@ def test_card_names_the_mechanism_from_the_vocabulary():
 
 
 def test_model_cards_folder_links_the_packaged_template():
-    link = Path(__file__).parents[2] / "model_cards" / "privacy_card_template.md"
-    packaged = Path(__file__).parents[2] / "hf_dp" / "templates" / "privacy_card.md"
+    link = Path(__file__).parents[1] / "model_cards" / "privacy_card_template.md"
+    packaged = Path(__file__).parents[1] / "hf_dp" / "templates" / "privacy_card.md"
     assert link.is_symlink() and link.resolve() == packaged.resolve()
     assert link.read_text(encoding="utf-8").startswith("---\n{{ card_data }}\n---\n")
 
@@ -283,3 +284,23 @@ def test_golden_front_matter_is_valid_yaml():
     for golden in sorted(GOLDEN.glob("privacy_card_*.md")):
         front = golden.read_text(encoding="utf-8").split("---\n")[1]
         assert isinstance(yaml.safe_load(front), dict), golden
+
+
+# ---- every stated ε and δ is rounded up ---------------------------------------------------------------------------
+
+
+def test_every_stated_epsilon_and_delta_is_rounded_up(tmp_path):
+    report = dict(privacy_report("els", 2.98712, 3.0), delta=4.16493e-5, epsilon_lower=2.96119,
+                  epsilon_estimate=2.97412, epsilon_group_privacy=58.3121, sample_rate=0.0812345,
+                  noise_multiplier=1.23456)
+    path = write_privacy_card(report, tmp_path, base_model="m")
+    text = path.read_text(encoding="utf-8")
+    assert "**(2.99, 4.17e-05)-differential privacy" in text and "4.16e-05" not in text
+    assert "| δ (`delta`) | 4.17e-05 |" in text
+    assert "between\n2.961 (lower bound) and 2.988 (upper bound)" in text  # interval rounded outwards
+    assert "estimate 2.975" in text and "**ε = 58.32**" in text
+    assert "| Sample rate q (`sample_rate`) | 0.08124 |" in text  # q up, σ down: never flattering
+    assert "| Noise multiplier σ (`noise_multiplier`) | 1.234 |" in text
+    privacy = metadata_load(path)["privacy"]  # the front matter keeps the exact values
+    for key in ("epsilon", "delta", "epsilon_lower", "epsilon_estimate", "epsilon_group_privacy"):
+        assert privacy[key] == report[key]

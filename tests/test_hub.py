@@ -4,6 +4,8 @@ HfApi is replaced by a recorder: no test reaches the network (the "unreachable" 
 """
 from __future__ import annotations
 
+import json
+import re
 import socket
 
 import huggingface_hub
@@ -12,7 +14,7 @@ from huggingface_hub import constants
 
 from app_fixtures import make_tokenizer, privacy_ledger, privacy_report, tiny_classifier
 from hf_dp import hub as publish_module
-from hf_dp.card import write_privacy_card
+from hf_dp.card import LEDGER_FILE, write_privacy_card
 from hf_dp.hub import (
     HubUnreachableError,
     PrivacyCardError,
@@ -248,3 +250,73 @@ def test_dptrainer_push_to_hub_offline_fails_clearly(tmp_path, api, monkeypatch)
     with pytest.raises(HubUnreachableError, match="offline"):
         trainer.push_to_hub()
     assert api.calls == []
+
+
+# ---- publish checks the card against the ledger beside it ---------------------------------------------------------
+
+
+@pytest.fixture
+def card_dir(tmp_path):
+    report = privacy_report("uls", 7.9, 8.0)
+    folder = tmp_path / "model"
+    write_privacy_card(report, folder, ledger=privacy_ledger(report), base_model="test/tiny")
+    return folder
+
+
+def _set_front_matter(folder, key, value):
+    readme = folder / "README.md"
+    text, count = re.subn(rf"(?m)^  {key}: .*$", f"  {key}: {value}", readme.read_text(encoding="utf-8"))
+    assert count == 1
+    readme.write_text(text, encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("epsilon", "0.01", "claims ε = 0.01 but its ledger accounts ε = 3.16"),
+        ("epsilon", "-5", "not a finite number"),
+        ("epsilon", ".nan", "not a finite number"),
+        ("epsilon", "true", "not a number"),
+        ("delta", "0.9", "δ = 0.9 but its ledger"),
+        ("delta", "1.0e-06", "δ = 1e-06 but its ledger"),
+        ("delta", "1.5", "not in \\(0, 1\\)"),
+        ("privacy_unit", "example", "privacy_unit = 'example'"),
+        ("mechanism", "els", "mechanism = 'els'"),
+        ("steps", "4", "steps = 4"),
+    ],
+)
+def test_publish_refuses_a_hand_edited_front_matter(card_dir, key, value, message):
+    assert check_privacy_card(card_dir)["epsilon"] == 7.9
+    _set_front_matter(card_dir, key, value)
+    with pytest.raises(PrivacyCardError, match=message) as error:
+        check_privacy_card(card_dir)
+    assert "\n" not in str(error.value)
+
+
+def test_publish_refuses_a_hand_edited_text(card_dir):
+    readme = card_dir / "README.md"
+    original = readme.read_text(encoding="utf-8")
+    assert "**(7.90, 1e-05)-differential privacy" in original
+    readme.write_text(original.replace("**(7.90, 1e-05)", "**(0.01, 1e-05)"), encoding="utf-8")
+    with pytest.raises(PrivacyCardError, match=r"states \(0.01, 1e-05\)"):
+        check_privacy_card(card_dir)
+    readme.write_text(original.replace("| δ (`delta`) | 1e-05 |", "| δ (`delta`) | 1e-09 |"), encoding="utf-8")
+    with pytest.raises(PrivacyCardError, match="its text states"):
+        check_privacy_card(card_dir)
+
+
+def test_publish_refuses_a_card_without_its_ledger(card_dir):
+    (card_dir / LEDGER_FILE).unlink()
+    with pytest.raises(PrivacyCardError, match="dp_ledger.json does not exist"):
+        check_privacy_card(card_dir)
+    (card_dir / LEDGER_FILE).write_text('{"format": 1, "delta": 1e-05}')
+    with pytest.raises(PrivacyCardError, match="not a ledger written by hf_dp"):
+        check_privacy_card(card_dir)
+
+
+def test_publish_refuses_a_ledger_that_spent_more_than_the_card_says(card_dir):
+    report = privacy_report("uls", 7.9, 8.0)
+    greedy = privacy_ledger(dict(report, noise_multiplier=0.5))  # same steps, far more ε than 7.9
+    (card_dir / LEDGER_FILE).write_text(json.dumps(greedy))
+    with pytest.raises(PrivacyCardError, match="understated"):
+        check_privacy_card(card_dir)

@@ -1,0 +1,61 @@
+"""hf_dp.batch_independence: layers that mix the examples of a batch are caught by type or by the probe; the probe
+passes transformers models, with dropout, and leaves no trace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dp.batch_independence import check_batch_independence
+from tiny_models import model_inputs, tiny_batch, tiny_model, with_dropout
+from trainer_fixtures import ChannelFirst, MeanCentering, PooledClassifier, frozen
+
+
+# ---- the probe passes per-example models and leaves no trace ------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_probe_passes_with_dropout_and_leaves_no_trace(arch):
+    model = with_dropout(arch).eval()
+    features = model_inputs(tiny_batch(head="causal_lm" if arch == "gpt2" else "seq_cls", seed=3))
+    rng = torch.get_rng_state()
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    check_batch_independence(model, features)
+    assert torch.equal(rng, torch.get_rng_state())  # the training RNG stream is untouched
+    assert not model.training  # train/eval mode restored
+    assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
+
+
+@pytest.mark.parametrize("arch, head, lora", [("gpt2", "causal_lm", False), ("llama", "causal_lm", True),
+                                              ("bert", "seq_cls", False), ("qwen2", "seq_cls", True)])
+def test_probe_passes_on_transformers(arch, head, lora):
+    check_batch_independence(tiny_model(arch, head, lora=lora), model_inputs(tiny_batch(head=head)))
+
+
+# ---- layers that mix the examples of a batch are refused ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mixer, name", [
+    (frozen(nn.BatchNorm1d(8)), "BatchNorm1d"),
+    (nn.BatchNorm1d(8, affine=False), "BatchNorm1d"),
+    (nn.SyncBatchNorm(8), "SyncBatchNorm"),
+    (ChannelFirst(nn.InstanceNorm1d(1, track_running_stats=True)), "InstanceNorm1d"),
+], ids=["frozen-batchnorm", "batchnorm-no-affine", "syncbatchnorm", "instancenorm-stats"])
+def test_batch_statistics_layers_are_refused_by_type_without_running_the_model(mixer, name):
+    with pytest.raises(ValueError, match=f"Module 'mixer.*' \\({name}\\) uses batch statistics"):
+        check_batch_independence(PooledClassifier(mixer))  # no features: the type alone decides
+
+
+def _features(rows: int = 4, width: int = 5) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(1, 40, (rows, width), generator=generator),
+            "attention_mask": torch.ones(rows, width, dtype=torch.long), "labels": torch.zeros(rows, dtype=torch.long)}
+
+
+def test_the_probe_catches_a_parameter_free_batch_mean_and_passes_per_example_layers():
+    with pytest.raises(ValueError, match="moved the other examples' outputs"):
+        check_batch_independence(PooledClassifier(MeanCentering()), _features())
+    check_batch_independence(PooledClassifier(nn.LayerNorm(8)), _features())
+    check_batch_independence(PooledClassifier(ChannelFirst(nn.InstanceNorm1d(1))), _features())  # no running stats
+    check_batch_independence(PooledClassifier(MeanCentering()), _features(rows=1))  # one row: nothing to compare
