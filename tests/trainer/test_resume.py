@@ -64,8 +64,32 @@ def test_resume_keeps_the_bound_and_the_rows(tmp_path, bound):
     assert resumed.partition.contribution_bound == first.partition.contribution_bound
     assert _rows(resumed) == _rows(first)
     assert resumed.privacy_plan == first.privacy_plan
+    if bound == 2:  # G given: nothing was read from the data
+        assert resumed.accountant.pure_dp == first.accountant.pure_dp == []
+        assert resumed.privacy_report()["epsilon"] == pytest.approx(first.privacy_report()["epsilon"], rel=1e-9)
+    else:  # the draw made at construction read the data too: its ε stays in the ledger
+        assert resumed.accountant.pure_dp == first.accountant.pure_dp + [
+            {"label": "contribution_bound (drawn at construction, replaced on resume)", "epsilon": 0.1}]
+        # the plan left no room for it, so training stops before the target is exceeded
+        assert resumed.privacy_report()["epsilon"] <= 8.0 and resumed.accountant.steps < first.accountant.steps
+
+
+def test_resume_named_in_the_arguments_draws_the_bound_once(tmp_path):
+    """With `resume_from_checkpoint` in the arguments, G is drawn once, with the checkpoint's secret."""
+    data = user_dataset(num_users=40, max_rows=9, seed=4)
+    first = make_trainer(tmp_path / "a", dataset=data, contribution_bound="auto", save_strategy="steps",
+                         save_steps=2, noise_seed=11)
+    first.train()
+    checkpoint = str(tmp_path / "a" / "out" / "checkpoint-2")
+    resumed = make_trainer(tmp_path / "b", dataset=data, contribution_bound="auto", noise_seed=12,
+                           resume_from_checkpoint=checkpoint)
+    assert resumed._data_secret == first._data_secret  # before any draw
+    assert resumed.partition.contribution_bound == first.partition.contribution_bound
+    resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.accountant.pure_dp == first.accountant.pure_dp  # ε_G counted once
     assert resumed.privacy_report()["epsilon"] == pytest.approx(first.privacy_report()["epsilon"], rel=1e-9)
+    with pytest.raises(ValueError, match="does not exist"):  # a wrong path is refused before any draw
+        make_trainer(tmp_path / "c", dataset=data, resume_from_checkpoint=str(tmp_path / "nowhere"))
 
 
 def test_resuming_a_run_stopped_by_its_budget_takes_no_step(tmp_path):
