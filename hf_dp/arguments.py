@@ -267,8 +267,13 @@ class DPTrainingArguments(TrainingArguments):
         if not _positive_finite(self.max_grad_norm):
             problems.append(f"max_grad_norm={self.max_grad_norm!r}: the per-unit clip norm must be a finite number "
                             "> 0.")
-        if not isinstance(self.adaptive_clipping, bool):
-            problems.append(f"adaptive_clipping={self.adaptive_clipping!r}: use True or False.")
+        elif self.max_grad_norm > MAX_MAGNITUDE:
+            problems.append(f"max_grad_norm={self.max_grad_norm:g}: above {MAX_MAGNITUDE:g}, σ·C overflows the "
+                            "gradients' precision; typical values are 0.1 to 10.")
+        for name in ("adaptive_clipping", "private_logging"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r}: use True or False (a string such as 'no' would be "
+                                "read as True).")
         quantile = self.target_unclipped_quantile
         if not (isinstance(quantile, numbers.Real) and not isinstance(quantile, bool) and 0 < quantile < 1):
             problems.append(f"target_unclipped_quantile={quantile!r}: must lie strictly between 0 and 1 (0.5 clips "
@@ -290,6 +295,13 @@ class DPTrainingArguments(TrainingArguments):
         if not _positive_finite(self.max_loss):
             problems.append(f"max_loss={self.max_loss!r}: the clip of each unit's logged loss must be a finite "
                             "number > 0.")
+        elif self.max_loss > MAX_MAGNITUDE:
+            problems.append(f"max_loss={self.max_loss:g}: above {MAX_MAGNITUDE:g}, the noised loss sum overflows; "
+                            "a few times the typical loss (e.g. 5) is enough.")
+        if self.noise_multiplier is not None and _positive_finite(self.noise_multiplier) \
+                and self.noise_multiplier > MAX_MAGNITUDE:
+            problems.append(f"noise_multiplier={self.noise_multiplier:g}: above {MAX_MAGNITUDE:g} the update is all "
+                            "noise; typical values are 0.3 to 5.")
         micro_batch = self.per_device_train_batch_size
         if micro_batch is not None and not (_is_integer(micro_batch) and micro_batch >= 1):
             problems.append(f"per_device_train_batch_size={micro_batch!r}: set an integer >= 1, the most rows of one "
@@ -327,6 +339,10 @@ class DPTrainingArguments(TrainingArguments):
             problems.append("contribution_bound=None with sampling='els': ELS accounts users through the bound G; "
                             "set contribution_bound to an integer or 'auto'.")
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
+        if self.privacy_unit == "example" and isinstance(self.contribution_bound, int):
+            problems.append(f"contribution_bound={self.contribution_bound} with privacy_unit='example': example-level "
+                            "DP-SGD keeps every row (a bound would drop rows the report counts as kept); leave "
+                            "contribution_bound at 'auto' or None, or use privacy_unit='user'.")
         if not _positive_finite(self.contribution_bound_epsilon):
             problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon!r}: must be a finite "
                             "number > 0.")
@@ -351,6 +367,9 @@ _TORCH_COMPILE = ("torch_compile=True (or a torch_compile_backend / torch_compil
                   "per-unit clipping hooks into the model's layers, which makes the compiled graph break and "
                   "recompile at every batch shape (slower, not faster); leave torch_compile off and pass an "
                   "uncompiled model.")
+
+
+MAX_MAGNITUDE = 1e6  # above this a clip norm, loss clip or noise multiplier overflows float32 arithmetic
 
 
 def _compiles(args) -> bool:

@@ -222,6 +222,17 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
     return items
 
 
+def _audit_item(audit_section: str | None) -> list[str]:
+    """The audit section reports on another DP run on the same users: say how the two releases compose."""
+    if not audit_section:
+        return []
+    return ["**The empirical audit below, with this model.** The audit trains a second model, with DP, on the "
+            "same users plus canaries, and reports how well an attacker guessed the canaries. Publishing its "
+            "result beside this model releases the outputs of two runs on the same users: together they are "
+            "covered by (ε + ε_audit, 2δ), ε_audit being the audit run's proven ε stated in that section, not by "
+            "the (ε, δ) above alone."]
+
+
 def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
     bound = report.get("contribution_bound")
     units = MECHANISMS[report["mechanism"]].sampled_unit
@@ -319,7 +330,8 @@ def render_privacy_card(
         baseline_result (`float`, *optional*): the public-only baseline's metric.
         non_private_result (`float`, *optional*): a non-private fine-tune's metric.
         audit_section (`str`, *optional*): the "Empirical audit" section,
-            [`~hf_dp.audit.AuditReport.card_section`], appended as is (post-processing: no effect on ε).
+            [`~hf_dp.audit.AuditReport.card_section`], appended as is. It reports on a second DP run on the same
+            users, so the card says that model and section together are covered by composition, not by ε alone.
             The four evaluation arguments go into the `dp_evaluation:` block under the same names
             ([`~hf_dp.vocabulary.EVAL_KEYS`]).
         model_name (`str`, *optional*): the card's title; defaults to `<base model>-hf-dp`.
@@ -465,7 +477,7 @@ def render_privacy_card(
         eval_result=eval_result,
         baseline_result=baseline_result,
         covered=[] if non_private else _covered(privacy),
-        not_covered=[] if non_private else _not_covered(privacy, extra_not_covered),
+        not_covered=[] if non_private else _not_covered(privacy, [*extra_not_covered, *_audit_item(audit_section)]),
     )
     if audit_section:
         content = content.rstrip("\n") + "\n\n" + audit_section.strip() + "\n"

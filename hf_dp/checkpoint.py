@@ -175,6 +175,10 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
         ValueError: a different privacy configuration, a ledger whose steps were composed under another plan, or
             an adaptive clipping state that does not match.
     """
+    if not any(name.startswith("optimizer") for name in os.listdir(saved.folder)):
+        raise ValueError(f"{saved.folder} holds no optimizer state (saved with save_only_model=True): resuming would "
+                         "restart the optimizer from scratch, so the run would differ from an uninterrupted one. "
+                         "Resume from a full checkpoint, or start a new run from these weights.")
     current = plan.fingerprint(args)
     changed = {k: (saved.config.get(k), v) for k, v in current.items() if not same(saved.config.get(k), v)}
     if changed:
@@ -211,6 +215,16 @@ def _saved_tracker(saved: SavedRun, plan: PrivacyPlan) -> QuantileTracker | None
                          f"clipping_learning_rate, clipping_count_noise, steps) = {found}, not this run's "
                          f"{expected}: the resume state does not match the plan; start a new run.")
     return tracker
+
+
+@contextlib.contextmanager
+def failure_stated(folder: str):
+    """Turn a failed save (a full disk, a lost mount) into one line that says what is left usable."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        raise RuntimeError(f"Saving {folder} failed ({type(error).__name__}: {str(error).strip()[:200]}): it is "
+                           "incomplete and will not be resumed from; earlier checkpoints are intact.") from error
 
 
 @contextlib.contextmanager

@@ -186,3 +186,68 @@ def verify_clipping(trainer, features: dict, *, causal_lm: bool) -> None:
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+
+
+def check_eval_users(eval_dataset, train_dataset, user_id_column: str) -> None:
+    """Refuse evaluation data that shares users with the training data: Trainer would log its exact metrics on
+    private users (`eval_loss` in the logs and `trainer_state.json`), outside the guarantee.
+
+    Evaluation sets without the user column cannot be checked; the card says evaluation results are not covered.
+    """
+    if user_id_column not in (getattr(train_dataset, "column_names", None) or []):
+        return  # the partition says what is missing
+    sets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    train_users = None
+    for name, dataset in sets:
+        if user_id_column not in (getattr(dataset, "column_names", None) or []):
+            continue
+        if train_users is None:
+            train_users = {_hashable(user) for user in train_dataset[user_id_column]}
+        shared = {_hashable(user) for user in dataset[user_id_column]} & train_users
+        if shared:
+            raise ValueError(
+                f"{name} shares {len(shared)} user(s) with the training data (by {user_id_column!r}): Trainer would "
+                "log exact metrics on private users, which ε does not cover. Evaluate on held-out users (split by "
+                "user, not by row)."
+            )
+
+
+def _hashable(user):
+    return repr(user) if isinstance(user, (dict, list)) else user
+
+
+def check_model_state(model) -> None:
+    """Refuse models the DP step cannot run: prompt-learning adapters (their virtual tokens are not per-example
+    layers the clipping engine has rules for), parameters on the `meta` device (never loaded), tuple outputs."""
+    config = getattr(model, "peft_config", None)
+    if isinstance(config, dict) and any(getattr(c, "is_prompt_learning", False) for c in config.values()):
+        raise ValueError("peft prompt learning (prompt / prefix / p-tuning): its virtual tokens are shared parameters "
+                         "the per-unit clipping has no rule for; use LoRA (peft.LoraConfig) or full fine-tuning.")
+    meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if meta:
+        raise ValueError(f"{len(meta)} parameter(s) are on the 'meta' device (e.g. {meta[0]}): the model was never "
+                         "loaded; load it with from_pretrained (without device_map='meta' or init_empty_weights).")
+    if getattr(getattr(model, "config", None), "return_dict", True) is False:
+        raise ValueError("model.config.return_dict=False: the model returns tuples, and DP training reads "
+                         "outputs.logits; set model.config.return_dict = True.")
+
+
+def check_labels(dataset, model) -> None:
+    """Refuse training data no loss can learn from, before any ε is spent: no labelled token at all (every label
+    -100), or class labels outside the classification head. Only decides whether to train; nothing is released."""
+    if "labels" not in (getattr(dataset, "column_names", None) or []):
+        return
+    labels = dataset["labels"]
+    first = next((label for label in labels if label is not None), None)
+    if isinstance(first, list):  # token labels
+        if not any(token != -100 for row in labels if row for token in row):
+            raise ValueError("Every label in the training data is -100 (ignored): every loss would be 0 and the run "
+                             "would train on noise alone. Check the masking (e.g. assistant-only or completion-only "
+                             "labels that match nothing).")
+        return
+    num_labels = getattr(getattr(model, "config", None), "num_labels", None)
+    if isinstance(first, (int,)) and not isinstance(first, bool) and isinstance(num_labels, int) and num_labels > 1:
+        bad = [label for label in labels if isinstance(label, int) and not 0 <= label < num_labels]
+        if bad:
+            raise ValueError(f"{len(bad)} class label(s) outside 0..{num_labels - 1} (e.g. {bad[0]}), the model's "
+                             f"num_labels={num_labels}: set num_labels to the number of classes or fix the labels.")

@@ -184,6 +184,9 @@ def _check_one_id_type(keys, user_id_column: str) -> None:
     users, each kept to the contribution bound, so that user could contribute twice as much as the guarantee says."""
     examples: dict = {}
     for key in keys:
+        if isinstance(key, dict):
+            raise ValueError(f"user_id_column {user_id_column!r} holds dicts (e.g. {key!r}): a user id must be one "
+                             "value (a string or a number); use one field of it, e.g. str(row['author']['id']).")
         if key is not None:
             examples.setdefault(_id_kind(key), key)
             if len(examples) > 1:

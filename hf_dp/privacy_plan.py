@@ -133,7 +133,7 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition) -> Privacy
                 "or train fewer steps/epochs or with a smaller --expected_batch_size."
             ) from error
         sigma = _gradient_noise(effective, ratio, count_noise, args)
-    elif args.target_epsilon is not None:
+    else:
         _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_size, spent_on_bound)
     return PrivacyPlan(mechanism, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta,
                        partition.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
@@ -150,16 +150,28 @@ def adaptive_clipping(args: DPTrainingArguments) -> AdaptiveClipping | None:
 
 
 def _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_size, spent_on_bound) -> None:
-    """A given σ with a target ε: refuse a first step above the target; warn when the plan would stop early."""
-    first = accounting.epsilon(sample_rate=sample_rate, noise_multiplier=effective, steps=1, delta=delta,
-                               group_size=group_size)
+    """A given σ: refuse one whose ε the accountant cannot compute or whose first step exceeds the target; warn
+    when the plan would stop early."""
+    def epsilon(steps):
+        try:
+            return accounting.epsilon(sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta,
+                                      group_size=group_size)
+        except (RuntimeError, ValueError, OverflowError, FloatingPointError) as error:
+            raise ValueError(f"noise_multiplier={sigma:g} is too small for the accountant to bound ε over {steps} "
+                             f"step(s) at sample rate {sample_rate:.3g} ({error}): ε would be astronomically large. "
+                             "Raise --noise_multiplier (typically 0.3 to 5) or set --target_epsilon to calibrate it."
+                             ) from None
+
+    if args.target_epsilon is None:
+        epsilon(steps)  # the ε the run will report must be computable before any step
+        return
+    first = epsilon(1)
     if first + spent_on_bound > args.target_epsilon:
         raise ValueError(
             f"noise_multiplier={sigma:g} spends ε={first:.3g} on the first step alone, above "
             f"target_epsilon={args.target_epsilon:g}: raise --target_epsilon or --noise_multiplier."
         )
-    planned = accounting.epsilon(sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta,
-                                 group_size=group_size)
+    planned = epsilon(steps)
     if planned + spent_on_bound > args.target_epsilon:
         logger.warning("noise_multiplier=%g spends ε=%.3g over the %d planned steps, above target_epsilon=%g: "
                        "training will stop early, before the budget is exceeded.", sigma, planned, steps,

@@ -27,6 +27,7 @@ from .budget import PrivacyBudget
 from .callbacks import PrivacyProgress
 from .clipping import GhostClipper
 from .clipping.adaptive import QuantileTracker
+from .hub import ensure_hub_reachable
 from .losses import PACKED_NEEDS_TOKEN_HEAD, base_model, is_causal_lm
 from .noise import fresh_seed
 from .privacy_plan import PrivacyPlan, plan_privacy
@@ -61,6 +62,8 @@ class DPTrainerMixin:
         given = inspect.signature(base.__init__).bind_partial(
             None, model, args, data_collator, train_dataset, *trainer_args, **trainer_kwargs).arguments
         compatibility.check_model(model, given.get("model_init"))
+        if given.get("eval_dataset") is not None and train_dataset is not None:
+            compatibility.check_eval_users(given["eval_dataset"], train_dataset, args.user_id_column)
         if train_dataset is None:
             raise ValueError("DP training needs a train_dataset with a user column to account privacy.")
         # The data secret keys G's private draw and each user's rows; saved with checkpoints, never released.
@@ -73,6 +76,8 @@ class DPTrainerMixin:
                                                                 world_size=max(1, args.world_size))
         super().__init__(model, args, data_collator, self.partition.dataset, *trainer_args, **trainer_kwargs)
         compatibility.check_not_sharded(self)
+        compatibility.check_model_state(self.model)
+        compatibility.check_labels(self.partition.dataset, base_model(self.model))
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
@@ -185,8 +190,7 @@ class DPTrainerMixin:
         return None
 
     def _get_num_items_in_batch(self, batch_samples, device):
-        """DP normalises by the expected batch size, never by the items sampled (a logical batch is no dict of
-        tensors to count)."""
+        """DP normalises by the expected batch size, never by the items sampled."""
         return None
 
     def floating_point_ops(self, inputs) -> int:
@@ -203,9 +207,8 @@ class DPTrainerMixin:
         """Adds ε, δ, σ and q to training logs. `loss` and `dp/clipped_fraction` are the noised releases of
         `training_step` (covered by ε); without private logging no loss is logged at all.
 
-        With adaptive clipping, `dp/max_grad_norm` is the tracked C after the last logged step (the next step's C)
-        and `dp/clipped_fraction` the mean of ½ − R/m over the logged steps, R the noised centred count: both are
-        post-processing of the count released every step, so they are logged with or without private logging."""
+        With adaptive clipping, `dp/max_grad_norm` (the next step's C) and `dp/clipped_fraction` are post-processing
+        of the count released every step, so they are logged with or without private logging."""
         plan = self.privacy_plan
         if "loss" in logs:
             logs.update({"dp/epsilon": self.current_epsilon(), "dp/delta": plan.delta,
@@ -272,16 +275,12 @@ class DPTrainerMixin:
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Offline or unreachable Hub: one clear `HubUnreachableError` before any repo is created."""
-        from .hub import ensure_hub_reachable
-
         ensure_hub_reachable()
         super().init_hf_repo(token=token, private=private)
 
     def push_to_hub(self, *args, **kwargs):
         """Trainer's `push_to_hub` (privacy card as README), after checking the Hub is reachable: nothing is
         uploaded offline (`HF_HUB_OFFLINE=1`) or when the endpoint does not answer (`HubUnreachableError`)."""
-        from .hub import ensure_hub_reachable
-
         ensure_hub_reachable()
         return super().push_to_hub(*args, **kwargs)
 
@@ -318,7 +317,8 @@ class DPTrainerMixin:
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             self.save_privacy_state(folder)
-        super()._save_checkpoint(model, trial)
+        with checkpoint.failure_stated(folder):  # e.g. a full disk inside torch.save
+            super()._save_checkpoint(model, trial)
 
     def _privacy_state(self) -> tuple[dict, QuantileTracker | None]:
         """The ledger and adaptive clipping's tracker as they stand (the tracker copied without a device read)."""
