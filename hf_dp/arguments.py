@@ -251,6 +251,9 @@ class DPTrainingArguments(TrainingArguments):
             problems.append(_FP16)
         if self.privacy_unit not in PRIVACY_UNITS:
             problems.append(f"privacy_unit={self.privacy_unit!r}: use one of {PRIVACY_UNITS}.")
+        if not (isinstance(self.user_id_column, str) and self.user_id_column):
+            problems.append(f"user_id_column={self.user_id_column!r}: name the dataset column that holds the user id "
+                            "(e.g. 'user_id').")
         if self.sampling not in SAMPLING_SCHEMES:
             problems.append(f"sampling={self.sampling!r}: use one of {SAMPLING_SCHEMES}.")
         if self.target_epsilon is not None and not _positive_finite(self.target_epsilon):

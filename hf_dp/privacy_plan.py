@@ -20,6 +20,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import accounting
 from .arguments import DPTrainingArguments
 from .accounting.adaptive_noise import effective_noise_multiplier, gradient_noise_multiplier
@@ -154,8 +156,9 @@ def _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_
     when the plan would stop early."""
     def epsilon(steps):
         try:
-            return accounting.epsilon(sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta,
-                                      group_size=group_size)
+            with np.errstate(all="ignore"):  # an overflow here is reported below, as what it means
+                return accounting.epsilon(sample_rate=sample_rate, noise_multiplier=effective, steps=steps,
+                                          delta=delta, group_size=group_size)
         except (RuntimeError, ValueError, OverflowError, FloatingPointError) as error:
             raise ValueError(f"noise_multiplier={sigma:g} is too small for the accountant to bound ε over {steps} "
                              f"step(s) at sample rate {sample_rate:.3g} ({error}): ε would be astronomically large. "

@@ -74,10 +74,10 @@ class DPTrainerMixin:
             rows_per_unit = (self.partition.contribution_bound or 1) if args.mechanism == "uls" else 1
             args.per_device_train_batch_size = poisson_capacity(args.expected_batch_size, rows_per_unit,
                                                                 world_size=max(1, args.world_size))
+        compatibility.check_model_state(model)
+        compatibility.check_labels(self.partition.dataset, base_model(model))
         super().__init__(model, args, data_collator, self.partition.dataset, *trainer_args, **trainer_kwargs)
         compatibility.check_not_sharded(self)
-        compatibility.check_model_state(self.model)
-        compatibility.check_labels(self.partition.dataset, base_model(self.model))
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
