@@ -57,6 +57,7 @@ IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", "_*", "*.tmp", "training_a
 # The privacy block must state at least the guarantee itself.
 _CARD_KEYS = ("epsilon", "delta", "privacy_unit", "mechanism")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+_NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt"}  # Trainer's state
 _HOW_TO_CARD = (
     "train with hf_dp.DPTrainer (it writes the card at the end of train()), call trainer.write_privacy_card(dir), "
     "or hf_dp.card.write_privacy_card(report, dir, ledger=trainer.privacy_ledger(), base_model=...)"
@@ -67,6 +68,8 @@ _EPSILON_RTOL = 1e-6
 _HEADLINE = re.compile(r"\*\*\(([^,()*]+), ([^,()*]+)\)-differential privacy")
 _EPSILON_ROW = re.compile(r"^\| ε \(`epsilon`[^|]*\| *([^|]*?) *\|", re.MULTILINE)
 _DELTA_ROW = re.compile(r"^\| δ \(`delta`\) \| *([^|]*?) *\|", re.MULTILINE)
+_FACTOR = re.compile(r"at\s+most\s+a\s+factor\s+exp\(([^()]+)\)")  # the prose's e^ε
+_PROBABILITY = re.compile(r"except\s+with\s+probability\s+at\s+most\s+([0-9][^ ,.\n]*(?:\.[0-9]+)?(?:e-?[0-9]+)?)")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -231,7 +234,8 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
                                f"{accounted:.6g} at δ = {ledger_delta:g}: refusing to publish an understated "
                                f"guarantee. Regenerate the card: {_HOW_TO_CARD}.")
     stated = [(e, d) for e, d in _HEADLINE.findall(text)]
-    stated += [(e, None) for e in _EPSILON_ROW.findall(text)] + [(None, d) for d in _DELTA_ROW.findall(text)]
+    stated += [(e, None) for e in _EPSILON_ROW.findall(text) + _FACTOR.findall(text)]
+    stated += [(None, d) for d in _DELTA_ROW.findall(text) + _PROBABILITY.findall(text)]
     if not any(e is not None and d is not None for e, d in stated):
         raise PrivacyCardError(f"{readme}: its text does not state the (ε, δ) guarantee. Regenerate the card: "
                                f"{_HOW_TO_CARD}.")
@@ -258,7 +262,7 @@ def _check_model_files(model_dir: Path) -> None:
         raise FileNotFoundError(
             f"{model_dir} has no config.json: not a saved model (save it with model.save_pretrained(dir))."
         )
-    if not any(any(model_dir.glob(pattern)) for pattern in _WEIGHTS):
+    if not any(path.name not in _NOT_WEIGHTS for pattern in _WEIGHTS for path in model_dir.glob(pattern)):
         raise FileNotFoundError(f"{model_dir} has no weights (*.safetensors / *.bin): save the model first.")
 
 

@@ -227,6 +227,10 @@ def test_bad_repo_id_and_no_weights(model_dir, tmp_path, api):
     write_privacy_card(report, cardonly, ledger=privacy_ledger(report), base_model="test/tiny")
     with pytest.raises(FileNotFoundError, match="config.json"):
         publish(cardonly, "alice/m", token="t")
+    tiny_classifier(0, 20).config.save_pretrained(cardonly)
+    (cardonly / "training_args.bin").write_bytes(b"Trainer's arguments, not weights")
+    with pytest.raises(FileNotFoundError, match="has no weights"):
+        publish(cardonly, "alice/m", token="t")
     assert api.calls == []
 
 
@@ -302,6 +306,13 @@ def test_publish_refuses_a_hand_edited_text(card_dir):
         check_privacy_card(card_dir)
     readme.write_text(original.replace("| δ (`delta`) | 1e-05 |", "| δ (`delta`) | 1e-09 |"), encoding="utf-8")
     with pytest.raises(PrivacyCardError, match="its text states"):
+        check_privacy_card(card_dir)
+    assert "a factor exp(7.90)" in original and "except with probability at most 1e-05" in original
+    readme.write_text(original.replace("a factor exp(7.90)", "a factor exp(1.00)"), encoding="utf-8")
+    with pytest.raises(PrivacyCardError, match=r"its text states \(1.00, δ\)"):  # the prose's e^ε
+        check_privacy_card(card_dir)
+    readme.write_text(original.replace("probability at most 1e-05", "probability at most 1e-09"), encoding="utf-8")
+    with pytest.raises(PrivacyCardError, match=r"its text states \(ε, 1e-09\)"):
         check_privacy_card(card_dir)
 
 
