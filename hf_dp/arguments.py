@@ -99,6 +99,10 @@ class DPTrainingArguments(TrainingArguments):
         noise_seed (`int`, *optional*):
             Seeds the Poisson sampling and the noise. For tests only: a known seed voids the guarantee for
             anyone who knows it. Default: fresh OS entropy, never written to disk.
+        secure_noise (`bool`, *optional*, defaults to `False`):
+            Draw the Gaussian noise from a cryptographic generator (SHAKE-256 keyed by the seed) instead of torch's
+            statistical one (Philox / Mersenne Twister). Same distribution and ε; slower on large models (the
+            draws are made on the host). No effect on ε.
 
         > Logging
 
@@ -213,6 +217,11 @@ class DPTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Seed for Poisson sampling and noise, for tests only. Default: OS entropy, never saved."},
     )
+    secure_noise: bool = field(
+        default=False,
+        metadata={"help": "Draw the noise from a cryptographic generator (SHAKE-256) instead of torch's statistical "
+                          "one; slower on large models. No effect on ε."},
+    )
     private_logging: bool = field(
         default=True,
         metadata={"help": "Log the training loss and clipped fraction as noised sums covered by ε (default). "
@@ -273,7 +282,7 @@ class DPTrainingArguments(TrainingArguments):
         elif self.max_grad_norm > MAX_MAGNITUDE:
             problems.append(f"max_grad_norm={self.max_grad_norm:g}: above {MAX_MAGNITUDE:g}, σ·C overflows the "
                             "gradients' precision; typical values are 0.1 to 10.")
-        for name in ("adaptive_clipping", "private_logging"):
+        for name in ("adaptive_clipping", "private_logging", "secure_noise"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: use True or False (a string such as 'no' would be "
                                 "read as True).")

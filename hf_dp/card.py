@@ -60,7 +60,7 @@ REPORT_KEYS = (
     "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "initial_max_grad_norm",
     "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "num_users",
-    "num_examples", "accountant", "mechanism_description", "noise_seed",
+    "num_examples", "accountant", "mechanism_description", "noise_seed", "noise_source",
 )
 # Required when `adaptive_clipping` is true: what the card says about how C was chosen.
 _ADAPTIVE_KEYS = (
@@ -280,8 +280,9 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
     seed = str(report.get("noise_seed") or "not reported")
     if seed == "os-entropy":
         items.append(
-            "**The noise seed.** Noise came from a generator seeded from OS entropy, which is "
-            "not stored anywhere. The analysis assumes ideal Gaussian sampling; floating-point "
+            "**The noise generator.** The noise seed came from OS entropy and is stored nowhere; the "
+            "Gaussian draws came from " + str(report.get("noise_source") or "a generator seeded from it") + ". "
+            "The analysis assumes ideal Gaussian sampling: the generator's statistical quality, floating-point "
             "effects and side channels such as training time are not modelled."
         )
     else:
@@ -471,6 +472,7 @@ def render_privacy_card(
         num_users=_fmt(round_count(privacy.get("num_users")), ","),
         num_examples=_fmt(round_count(privacy.get("num_examples")), ","),
         noise_seed=privacy.get("noise_seed") or "not reported",
+        noise_source=privacy.get("noise_source") or "not reported",
         accountant=privacy.get("accountant") or "not reported",
         metric_name=metric_name,
         eval_rows=eval_rows,

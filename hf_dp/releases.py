@@ -57,8 +57,8 @@ class StepSums:
 class ScalarReleases:
     """Noises a step's sums as the plan says, and keeps the noised clipped fractions until the next log line."""
 
-    def __init__(self, plan: PrivacyPlan, max_loss: float, seed: int):
-        self.plan, self.max_loss, self.seed = plan, max_loss, seed
+    def __init__(self, plan: PrivacyPlan, max_loss: float, seed: int, secure_noise: bool = False):
+        self.plan, self.max_loss, self.seed, self.secure = plan, max_loss, seed, secure_noise
         self._fraction_sum, self._steps = 0.0, 0  # noised per-step clipped fractions since the last log
 
     def release(self, sums: StepSums, step: int, tracker: QuantileTracker | None) -> torch.Tensor | None:
@@ -69,19 +69,20 @@ class ScalarReleases:
         plan = self.plan
         expected_batch_size = plan.expected_batch_size
         loss_noise = plan.logging_noise_multiplier * self.max_loss if plan.private_logging else None
+
+        def noised(values, stds):
+            return add_scalar_noise(values, stds, seed=self.seed, step=step, secure=self.secure)
+
         if tracker is None:
             if not plan.private_logging:
                 return None
-            loss_sum, clipped = add_scalar_noise(sums.loss_sum_and_clipped_units,
-                                                 [loss_noise, plan.logging_noise_multiplier], seed=self.seed, step=step)
+            loss_sum, clipped = noised(sums.loss_sum_and_clipped_units, [loss_noise, plan.logging_noise_multiplier])
             fraction = clipped / expected_batch_size
         else:
             if plan.private_logging:
-                released = add_scalar_noise(torch.stack([sums.centered_unclipped, sums.loss_sum]),
-                                            [plan.count_noise, loss_noise], seed=self.seed, step=step)
+                released = noised(torch.stack([sums.centered_unclipped, sums.loss_sum]), [plan.count_noise, loss_noise])
             else:
-                released = add_scalar_noise(sums.centered_unclipped.reshape(1), [plan.count_noise],
-                                            seed=self.seed, step=step)
+                released = noised(sums.centered_unclipped.reshape(1), [plan.count_noise])
             # ½ − R/m: the clipped fraction at this step's C, a post-processing of the count.
             fraction = tracker.clipped_fraction(released[0], expected_batch_size)
             tracker.update(released[0], expected_batch_size)  # C for the next step, on the device

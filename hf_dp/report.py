@@ -12,6 +12,7 @@ from .arguments import DPTrainingArguments
 from .budget import PrivacyBudget
 from .card import round_count
 from .contribution import bound_choice
+from .noise import noise_source
 from .vocabulary import MECHANISMS
 
 ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency directions"
@@ -69,6 +70,7 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mechanism == "els" else ""),
         "epsilon_group_privacy": None,
         "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
+        "noise_source": noise_source(args.secure_noise),
     }
     if plan.mechanism == "els" and steps:
         report["epsilon_group_privacy"] = accounting.group_privacy_epsilon(

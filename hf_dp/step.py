@@ -73,7 +73,7 @@ def clip_units(trainer, model, micro_batches, *, max_grad_norm, expected_batch_s
 
 
 def aggregate(params: list, sums: StepSums, *, noise_multiplier: float, max_grad_norm, seed: int, step: int,
-              expected_batch_size: float, distributed: bool) -> None:
+              expected_batch_size: float, distributed: bool, secure_noise: bool = False) -> None:
     """All-reduce the clipped sums, then add N(0, (σ·C/(q·N))²) once to every gradient element."""
     for param in params:
         if param.grad is None:
@@ -83,7 +83,7 @@ def aggregate(params: list, sums: StepSums, *, noise_multiplier: float, max_grad
             torch.distributed.all_reduce(param.grad)
         sums.all_reduce()
     add_noise(params, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, seed=seed, step=step,
-              scale=1.0 / expected_batch_size)
+              scale=1.0 / expected_batch_size, secure=secure_noise)
 
 
 def check_some_gradient(params: list, micro_batches) -> None:

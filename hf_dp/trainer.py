@@ -91,7 +91,7 @@ class DPTrainerMixin:
         self.quantile_tracker = self._new_quantile_tracker()  # adaptive clipping's running C; None for a fixed C
         self.privacy_card_kwargs = dict(privacy_card_kwargs or {})
         self._seed = self._shared_seed()
-        self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed)
+        self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed, self.args.secure_noise)
         self._state_before_step = None  # (ledger, tracker) before the last step's releases, see save_privacy_state
         self.add_callback(PrivacyProgress(self))
         logger.info("DP plan: %s", self.privacy_plan)
@@ -169,7 +169,7 @@ class DPTrainerMixin:
         step.check_some_gradient(params, inputs.micro_batches)
         step.aggregate(params, sums, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
                        seed=self._seed, step=inputs.step, expected_batch_size=plan.expected_batch_size,
-                       distributed=self.accelerator.num_processes > 1)
+                       distributed=self.accelerator.num_processes > 1, secure_noise=self.args.secure_noise)
         self._state_before_step = self._privacy_state()  # what a save between here and the update must write
         if not self.budget.record_step():
             self.control.should_training_stop = True
@@ -350,7 +350,7 @@ class DPTrainerMixin:
             self.train_dataset = self.partition.dataset
             self.args.max_steps = self._requested_max_steps  # the plan sets it again
             self.budget.replan(plan_privacy(self.args, self.partition))
-            self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed)
+            self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed, self.args.secure_noise)
         tracker = checkpoint.check_saved_run(saved, self.privacy_plan, self.args)
         self.budget.restore(saved.accountant)
         if discarded_draw:

@@ -13,6 +13,7 @@ from huggingface_hub import ModelCard
 from huggingface_hub.repocard import metadata_load
 
 from app_fixtures import privacy_report
+from hf_dp.noise import noise_source
 from hf_dp.card import render_privacy_card, write_privacy_card
 from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
 
@@ -43,6 +44,7 @@ ULS_REPORT = {
     "mechanism_description": MECHANISMS["uls"].description,
     "epsilon_group_privacy": None,
     "noise_seed": "os-entropy",
+    "noise_source": noise_source(secure=False),
 }
 ELS_REPORT = dict(
     ULS_REPORT,

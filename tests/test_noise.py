@@ -95,3 +95,29 @@ def test_scalar_noise_has_the_stated_stds_and_a_stream_of_its_own():
 def test_fresh_seeds_are_63_bit_and_never_repeat():
     seeds = {noise.fresh_seed() for _ in range(100)}
     assert len(seeds) == 100 and all(0 <= seed < 2**63 for seed in seeds)
+
+
+def test_secure_noise_is_standard_normal_and_keyed():
+    from scipy import stats
+
+    from hf_dp.noise import secure_normal
+
+    draws = secure_normal(seed=7, step=3, stream=1, chunk=0, size=200_000)
+    assert abs(draws.mean()) < 5 / 200_000**0.5 and abs(draws.std() - 1) < 0.01
+    assert stats.kstest(draws, "norm").pvalue > 1e-4
+    assert np.array_equal(draws, secure_normal(seed=7, step=3, stream=1, chunk=0, size=200_000))  # every rank agrees
+    assert not np.array_equal(draws[:100], secure_normal(seed=7, step=4, stream=1, chunk=0, size=100))
+
+
+def test_secure_gradient_noise_has_the_planned_std():
+    params = [torch.nn.Parameter(torch.zeros(300, 200)), torch.nn.Parameter(torch.zeros(5))]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    noise.add_noise(params, noise_multiplier=1.5, max_grad_norm=0.2, seed=11, step=0, scale=0.5, secure=True)
+    drawn = torch.cat([param.grad.flatten() for param in params])
+    assert abs(drawn.std().item() - 1.5 * 0.2 * 0.5) < 0.003
+    again = [torch.nn.Parameter(torch.zeros(300, 200)), torch.nn.Parameter(torch.zeros(5))]
+    for param in again:
+        param.grad = torch.zeros_like(param)
+    noise.add_noise(again, noise_multiplier=1.5, max_grad_norm=0.2, seed=11, step=0, scale=0.5, secure=True)
+    assert torch.equal(drawn, torch.cat([param.grad.flatten() for param in again]))

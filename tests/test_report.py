@@ -17,7 +17,7 @@ PARTITION = user_partition([1, 2, 3, 4] * 25, contribution_bound=3)  # 100 users
 
 
 def report_after(tmp_path, steps=3, bound_epsilon=0.0, **overrides):
-    args = make_args(tmp_path, max_steps=10, contribution_bound=3, **overrides)
+    args = make_args(tmp_path, max_steps=10, **{"contribution_bound": 3, **overrides})
     budget = PrivacyBudget(plan_privacy(args, PARTITION), args.target_epsilon, bound_epsilon)
     for _ in range(steps):
         budget.record_step()
@@ -53,12 +53,15 @@ def test_els_reports_group_privacy_and_example_level_no_sampling(tmp_path):
     els, budget = report_after(tmp_path, sampling="els")
     assert els["mechanism"] == "els" and "mixture-of-Gaussians" in els["accountant"]
     assert els["epsilon_group_privacy"] > els["epsilon"]  # the loose bound the tight accountant beats
-    example, _ = report_after(tmp_path, privacy_unit="example")
+    example, _ = report_after(tmp_path, privacy_unit="example", contribution_bound=None)
     assert (example["mechanism"], example["sampling"], example["epsilon_group_privacy"]) == ("example", None, None)
     quiet, _ = report_after(tmp_path, private_logging=False)
     assert quiet["max_loss"] is None and quiet["logging_noise_multiplier"] is None
     seeded, _ = report_after(tmp_path, noise_seed=None)
     assert seeded["noise_seed"] == "os-entropy"
+    assert "not cryptographically" in seeded["noise_source"]
+    secure, _ = report_after(tmp_path, secure_noise=True)
+    assert secure["noise_source"].startswith("cryptographic: SHAKE-256")
 
 
 def test_trainers_card_fields_map_onto_the_privacy_card():

@@ -35,6 +35,7 @@ BAD_FIELD_VALUES = {
     "noise_multiplier": [(0.0, "noise_multiplier="), (math.nan, "noise_multiplier="), (1e9, "noise_multiplier=")],
     "noise_seed": [(-1, "noise_seed="), (1.5, "noise_seed="), ("abc", "noise_seed=")],
     "private_logging": [("no", "private_logging="), (0, "private_logging=")],
+    "secure_noise": [("yes", "secure_noise="), (1, "secure_noise=")],
     "logging_noise_ratio": [(0.0, "logging_noise_ratio="), (math.inf, "logging_noise_ratio=")],
     "max_loss": [(0.0, "max_loss="), (1e300, "max_loss="), (math.nan, "max_loss=")],
 }

@@ -130,3 +130,14 @@ def test_integer_user_ids_and_missing_ids(tmp_path, caplog):
     assert trainer.partition.num_examples == len(data) - 1
     assert "user_id" not in trainer.partition.dataset.column_names
     trainer.train()
+
+
+def test_secure_noise_trains_with_the_same_epsilon_and_other_noise(tmp_path):
+    plain = make_trainer(tmp_path / "a", model=tiny_bert(seed=1), max_steps=3)
+    plain.train()
+    secure = make_trainer(tmp_path / "b", model=tiny_bert(seed=1), max_steps=3, secure_noise=True)
+    secure.train()
+    assert secure.privacy_report()["epsilon"] == plain.privacy_report()["epsilon"]
+    assert secure.privacy_report()["noise_source"].startswith("cryptographic")
+    differs = [not torch.equal(a, b) for a, b in zip(plain.model.parameters(), secure.model.parameters())]
+    assert any(differs)  # the same sample, other noise
