@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from .arguments import DPTrainingArguments
 from .card import LEDGER_FILE
 from .clipping.adaptive import QuantileTracker
 from .privacy_plan import PrivacyPlan
+
+logger = logging.getLogger(__name__)
 
 RESUME_FILE = "dp_resume.json"  # in every checkpoint, never uploaded: it holds the data secret
 LOCK_FILE = "_hf_dp.lock"  # in output_dir while a run trains there (never uploaded: `_*`)
@@ -192,7 +195,24 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
         if not all(same(a, b) for a, b in zip(found, expected)):
             raise ValueError(f"{ledger_path}: segment {i} has (sample_rate, noise_multiplier, group_size) = {found}, "
                              f"not this run's {expected}: the ledger does not match the plan; start a new run.")
+    _note_later_checkpoints(saved.folder)
     return _saved_tracker(saved, plan)
+
+
+def _note_later_checkpoints(folder: str) -> None:
+    """Resuming from an older checkpoint: what the abandoned later steps released (logs sent to `report_to`,
+    later checkpoints shared) is outside the new ledger, which restarts from this checkpoint's."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    parent, name = os.path.split(os.path.normpath(folder))
+    match = pattern.match(name)
+    if match is None or not os.path.isdir(parent):
+        return
+    later = sorted(other for other in os.listdir(parent)
+                   if (m := pattern.match(other)) and int(m.group(1)) > int(match.group(1)))
+    if later:
+        logger.warning("Resuming from %s although %s exist: whatever the later steps released (logs already sent "
+                       "to report_to, checkpoints shared) is not in the resumed ledger, which continues from %s's. "
+                       "Only the model trained from here on is covered by its card.", name, ", ".join(later), name)
 
 
 def _saved_tracker(saved: SavedRun, plan: PrivacyPlan) -> QuantileTracker | None:

@@ -118,11 +118,14 @@ class AttributionChecks:
                 wrong.append(f"{capture.layer.path} ({type(capture.layer.module).__name__})")
         if wrong:
             raise UnsupportedLayerError(
-                "GhostClipper: the rows of these layers' tensors do not belong to the examples they were read as "
-                f"(batch first, or flattened batch-major over (batch, time)): {sorted(set(wrong))}. Freeze them "
-                "(requires_grad_(False)) or call the model with batch-first inputs."
-                + (" With packed rows: do the examples of a row attend to each other (an attention mask or a cache "
-                   "turns off transformers' per-example masking)?" if packing is not None else "")
+                "GhostClipper: the gradients reaching these layers' rows do not come from their own example alone: "
+                f"{sorted(set(wrong))}, so one example's loss depends on another's. Likely causes, first to last: a "
+                "loss that mixes the batch (a compute_loss_func using batch statistics or other rows); a layer that "
+                "mixes examples (a batch statistic, attention across the batch, possibly only in larger batches); "
+                "inputs that are not batch-first"
+                + ("; packed rows whose examples attend to each other (an attention mask or a cache turns off "
+                   "transformers' per-example masking)" if packing is not None else "")
+                + ". Fix the cause, or freeze these layers (requires_grad_(False))."
             )
         self.verified.update(
             (captures[i].layer.path, row_layout(captures[i], batch_size, packing)) for i in selected

@@ -94,6 +94,6 @@ def test_packed_examples_that_attend_to_each_other_are_refused():
     clipper = GhostClipper(model)
     logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=True).logits
     losses = _packed_losses(logits, packed, example_ids, len(UNIT_IDS))
-    with pytest.raises(UnsupportedLayerError, match="do not belong to the examples"):
+    with pytest.raises(UnsupportedLayerError, match="do not come from their own example alone"):
         clipper.backward(losses, unit_ids=UNIT_IDS, max_grad_norm=0.3, example_ids=example_ids)
     assert all(param.grad is None for param in model.parameters())

@@ -123,3 +123,13 @@ def test_a_just_in_time_checkpoint_mid_step_carries_the_ledger_of_its_weights(tm
     assert resumed.accountant.steps == 4
     assert resumed.privacy_report()["epsilon"] == pytest.approx(straight.privacy_report()["epsilon"], rel=1e-9)
     _same_weights(straight, resumed)
+
+
+def test_resuming_from_an_older_checkpoint_says_what_the_new_ledger_does_not_cover(tmp_path, saved, caplog):
+    out = tmp_path / "out"
+    shutil.copytree(saved, out)
+    trainer = make_trainer(tmp_path, max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="hf_dp.checkpoint"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert "Resuming from checkpoint-2 although checkpoint-4 exist" in caplog.text
+    assert "not in the resumed ledger" in caplog.text
