@@ -34,15 +34,15 @@ def _timed(fn):
 
 
 def _ledger_step_time(q: float, sigma: float, group: int, steps: int, delta: float, probes: int = 20) -> float:
-    """Mean time of epsilon_after(δ, steps=1) in a ledger that takes one step per call, near `steps`."""
+    """Mean time of epsilon_after(δ, steps=1) for an accountant whose ledger gains one step per call, near `steps`."""
     accounting.CACHE.clear()
-    ledger = accounting.PrivacyAccountant()
-    ledger.step(sample_rate=q, noise_multiplier=sigma, group_size=group, steps=steps - probes)
-    ledger.epsilon_after(delta, steps=1)  # builds the discretisation for this horizon
+    accountant = accounting.PrivacyAccountant()
+    accountant.step(sample_rate=q, noise_multiplier=sigma, group_size=group, steps=steps - probes)
+    accountant.epsilon_after(delta, steps=1)  # builds the discretisation for this horizon
     start = time.perf_counter()
     for _ in range(probes - 1):
-        ledger.step(sample_rate=q, noise_multiplier=sigma, group_size=group)
-        ledger.epsilon_after(delta, steps=1)
+        accountant.step(sample_rate=q, noise_multiplier=sigma, group_size=group)
+        accountant.epsilon_after(delta, steps=1)
     return (time.perf_counter() - start) / (probes - 1)
 
 

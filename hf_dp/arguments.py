@@ -74,7 +74,7 @@ class DPTrainingArguments(TrainingArguments):
             after every step moves geometrically towards the `target_unclipped_quantile` of the per-unit gradient
             norms, estimated from a noised count of the units left unclipped, C ← C·exp(−η_C·(b̃ − γ)). The count
             (noise std `clipping_count_noise`) is released every step, also with `private_logging=False`, and the
-            ledger composes it with the gradient: at a target ε the gradient noise grows, by 0.8 % with the default
+            accountant composes it with the gradient: at a target ε the gradient noise grows, by 0.8 % with the default
             count noise at 64 units per step and σ_eff = 0.8, but by 5 % at 16 units and σ_eff = 0.46 and 24 % at 16
             units and σ_eff = 0.94 (raise `clipping_count_noise` for small batches). Affects accounting; the C
             reached is in the logs (`dp/max_grad_norm`), the report and the card.
@@ -109,8 +109,8 @@ class DPTrainingArguments(TrainingArguments):
         private_logging (`bool`, *optional*, defaults to `True`):
             Log `loss` and `dp/clipped_fraction` as noised sums over the sampled units, covered by ε: each unit's
             loss clipped to [0, `max_loss`] plus N(0, (σ_log·max_loss)²), and the number of clipped units plus
-            N(0, σ_log²), both divided by the expected batch size. The ledger composes the gradient, loss and
-            count releases as one Gaussian mechanism of noise multiplier (σ⁻² + 2·σ_log⁻²)^(-1/2). `False`: log
+            N(0, σ_log²), both divided by the expected batch size. The accountant composes the gradient, loss and
+            count releases as one Gaussian release of noise multiplier (σ⁻² + 2·σ_log⁻²)^(-1/2). `False`: log
             only ε, δ, σ and q, nothing computed from the data. With `adaptive_clipping` the noised count of
             unclipped units that sets C replaces the clipped-count release (σ_eff = (σ⁻² + (2σ_b)⁻² +
             σ_log⁻²)^(-1/2)); it is released with or without private logging, so `dp/clipped_fraction` and

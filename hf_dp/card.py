@@ -145,7 +145,7 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _covered(report: Mapping[str, Any]) -> list[str]:
-    """What the stated (ε, δ) covers: the releases the ledger composes."""
+    """What the stated (ε, δ) covers: the releases the ledger records."""
     items = [
         "**The weights** of this model and of every training checkpoint: they are computed from the noised "
         "gradient sums only.",
@@ -187,7 +187,7 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
             f"clipped to [0, {_fmt(report.get('max_loss'), 'g')}] plus Gaussian noise of std "
             "σ_log·max_loss, and the number of clipped units plus noise of std σ_log, with σ_log = "
             f"{_fmt_sig(report['logging_noise_multiplier'], 4, up=False)} — divided by the expected batch "
-            "size. The accountant composes them with the gradient as one Gaussian mechanism of noise "
+            "size. The accountant composes them with the gradient as one Gaussian release of noise "
             f"multiplier σ_eff = (σ⁻² + 2·σ_log⁻²)^(-1/2) = "
             f"{_fmt_sig(report.get('effective_noise_multiplier'), 4, up=False)}. `dp/epsilon`, `dp/delta`, "
             "`dp/noise_multiplier` and `dp/sample_rate` are the plan's values. The sampled batch size is "
@@ -204,7 +204,7 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
             f"{_fmt(report.get('max_grad_norm'), '.4g')} after the last — was computed from those noised counts "
             "only. The accountant composes the counts with the gradient"
             + (" and the logged loss" if logged_loss else "")
-            + " as one Gaussian mechanism of noise multiplier σ_eff = (σ⁻² + (2σ_b)⁻²"
+            + " as one Gaussian release of noise multiplier σ_eff = (σ⁻² + (2σ_b)⁻²"
             + (" + σ_log⁻²" if logged_loss else "")
             + f")^(-1/2) = {_fmt_sig(report.get('effective_noise_multiplier'), 4, up=False)}."
         )
@@ -261,7 +261,7 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
         "appears under several ids is protected only as that many units; ids shared by "
         "several people protect them together, not each.",
         "**The size of the data.** The numbers of users and examples are shown rounded to 2 "
-        "significant figures, but rounding is not a DP mechanism. They are not covered by ε, nor "
+        "significant figures, but rounding is not differentially private. They are not covered by ε, nor "
         f"is what follows from them: q = expected batch size / number of {units} gives that "
         "number exactly, and the steps of a run planned in epochs and a calibrated σ depend on it.",
         "**Evaluation results and the public-only baseline comparison.** The baseline and the "

@@ -122,7 +122,7 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
             ε/δ/unit/mechanism, or a non-private card when not allowed; for a DP card, an ε or δ that is not a
             number (e.g. written as a string), an ε that is not finite and ≥ 0 or a δ outside (0, 1), a mechanism
             that is not `"uls"`, `"els"` or `"example"`, no ledger (`dp_ledger.json`) beside it, or a card that
-            states a smaller ε than the ledger accounts (front matter or text), another δ, unit, mechanism or step
+            states a smaller ε than the ledger proves (front matter or text), another δ, unit, mechanism or step
             count. One line, naming the field and saying how to make a card.
     """
     from huggingface_hub import ModelCard
@@ -187,7 +187,7 @@ def _ledger_mechanism(ledger: Mapping) -> str:
 
 
 def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
-    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger accounts (ε recomputed from it)."""
+    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger proves (ε recomputed from it)."""
     from .accounting import PrivacyAccountant
     from .card import LEDGER_FILE
     from .vocabulary import DP_MECHANISMS
@@ -230,7 +230,7 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
                                f"δ = {ledger_delta:g}. Regenerate the card: {_HOW_TO_CARD}.")
     floor = accounted * (1 - _EPSILON_RTOL)
     if epsilon < floor:
-        raise PrivacyCardError(f"{readme}: the card claims ε = {epsilon:g} but its ledger accounts ε = "
+        raise PrivacyCardError(f"{readme}: the card claims ε = {epsilon:g} but its ledger proves ε = "
                                f"{accounted:.6g} at δ = {ledger_delta:g}: refusing to publish an understated "
                                f"guarantee. Regenerate the card: {_HOW_TO_CARD}.")
     stated = [(e, d) for e, d in _HEADLINE.findall(text)]

@@ -4,7 +4,7 @@ Each step releases up to three noised sums over the same Poisson sample: the cli
 noise σ·C); with private logging the clipped losses (sensitivity `max_loss`, noise σ_log·max_loss, σ_log = r·σ,
 r = `logging_noise_ratio`) and, for a fixed C, the count of clipped units (sensitivity 1, noise σ_log); with
 adaptive clipping the centred count of unclipped units (sensitivity 1/2, noise σ_b), released every step because
-it sets the next C. Scaled by their noise they are one Gaussian mechanism whose noise multiplier is
+it sets the next C. Scaled by their noise they are one Gaussian release whose noise multiplier is
 
     σ_eff = (σ⁻² + 2·σ_log⁻²)^(-1/2)                     fixed C, private logging
     σ_eff = (σ⁻² + (2σ_b)⁻² [+ σ_log⁻²])^(-1/2)          adaptive clipping (Andrew et al. 2021, Theorem 1)

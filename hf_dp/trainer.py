@@ -268,9 +268,9 @@ class DPTrainerMixin:
         add_card_metadata(path, language=language, license=license, tags=tags)
 
     def hyperparameter_search(self, *args, **kwargs):
-        """Refused: each trial would train on the private data and spend its own ε, which no ledger composes."""
+        """Refused: each trial would train on the private data and spend its own ε, which no ledger records."""
         raise ValueError("hyperparameter_search: every trial trains on the private data and spends ε that no ledger "
-                         "composes, so the chosen model's card would understate its privacy cost; tune on public or "
+                         "records, so the chosen model's card would understate its privacy cost; tune on public or "
                          "synthetic data, then train once with DPTrainer.")
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
@@ -370,7 +370,7 @@ class DPTrainer(DPTrainerMixin, Trainer):
     checkpoints, `resume_from_checkpoint`, `push_to_hub`) keeps working; the privacy ledger travels with
     every checkpoint and the privacy card is written to `output_dir/README.md` at the end of `train()`, with the
     ledger beside it (`dp_ledger.json`). Logs hold ε, δ, σ, q and, with `private_logging` (the default), a noised
-    `loss` and `dp/clipped_fraction` that the ledger accounts; nothing else computed from the data.
+    `loss` and `dp/clipped_fraction` that the ledger records; nothing else computed from the data.
 
     Adaptive clipping (`adaptive_clipping=True`), packed batches (`DataCollatorWithFlattening` with a causal LM)
     and several processes work as described in docs/trainer.md; ε is exactly that of the plain run in each case.

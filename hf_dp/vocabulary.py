@@ -1,6 +1,7 @@
 """One name per concept, one table of mechanisms: what arguments, logs, report, card, CLI, app and README say.
 
-A *mechanism* is what a run releases and the accountant composes. The user picks it with two
+A *mechanism* is how each step samples and clips its units (and so what the accountant composes); the word means
+nothing else in hf_dp (the accountant's per-step random variable is a *privacy loss*). The user picks it with two
 [`DPTrainingArguments`] fields, `privacy_unit` and `sampling`; everything downstream (the privacy plan, the report,
 the card's YAML, result JSON, the planner's rows, the app's tables, plots) names it by one key of [`MECHANISMS`]:
 

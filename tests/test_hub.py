@@ -277,7 +277,7 @@ def _set_front_matter(folder, key, value):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("epsilon", "0.01", "claims ε = 0.01 but its ledger accounts ε = 3.16"),
+        ("epsilon", "0.01", "claims ε = 0.01 but its ledger proves ε = 3.16"),
         ("epsilon", "-5", "not a finite number"),
         ("epsilon", ".nan", "not a finite number"),
         ("epsilon", "true", "not a number"),

@@ -12,24 +12,28 @@ Notation: the project's names in code, Greek letters only inside the accounting 
 | ε, δ  | `epsilon`, `delta` (`target_epsilon`, ...)    | the (ε, δ)-DP guarantee                   |
 
 `group_size=1` accounts example-level DP-SGD and ULS user-level DP-SGD (the Poisson-subsampled
-Gaussian); `group_size=G>1` accounts ELS user-level DP-SGD (the mixture-of-Gaussians mechanism
-of Charles et al. 2024). Both adjacency directions (add and remove) are accounted and the larger
+Gaussian); `group_size=G>1` accounts ELS user-level DP-SGD (the mixture of Gaussians of
+Charles et al. 2024). Both adjacency directions (add and remove) are accounted and the larger
 ε is reported; the ε reported is prv-accountant's certified upper bound, so it is never understated.
 
 Modules, in the order the numbers flow: `checks` (arguments and the tested domain),
-`mechanisms` (each step's privacy random variable), `discretisation` (prv-accountant's mesh, with
-a checked mean), `composition` (ε and its bounds), `calibration` (σ for a target),
-`group_privacy` (the loose comparison for ELS), `ledger` (`PrivacyAccountant`), `cache` (one
-memo for all of it, `CACHE.clear()`).
+`mixture_loss` (each step's privacy loss function L and its inverse), `privacy_loss` (each step's
+privacy loss random variable: the distribution of L, per adjacency direction), `renyi` (its Rényi
+divergences), `discretisation` (prv-accountant's mesh, with a checked mean), `composition` (ε and
+its bounds), `calibration` (σ for a target), `group_privacy` (the loose comparison for ELS),
+`ledger` (`PrivacyAccountant`, the record of every release), `cache` (one memo for all of it,
+`CACHE.clear()`).
 """
+import warnings
+
 from .cache import CACHE, AccountingCache
 from .calibration import noise_multiplier, rdp_noise_multiplier
 from .checks import MAX_GROUP_SIZE, MAX_STEPS
 from .discretisation import AccountingError
-from .composition import describe_mechanism, epsilon, epsilon_bounds
+from .composition import describe_accounting, epsilon, epsilon_bounds
 from .group_privacy import group_privacy_epsilon
 from .ledger import PrivacyAccountant
-from .mechanisms import MixtureOfGaussiansMechanism
+from .privacy_loss import MixtureOfGaussiansPRV
 
 __all__ = [
     "CACHE",
@@ -37,12 +41,24 @@ __all__ = [
     "MAX_STEPS",
     "AccountingCache",
     "AccountingError",
-    "MixtureOfGaussiansMechanism",
+    "MixtureOfGaussiansPRV",
     "PrivacyAccountant",
-    "describe_mechanism",
+    "describe_accounting",
     "epsilon",
     "epsilon_bounds",
     "group_privacy_epsilon",
     "noise_multiplier",
     "rdp_noise_multiplier",
 ]
+
+# Deprecated names of hf_dp 0.1.0 (they were in `__all__`), kept importable with a DeprecationWarning and used
+# nowhere inside hf_dp: a *mechanism* is only a key of `hf_dp.vocabulary.MECHANISMS`.
+_DEPRECATED = {"MixtureOfGaussiansMechanism": "MixtureOfGaussiansPRV", "describe_mechanism": "describe_accounting"}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        warnings.warn(f"hf_dp.accounting.{name} is deprecated: use hf_dp.accounting.{_DEPRECATED[name]}.",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[_DEPRECATED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

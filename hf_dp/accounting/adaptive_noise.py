@@ -2,7 +2,7 @@
 
 Each adaptive-clipping step releases the clipped gradient sum (noise multiplier σ_Δ) and a centred count of
 unclipped units (sensitivity 1/2, noise std σ_b, so noise multiplier 2σ_b) on the same Poisson sample; together
-they are one Gaussian mechanism with σ_eff = (σ_Δ⁻² + (2σ_b)⁻²)^(-1/2) (plus (r·σ_Δ)⁻² with private loss
+they are one Gaussian release with σ_eff = (σ_Δ⁻² + (2σ_b)⁻²)^(-1/2) (plus (r·σ_Δ)⁻² with private loss
 logging), which is what the accountant composes. [`gradient_noise_multiplier`] and [`effective_noise_multiplier`]
 convert between the two, [`default_count_noise`] is the paper's σ_b = m/20.
 
@@ -118,7 +118,7 @@ def gradient_noise_multiplier(effective_noise_multiplier: float, count_noise: fl
 def effective_noise_multiplier(noise_multiplier: float, count_noise: float | None = None,
                                expected_batch_size: float | None = None,
                                logging_noise_ratio: float | None = None) -> float:
-    """σ_eff = (σ_Δ⁻² + (2σ_b)⁻² [+ (r·σ_Δ)⁻²])^(-1/2): the one Gaussian mechanism a step amounts to.
+    """σ_eff = (σ_Δ⁻² + (2σ_b)⁻² [+ (r·σ_Δ)⁻²])^(-1/2): the one Gaussian release a step amounts to.
 
     The inverse of [`gradient_noise_multiplier`] (Andrew et al. 2021, Section 3, Theorem 1): use it to account a
     run given its gradient noise multiplier σ_Δ (`noise_multiplier`), e.g. when the user fixes σ instead of ε.

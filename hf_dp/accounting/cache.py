@@ -38,11 +38,11 @@ class AccountingCache:
         self.coarse = _LRU(8)            # coarse ones: they set the error target and guide calibration
         self.eps_errors = _LRU(256)      # the error target of a (kinds, horizons, δ)
         self.results = _LRU(4096)        # (lower, estimate, upper) of a composition
-        self.mechanisms = _LRU(256)      # privacy random variables (they memoise their RDP values)
+        self.prvs = _LRU(256)            # privacy random variables (they memoise their RDP values)
 
     def clear(self) -> None:
         """Forget everything (the next computation is cold)."""
-        for memo in (self.discretisations, self.coarse, self.eps_errors, self.results, self.mechanisms):
+        for memo in (self.discretisations, self.coarse, self.eps_errors, self.results, self.prvs):
             memo.clear()
 
 

@@ -1,6 +1,6 @@
 """ε of DP-SGD runs: compose each step's privacy random variable with prv-accountant.
 
-Every step's privacy random variable is a [`~hf_dp.accounting.mechanisms.MixtureOfGaussiansMechanism`]
+Every step's privacy random variable is a [`~hf_dp.accounting.privacy_loss.MixtureOfGaussiansPRV`]
 (the Poisson-subsampled Gaussian when G = 1); runs are composed once per adjacency direction
 (remove and add) and the larger ε is reported. The ε reported is prv-accountant's *upper* bound
 (estimate + its certified error), so it is never understated; `epsilon_bounds` also gives the
@@ -34,9 +34,10 @@ import numpy as np
 from .cache import CACHE
 from .checks import Kind, check_delta, check_group_size, check_steps, make_kind
 from .discretisation import Discretisation, truncated_chernoff_half_width
-from .mechanisms import DIRECTIONS, RDP_ORDERS, MixtureOfGaussiansMechanism
+from .privacy_loss import DIRECTIONS, MixtureOfGaussiansPRV
+from .renyi import RDP_ORDERS
 
-__all__ = ["describe_mechanism", "epsilon", "epsilon_bounds"]
+__all__ = ["describe_accounting", "epsilon", "epsilon_bounds"]
 
 EPS_ERROR_RELATIVE = 0.004
 EPS_ERROR_MIN = 1e-3
@@ -44,12 +45,12 @@ DELTA_ERROR_RELATIVE = 1e-3
 _HORIZON_STEPS_PER_DOUBLING = 4
 
 
-def describe_mechanism(group_size: int = 1) -> str:
-    """One line naming the mechanism accounted for a contribution bound G (for cards and logs)."""
+def describe_accounting(group_size: int = 1) -> str:
+    """One line naming what the accountant composes for a contribution bound G ([`PrivacyAccountant.description`])."""
     group_size = check_group_size(group_size)
     if group_size == 1:
-        return "Poisson-subsampled Gaussian mechanism (DP-SGD), add/remove adjacency"
-    return (f"mixture-of-Gaussians mechanism: Poisson-sampled examples, at most G={group_size} per user, "
+        return "Poisson-subsampled Gaussian (DP-SGD), add/remove adjacency"
+    return (f"mixture of Gaussians: Poisson-sampled examples, at most G={group_size} per user, "
             "sensitivity ~ Binomial(G, q) (ELS user-level DP-SGD), add/remove adjacency")
 
 
@@ -63,17 +64,18 @@ def horizon(steps: int) -> int:
     return math.ceil(2 ** (j / _HORIZON_STEPS_PER_DOUBLING))
 
 
-def mechanism(kind: Kind, direction: str) -> MixtureOfGaussiansMechanism:
-    return CACHE.mechanisms.get_or_build(
+def privacy_random_variable(kind: Kind, direction: str) -> MixtureOfGaussiansPRV:
+    """The step's privacy loss random variable in one adjacency direction (memoised: it keeps its RDP values)."""
+    return CACHE.prvs.get_or_build(
         (kind, direction),
-        lambda: MixtureOfGaussiansMechanism(kind.sample_rate, kind.noise_multiplier, kind.group_size, direction))
+        lambda: MixtureOfGaussiansPRV(kind.sample_rate, kind.noise_multiplier, kind.group_size, direction))
 
 
 def rdp_curve(kinds, counts, direction: str, orders=RDP_ORDERS) -> np.ndarray:
     """Σ_i T_i · D_α for each order α (the RDP of the composition in one direction)."""
     total = np.zeros(len(orders))
     for kind, count in zip(kinds, counts):
-        prv = mechanism(kind, direction)
+        prv = privacy_random_variable(kind, direction)
         total += count * np.array([prv.rdp(a) for a in orders])
     return total
 
@@ -94,13 +96,13 @@ def epsilon_scale(kinds, counts, delta: float) -> float:
     """A cheap upper bound on ε (the smaller of the RDP ε and a Chernoff bound on the capped
     loss, `truncated_chernoff_half_width`): it sizes the coarse discretisation's error."""
     rdp = rdp_epsilon(kinds, counts, delta)
-    tail = max(truncated_chernoff_half_width([mechanism(kind, d) for kind in kinds], counts, 0.0, delta) - 3
-               for d in DIRECTIONS)
+    prvs = {d: [privacy_random_variable(kind, d) for kind in kinds] for d in DIRECTIONS}
+    tail = max(truncated_chernoff_half_width(prvs[d], counts, 0.0, delta) - 3 for d in DIRECTIONS)
     return max(0.0, min(rdp, tail))
 
 
 def _build(direction: str, kinds, horizons, delta: float, eps_error: float) -> Discretisation:
-    return Discretisation([mechanism(kind, direction) for kind in kinds], horizons, eps_error,
+    return Discretisation([privacy_random_variable(kind, direction) for kind in kinds], horizons, eps_error,
                           DELTA_ERROR_RELATIVE * delta)
 
 
@@ -231,7 +233,7 @@ def epsilon_bounds(*, sample_rate: float, noise_multiplier: float, steps: int, d
 
 def epsilon(*, sample_rate: float, noise_multiplier: float, steps: int, delta: float,
             group_size: int = 1) -> float:
-    """ε of `steps` compositions of the Poisson-subsampled Gaussian (G = 1) or the MoG mechanism (G > 1).
+    """ε of `steps` compositions of the Poisson-subsampled Gaussian (G = 1) or the mixture of Gaussians (G > 1).
 
     Affects nothing (it only measures): this is the ε the privacy card states for such a run.
 

@@ -6,8 +6,8 @@ shifts it so that its mean equals Y's (truncated) mean, composes by FFT, and cer
 right: an error μ_err per step shifts the composed loss by T·μ_err, which is not inside
 eps_error. Where user-level DP lives (q ≤ 1e-3, σ ≤ 0.6, T ≥ 1e4) almost all of Y's mass sits
 in one or two mesh cells, and any rule on the mesh (prv-accountant's quadrature of the CDF, or
-Simpson's rule) is far off. So the mean here is an integral in the mechanism's input space
-(`MixtureOfGaussiansMechanism.loss_moment`), checked against a second, coarser one and, when
+Simpson's rule) is far off. So the mean here is an integral in the input space of the
+noise (`MixtureOfGaussiansPRV.loss_moment`), checked against a second, coarser one and, when
 they disagree, against adaptive quadrature; failing that, it raises instead of answering.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prv_accountant.discrete_privacy_random_variable import DiscretePrivacyRando
 from prv_accountant.domain import Domain
 from scipy.fft import irfft, next_fast_len
 
-from .mechanisms import MixtureOfGaussiansMechanism
+from .privacy_loss import MixtureOfGaussiansPRV
 
 # Largest mesh: beyond it the mesh is coarsened (a larger, still certified, eps_error) so that
 # memory stays bounded (a few arrays of this many float64) whatever the number of steps.
@@ -30,7 +30,7 @@ MAX_MESH_POINTS = 1 << 22
 MEAN_ERROR_SHARE = 1e-3
 # Round-off of a float64 composition, bounded by twice the negative mass the FFT leaves at
 # losses ≥ ε (where δ is read; an exact composition has none), as a share of delta_error:
-# above it the composition is redone in long double (as prv-accountant's own mechanisms are,
+# above it the composition is redone in long double (as prv-accountant's own PRVs are,
 # ~4x slower; δ ≲ 1e-7 with long runs). In long double, prv-accountant's own bound (machine
 # epsilon x mesh points) must stay below this share of delta_error, or no ε is returned.
 ROUND_OFF_SHARE = 0.1
@@ -42,7 +42,7 @@ class AccountingError(Exception):
 
 
 class Discretisation:
-    """prv-accountant's `PRVAccountant` for our mechanisms, built from its own parts.
+    """prv-accountant's `PRVAccountant` for our privacy random variables, built from its own parts.
 
     Same steps as `PRVAccountant.__init__`: the domain [−L, L] from `compute_safe_domain_size`
     (RDP tail bounds), the mesh for `eps_error` from Gopi et al.'s Theorem 5.5, cell-centred
@@ -52,7 +52,7 @@ class Discretisation:
 
     - the domain is the smaller of prv-accountant's (RDP tail bounds) and a Chernoff bound on
       the truncated loss (`truncated_chernoff_half_width`: RDP explodes for large G at small σ);
-    - the masses come from the mechanism's small tails (`MixtureOfGaussiansMechanism.tails`:
+    - the masses come from the random variable's small tails (`MixtureOfGaussiansPRV.tails`:
       full precision far in either tail, where a CDF near 1 rounds masses away);
     - the truncated mean is an integral in input space, checked (see the module docstring);
     - compositions are in float64 unless their round-off reaches δ's error budget;
@@ -97,7 +97,7 @@ class Discretisation:
         masses switch to long double (and False is returned: compose again); in long double
         prv-accountant's own precision test applies, and failing it is an `AccountingError`.
         """
-        if self.long_double:  # prv-accountant's own test for its long-double mechanisms
+        if self.long_double:  # prv-accountant's own test for its long-double PRVs
             round_off = float(np.finfo(np.longdouble).eps) * len(composed.pmf)
             if round_off > LONG_DOUBLE_SHARE * self.delta_error:
                 raise AccountingError(f"the composition's round-off ({round_off:.2g}) exceeds δ's error budget "
@@ -152,7 +152,7 @@ def truncated_chernoff_half_width(prvs, horizons, eps_error: float, delta_error:
     return max(composed, *caps, eps_error) + 3
 
 
-def loss_cap(prv: MixtureOfGaussiansMechanism, tail: float) -> float:
+def loss_cap(prv: MixtureOfGaussiansPRV, tail: float) -> float:
     """Smallest point c of a geometric grid with P[Y > c] ≤ `tail` (from the exact tails)."""
     grid = np.geomspace(1e-3, 1e5, 2000)
     upper, value = prv.tails(grid)
@@ -162,7 +162,7 @@ def loss_cap(prv: MixtureOfGaussiansMechanism, tail: float) -> float:
 
 
 def discretise(
-    prv: MixtureOfGaussiansMechanism, domain: Domain, mean_tolerance: float
+    prv: MixtureOfGaussiansPRV, domain: Domain, mean_tolerance: float
 ) -> DiscretePrivacyRandomVariable:
     """Cell-centred masses of `prv` on `domain`, shifted to the truncated mean (prv-accountant's
     `CellCentred` discretiser, with the masses and the mean computed for precision)."""
@@ -181,7 +181,7 @@ def discretise(
     return DiscretePrivacyRandomVariable(pmf, domain.shift_right(shift))
 
 
-def truncated_mean(prv: MixtureOfGaussiansMechanism, t_lo: float, t_hi: float, mass: float,
+def truncated_mean(prv: MixtureOfGaussiansPRV, t_lo: float, t_hi: float, mass: float,
                    tolerance: float) -> float:
     """E[Y | t_lo < Y ≤ t_hi], to `tolerance` or an `AccountingError`.
 

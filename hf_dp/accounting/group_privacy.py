@@ -7,7 +7,8 @@ import numpy as np
 
 from .checks import Kind, check_delta, check_group_size, check_steps, make_kind
 from .composition import discretisation, eps_error_target, epsilon, horizon, rdp_curve
-from .mechanisms import DIRECTIONS, RDP_ORDERS
+from .privacy_loss import DIRECTIONS
+from .renyi import RDP_ORDERS
 
 __all__ = ["group_privacy_epsilon"]
 
@@ -19,14 +20,14 @@ def group_privacy_epsilon(*, sample_rate: float, noise_multiplier: float, steps:
                           group_size: int) -> float:
     """User-level ε from the example-level guarantee by black-box group privacy (loose; for comparison).
 
-    An (ε', δ')-DP mechanism is (G·ε', G·e^{(G−1)ε'}·δ')-DP for groups of G examples. This returns
+    An (ε', δ')-DP algorithm is (G·ε', G·e^{(G−1)ε'}·δ')-DP for groups of G examples. This returns
     the smallest G·ε' such that the example-level run (G = 1, same q, σ, T) is (ε', δ')-DP with
     G·e^{(G−1)ε'}·δ' ≤ `delta`. The example-level privacy profile δ'(ε') is bounded by
     prv-accountant (where its precision reaches) and by RDP (for the tiny δ' that large G needs),
     whichever is smaller. Cards show it beside the mixture-of-Gaussians ε of ELS, which accounts
     the same users tightly.
 
-    Args: as [`epsilon`], with `group_size` (`int`) the group size G ≥ 1.
+    Args: as [`epsilon`], with `group_size` (`int`) the contribution bound G ≥ 1 (a user's rows are the group).
 
     Returns:
         `float`: the group-privacy ε (∞ when no ε' satisfies the constraint).

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
 from .checks import check_delta, check_steps, make_kind
-from .composition import composition_bounds, describe_mechanism
+from .composition import composition_bounds, describe_accounting
 
 __all__ = ["PrivacyAccountant"]
 
@@ -77,13 +78,21 @@ class PrivacyAccountant:
         return [{**kind._asdict(), "steps": n} for kind, n in self._segments]
 
     @property
-    def mechanism(self) -> str:
-        """A one-line description of what was composed."""
+    def description(self) -> str:
+        """One line saying what was composed, e.g. "180 steps of Poisson-subsampled Gaussian (DP-SGD), ..."."""
         if not self._segments:
             return "no steps"
         groups = sorted({kind.group_size for kind, _ in self._segments})
-        parts = "; ".join(describe_mechanism(g) for g in groups)
+        parts = "; ".join(describe_accounting(g) for g in groups)
         return f"{self.steps} steps of {parts}"
+
+    @property
+    def mechanism(self) -> str:
+        """Deprecated alias of [`description`] (a *mechanism* is a key of `hf_dp.vocabulary.MECHANISMS`)."""
+        # Deprecated: kept so that code written against hf_dp 0.1.0 keeps working; not used inside hf_dp.
+        warnings.warn("PrivacyAccountant.mechanism is deprecated: use PrivacyAccountant.description.",
+                      DeprecationWarning, stacklevel=2)
+        return self.description
 
     def epsilon_bounds(self, delta: float) -> tuple[float, float, float]:
         """(lower, estimate, upper) ε of all recorded steps and ε-DP releases at `delta` ((0, 0, 0) when empty)."""

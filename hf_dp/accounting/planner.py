@@ -403,7 +403,7 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
             [`recommend_contribution_bound_uls`] for ULS. Example-level DP-SGD keeps every row.
         adaptive_clipping (`bool`, *optional*, defaults to `False`): plan for `DPTrainingArguments.adaptive_clipping`
             (Andrew et al. 2021, [`~hf_dp.clipping.adaptive`]). Each step then also releases a count with noise σ_b,
-            and the ledger composes σ_eff = (σ⁻² + (2σ_b)⁻²)^(-1/2): `noise_multiplier` becomes the gradient σ
+            and the accountant composes σ_eff = (σ⁻² + (2σ_b)⁻²)^(-1/2): `noise_multiplier` becomes the gradient σ
             DPTrainer calibrates for the target
             ([`~hf_dp.accounting.adaptive_noise.gradient_noise_multiplier`] of the σ_eff the accountant needs;
             larger than the fixed-norm σ), and `epsilon_at_fixed_noise` is accounted at the

@@ -4,7 +4,8 @@ Canary users are inserted into training by independent fair coins (`make_canarie
 after the run each canary gets a score (`loss_scores`, `per_row_losses`), and the number of canaries
 a guesser classifies correctly from the scores yields a high-confidence *lower* bound on ε
 (`epsilon_lower_bound`, `fdp_epsilon_lower_bound`). A bound far below the accountant's ε is
-expected (the attack is weak); a bound above it means a bug in the mechanism or its accounting.
+expected (the attack is weak); a bound above it means a bug in the training step (sampling, clipping, noise)
+or its accounting.
 
 `audit_training` does all of it around a trainer you build and returns an `AuditReport`, whose
 `card_section()` is the model card's "Empirical audit" section; `audit_report` turns scores from your own

@@ -3,7 +3,7 @@
 The audit: m canary users are each included in training by an independent fair coin; after the
 run, an auditor scores every canary (higher = "looks trained on"), guesses "in" for the k+ best
 scored, "out" for the k- worst, abstains on the rest, and counts its correct guesses. A
-mechanism that is (ε, δ)-DP with respect to one user cannot make many correct guesses likely, so
+training algorithm that is (ε, δ)-DP with respect to one user cannot make many correct guesses likely, so
 a large count refutes every ε below some value, with a stated confidence. That value is the
 empirical lower bound. It says "the guarantee is no better than this"; it never certifies one.
 
@@ -18,7 +18,7 @@ Two estimators:
   privacy in one run" (arXiv 2410.22235), the recursion of their audit with abstentions
   (``audit_rh_with_cap``, alphabet size 2) for the Gaussian trade-off curve: it refutes μ-GDP for
   every μ below a bound and converts that μ to ε at the given δ. Tighter, but only a bound on ε *for
-  mechanisms whose trade-off curve is Gaussian* (as DP-SGD's is, approximately): the assumption is part
+  algorithms whose trade-off curve is Gaussian* (as DP-SGD's is, approximately): the assumption is part
   of the claim.
 
 Choosing (k+, k-) after seeing the scores is a multiple test. When several pairs are tried we
@@ -147,8 +147,8 @@ def fdp_epsilon_lower_bound(
     their audit with abstentions (``audit_rh_with_cap``, alphabet size 2) decides whether v or more correct
     guesses out of r have probability below τ = (1 - confidence) / pairs; bisection finds the
     largest refuted μ (refutation is monotone in μ), which is converted to the ε of μ-GDP at
-    `delta` (Dong, Roth & Su 2019, Corollary 2.13). The result bounds ε only for mechanisms
-    whose privacy is described by a Gaussian trade-off curve, e.g. the Gaussian mechanism and,
+    `delta` (Dong, Roth & Su 2019, Corollary 2.13). The result bounds ε only for algorithms
+    whose privacy is described by a Gaussian trade-off curve, e.g. one Gaussian release and,
     approximately, DP-SGD.
 
     Args:
@@ -211,7 +211,7 @@ def gdp_rejects(mu: float, m: int, r: int, v: int, tau: float) -> bool:
         tau: Level of the test.
 
     Returns:
-        True if P[at least v correct] < τ for every μ-GDP mechanism, i.e. μ is refuted.
+        True if P[at least v correct] < τ for every μ-GDP algorithm, i.e. μ is refuted.
     """
     target = r / m
     rr, h = tau * v / m, tau * (r - v) / m
@@ -308,7 +308,7 @@ def _audit(scores, included, delta, confidence, guesses, *, method: str) -> Audi
 def _largest_refuted(refutes: Callable[[float], bool], *, start: float) -> float:
     """Bisection for the sup of refuted values, given that `start` is refuted.
 
-    Any refuted value is a valid report (an (ε, δ)-DP mechanism is (ε', δ)-DP for all ε' ≥ ε),
+    Any refuted value is a valid report (an (ε, δ)-DP algorithm is (ε', δ)-DP for all ε' ≥ ε),
     so the invariant "lo is refuted" is all that validity needs.
     """
     lo, hi = start, max(1.0, 2 * start)

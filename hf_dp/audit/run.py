@@ -80,14 +80,14 @@ class AuditReport:
     """The outcome of an empirical audit, beside the proven guarantee.
 
     Attributes:
-        steinke: Steinke, Nasr & Jagielski's bound (no assumption on the mechanism): the headline.
-        fdp: Mahloujifar, Melis & Chaudhuri's f-DP bound, valid for mechanisms with a Gaussian trade-off curve
+        steinke: Steinke, Nasr & Jagielski's bound (no assumption on the training algorithm): the headline.
+        fdp: Mahloujifar, Melis & Chaudhuri's f-DP bound, valid for algorithms with a Gaussian trade-off curve
             (DP-SGD approximately); None when δ = 0 (no finite ε for μ-GDP).
         rows_per_canary: Rows of each canary user k.
         score: `"white-box"` or `"black-box"`.
         epsilon_upper_bound: The accountant's ε for the audited run (None: trained without DP).
         epsilon_ceiling: The largest Steinke bound this audit could have shown (every guess right): with m
-            canaries no audit result exceeds it, whatever the mechanism.
+            canaries no audit result exceeds it, whatever the training algorithm.
         privacy_unit: `"user"` or `"example"` (None: not a DP run).
         mechanism: The audited run's key of [`~hf_dp.vocabulary.MECHANISMS`]: `"uls"`, `"els"`, `"example"`, or
             `"non-private"` for a plain Trainer.
@@ -127,7 +127,7 @@ class AuditReport:
 
     @property
     def exceeds_upper_bound(self) -> bool:
-        """Whether the audit refutes the proven ε (Steinke's bound above it): a bug in the mechanism or accounting."""
+        """Whether the audit refutes the proven ε (Steinke's bound above it): a bug in training or accounting."""
         return self.epsilon_upper_bound is not None and self.epsilon_lower_bound > self.epsilon_upper_bound
 
     def to_dict(self) -> dict:

@@ -22,12 +22,12 @@ exactly 1/2, so the count's sensitivity is 1/2 and its noise multiplier is σ_b 
 Privacy (Section 3, Theorem 1 of the paper): both sums are Gaussian releases on the *same* Poisson sample. Scaled
 by their noise, one unit shifts the pair (gradient sum / (σ_Δ C_t), count / σ_b) by a vector of norm at most
 (σ_Δ⁻² + (2σ_b)⁻²)^(1/2), and an isotropic Gaussian is rotation invariant, so the step is exactly one
-Poisson-subsampled Gaussian mechanism with noise multiplier
+Poisson-subsampled Gaussian release with noise multiplier
 
     σ_eff = (σ_Δ⁻² + (2σ_b)⁻²)^(-1/2).
 
 C_t depends only on earlier releases (post-processing), so the T steps are an adaptive composition of such
-mechanisms and the ledger composes them exactly as it composes fixed-norm DP-SGD with σ_eff. For ELS a user
+releases and the accountant composes them exactly as it composes fixed-norm DP-SGD with σ_eff. For ELS a user
 with k sampled examples shifts every component by at most k times its sensitivity, so the mixture-of-Gaussians
 accountant applies with the same σ_eff. The trainer calibrates σ_eff to the target ε and derives σ_Δ with
 [`gradient_noise_multiplier`]; ε does not depend on C, so the data-driven C costs nothing beyond the count.

@@ -1,7 +1,7 @@
 """The independent accountant the accounting tests compare against: Google's dp-accounting PLD accountant.
 
 One reference function for ε of T Poisson-sampled DP-SGD steps (G = 1) and of T steps of the ELS
-mixture-of-Gaussians mechanism (G > 1), both adjacency directions. The reference is dp-accounting's pessimistic
+mixture of Gaussians (G > 1), both adjacency directions. The reference is dp-accounting's pessimistic
 privacy-loss-distribution accountant; its own discretisation (value_discretization_interval) is fine enough to sit
 well within 0.1 % of the exact ε at the settings tested.
 """

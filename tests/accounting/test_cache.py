@@ -24,8 +24,8 @@ def test_a_cached_epsilon_is_the_cold_one_and_clear_forgets_everything():
     setting = dict(sample_rate=0.02, noise_multiplier=1.1, steps=50, delta=DELTA)
     CACHE.clear()
     cold = accounting.epsilon(**setting)
-    memos = (CACHE.discretisations, CACHE.coarse, CACHE.eps_errors, CACHE.results, CACHE.mechanisms)
-    assert len(CACHE.results) >= 1 and len(CACHE.mechanisms) >= 1
+    memos = (CACHE.discretisations, CACHE.coarse, CACHE.eps_errors, CACHE.results, CACHE.prvs)
+    assert len(CACHE.results) >= 1 and len(CACHE.prvs) >= 1
     filled = [len(memo) for memo in memos]
     assert accounting.epsilon(**setting) == cold  # from the memo: the same number, nothing new built
     assert [len(memo) for memo in memos] == filled
@@ -37,7 +37,7 @@ def test_a_cached_epsilon_is_the_cold_one_and_clear_forgets_everything():
 def test_each_process_cache_is_one_object_with_bounded_memos():
     cache = AccountingCache()
     sizes = [cache.discretisations.size, cache.coarse.size, cache.eps_errors.size, cache.results.size,
-             cache.mechanisms.size]
+             cache.prvs.size]
     assert all(0 < size <= 4096 for size in sizes)
     assert cache.discretisations.size <= 8  # the big arrays: only a handful kept
     assert isinstance(CACHE, AccountingCache)

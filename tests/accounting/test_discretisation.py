@@ -2,13 +2,13 @@
 import numpy as np
 import pytest
 
-from hf_dp.accounting import AccountingError, MixtureOfGaussiansMechanism, composition, discretisation
+from hf_dp.accounting import AccountingError, MixtureOfGaussiansPRV, composition, discretisation
 from pld_reference import DELTA
 
 
 def test_discretisation_internals_match_prv_accountant():
     """The routine reimplemented for speed gives prv-accountant's result."""
-    prv = MixtureOfGaussiansMechanism(0.01, 1.0, 4, "remove")
+    prv = MixtureOfGaussiansPRV(0.01, 1.0, 4, "remove")
     disc = discretisation.Discretisation([prv], [300], eps_error=0.05, delta_error=DELTA / 1000)
     pmf = disc.compute_composition([300])
     ours = composition.epsilon_from_pmf(pmf, DELTA, disc.delta_error, disc.eps_error)
@@ -18,7 +18,7 @@ def test_discretisation_internals_match_prv_accountant():
 def test_unresolved_mean_falls_back_then_raises(monkeypatch):
     """The run-time guard: when the two Gauss–Legendre rules disagree, adaptive quadrature decides;
     when that is not resolved either, no ε."""
-    prv = MixtureOfGaussiansMechanism(1e-3, 0.5, 1, "remove")
+    prv = MixtureOfGaussiansPRV(1e-3, 0.5, 1, "remove")
     honest = discretisation.Discretisation([prv], [1000], eps_error=0.05, delta_error=DELTA / 1000)
     monkeypatch.setattr(prv, "loss_moment", lambda lo, hi, panel=0.25: 1e-3 * panel)
     fallback = discretisation.Discretisation([prv], [1000], eps_error=0.05, delta_error=DELTA / 1000)

@@ -32,7 +32,7 @@ def test_ledger_merges_segments_and_composes_them():
         {"sample_rate": 0.05, "noise_multiplier": 2.0, "group_size": 1, "steps": 50},
         {"sample_rate": 0.02, "noise_multiplier": 1.2, "group_size": 4, "steps": 30},
     ]
-    assert "mixture-of-Gaussians" in ledger.mechanism and "180 steps" in ledger.mechanism
+    assert "mixture of Gaussians" in ledger.description and "180 steps" in ledger.description
     reference = reference_epsilon([(0.02, 1.2, 1, 100), (0.05, 2.0, 1, 50), (0.02, 1.2, 4, 30)])
     assert_matches_reference(ledger.epsilon_bounds(DELTA), reference)
 
@@ -101,3 +101,20 @@ def test_pure_dp_releases_add_to_epsilon_and_travel_with_the_state():
         with pytest.raises(ValueError, match="must be a positive finite number"):
             ledger.record_pure_dp("x", bad)
     assert ledger.pure_dp_epsilon == 0.1  # nothing recorded by a refused call
+
+
+def test_the_names_of_hf_dp_0_1_0_still_work_and_warn():
+    """`mechanism` names only a key of `hf_dp.vocabulary.MECHANISMS`; the accountant's old names are deprecated
+    aliases (`PrivacyAccountant.mechanism`, `hf_dp.accounting.MixtureOfGaussiansMechanism` and `describe_mechanism`)."""
+    ledger = PrivacyAccountant()
+    ledger.step(sample_rate=0.02, noise_multiplier=1.2, steps=3)
+    with pytest.warns(DeprecationWarning, match="use PrivacyAccountant.description"):
+        assert ledger.mechanism == ledger.description == "3 steps of " + accounting.describe_accounting(1)
+    with pytest.warns(DeprecationWarning, match="use hf_dp.accounting.MixtureOfGaussiansPRV"):
+        from hf_dp.accounting import MixtureOfGaussiansMechanism
+    assert MixtureOfGaussiansMechanism is accounting.MixtureOfGaussiansPRV
+    with pytest.warns(DeprecationWarning, match="use hf_dp.accounting.describe_accounting"):
+        assert accounting.describe_mechanism is accounting.describe_accounting
+    assert "MixtureOfGaussiansMechanism" not in accounting.__all__ and "describe_mechanism" not in accounting.__all__
+    with pytest.raises(AttributeError):
+        accounting.no_such_name  # noqa: B018

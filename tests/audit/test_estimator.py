@@ -55,7 +55,7 @@ def test_perfect_separation_gives_several_epsilon():
 def test_no_signal_gives_zero_mostly():
     rng = np.random.default_rng(1)
     bounds = [epsilon_lower_bound(rng.normal(size=M), _coins(s), delta=0).epsilon_lower_bound for s in range(20)]
-    assert sum(b > 0 for b in bounds) <= 3  # the mechanism is 0-DP; each bound exceeds 0 w.p. <= 5 %
+    assert sum(b > 0 for b in bounds) <= 3  # the algorithm is 0-DP; each bound exceeds 0 w.p. <= 5 %
 
 
 def test_randomized_response_bound_is_valid_and_tight():
@@ -97,7 +97,7 @@ def test_gaussian_scores_bounds_below_true_epsilon():
         assert fdp.mu_lower_bound < mu
 
 
-def test_fdp_is_tighter_than_steinke_for_gaussian_mechanisms():
+def test_fdp_is_tighter_than_steinke_for_gaussian_releases():
     mu, delta = 1.0, 1e-5
     rng = np.random.default_rng(3)
     steinke, fdp = [], []
@@ -125,7 +125,7 @@ def test_delta_only_lowers_the_bound():
 
 @pytest.mark.parametrize("r", [100, 300, 1000])
 def test_gdp_recursion_at_mu_zero_matches_the_binomial_test(r):
-    # A 0-GDP mechanism makes every guess a fair coin: v is refuted iff P[Bin(r, 1/2) >= v] < τ.
+    # A 0-GDP algorithm makes every guess a fair coin: v is refuted iff P[Bin(r, 1/2) >= v] < τ.
     # The recursion must never refute earlier (validity) and not much later (power).
     exact = next(v for v in range(r + 1) if stats.binom.sf(v - 1, r, 0.5) < 0.05)
     refuted = next(v for v in range(r + 1) if gdp_rejects(1e-12, M, r, v, 0.05))

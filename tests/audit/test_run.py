@@ -1,4 +1,4 @@
-"""The user-facing audit: it sees what the mechanism really does, and keeps canaries out of what is released.
+"""The user-facing audit: it sees what the training really does, and keeps canaries out of what is released.
 
 End to end on a tiny causal LM (built from a config) and users made in code: canaries are ordinary users of a
 DPTrainer run, the audit's lower bound is high when the noise is negligible, stays at or below ε = 1 for an honest
@@ -145,7 +145,7 @@ def test_dp_at_epsilon_one_stays_at_most_one(tmp_path):
 
 @pytest.mark.slow
 def test_noise_shrunk_behind_the_ledger_is_caught(tmp_path, monkeypatch):
-    """A broken mechanism: noise 100x smaller than the ledger accounts for. The ledger still says ε ≤ 1."""
+    """A broken training step: noise 100x smaller than the ledger records. The ledger still says ε ≤ 1."""
     import hf_dp.step
 
     honest, calls = hf_dp.step.add_noise, []

@@ -2,7 +2,7 @@
 
 The math (quantile tracker, centred count, noise split) is tested in tests/clipping/test_adaptive_clipping.py;
 here: C follows the target quantile of the per-unit norms the clipping engine returns, each step clips and noises
-at the C of that step, the ledger composes the count with the gradient (checked against dp-accounting), the count
+at the C of that step, the accountant composes the count with the gradient (checked against dp-accounting), the count
 is released with or without private logging, the tracker travels with checkpoints, and the report and card say so.
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_logs_hold_the_tracked_norm_and_the_clipped_fraction_of_the_count(tmp_pa
         assert stds == pytest.approx([0.8, trainer.privacy_plan.logging_noise_multiplier * 5.0])
 
 
-# ---- the ledger composes σ_eff; an independent accountant agrees --------------------------------------------------
+# ---- the accountant composes σ_eff; an independent accountant agrees ----------------------------------------------
 
 
 def test_ledger_epsilon_is_the_effective_gaussian_and_matches_dp_accounting(tmp_path):

@@ -1,6 +1,6 @@
 """What a DP run releases besides the model is covered by the ε it states.
 
-Training logs are noised sums accounted with the gradient (one Gaussian mechanism, σ_eff); nothing exact reaches
+Training logs are noised sums accounted with the gradient (one Gaussian release, σ_eff); nothing exact reaches
 Trainer's state or progress bar; the user and example counts are rounded and said not to be covered; the card and
 the ledger written beside the model are what `hf-dp publish` checks (tests/test_hub.py, tests/test_card.py).
 """
@@ -108,11 +108,11 @@ def test_exact_token_counts_are_refused(tmp_path):
         make_trainer(tmp_path, include_num_input_tokens_seen=True)
 
 
-# ---- the ledger accounts the logs with the gradient ---------------------------------------------------------------
+# ---- the accountant composes the logs with the gradient -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("sampling, group", [("uls", False), ("els", True)])
-def test_ledger_composes_gradient_loss_and_count_as_one_gaussian(tmp_path, sampling, group):
+def test_the_accountant_composes_gradient_loss_and_count_as_one_gaussian(tmp_path, sampling, group):
     trainer = make_trainer(tmp_path, sampling=sampling, contribution_bound=3, max_steps=3, target_epsilon=4.0)
     plan = trainer.privacy_plan
     ratio = trainer.args.logging_noise_ratio
@@ -135,7 +135,7 @@ def test_ledger_composes_gradient_loss_and_count_as_one_gaussian(tmp_path, sampl
     assert report["logging_noise_multiplier"] == plan.logging_noise_multiplier and report["max_loss"] == 5.0
 
 
-def test_a_fixed_noise_multiplier_is_the_gradient_noise_and_the_ledger_accounts_more(tmp_path):
+def test_a_fixed_noise_multiplier_is_the_gradient_noise_and_the_accountant_composes_less(tmp_path):
     trainer = make_trainer(tmp_path, noise_multiplier=1.0, target_epsilon=None, logging_noise_ratio=2.0)
     plan = trainer.privacy_plan
     assert plan.noise_multiplier == 1.0 and plan.logging_noise_multiplier == 2.0
@@ -155,7 +155,7 @@ def test_counts_are_rounded_and_the_card_says_they_are_not_covered(tmp_path):
     assert "| Users trained on, rounded, not covered by ε (`num_users`) | 1,100 |" in text
     assert "| Examples trained on, rounded, not covered by ε (`num_examples`) | 15,000 |" in text
     assert "1101" not in text and "14920" not in text
-    assert "**The size of the data.**" in text and "rounding is not a DP mechanism" in text
+    assert "**The size of the data.**" in text and "rounding is not differentially private" in text
 
 
 def test_trainer_saves_the_ledger_with_the_card_and_publish_accepts_it(tmp_path):

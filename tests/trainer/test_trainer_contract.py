@@ -229,7 +229,7 @@ def test_model_init_and_hyperparameter_search_are_refused(tmp_path):
                   model_init=tiny_bert)
     one_line(error)
     trainer = make_trainer(tmp_path)
-    with pytest.raises(ValueError, match="hyperparameter_search.*spends ε that no ledger composes") as error:
+    with pytest.raises(ValueError, match="hyperparameter_search.*spends ε that no ledger records") as error:
         trainer.hyperparameter_search(n_trials=2)
     one_line(error)
 
