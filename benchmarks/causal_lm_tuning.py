@@ -47,7 +47,7 @@ def proxy_data(eval_examples: int, seed: int = 0):
     """TextData of the tuning proxy: train = roles of TUNING_TRAIN_PLAYS, test = a fixed sample of speeches of
     TUNING_EVAL_PLAYS."""
     from hf_dp.workflows.corpora import load_shakespeare
-    from hf_dp.workflows.runs import subsample_rows
+    from hf_dp.workflows.run_data import subsample_rows
     from hf_dp.workflows.study import TUNING_EVAL_PLAYS, TUNING_TRAIN_PLAYS
     from hf_dp.workflows.tasks.language_modeling import TextData
 

@@ -102,7 +102,7 @@ from pathlib import Path
 
 from hf_dp.parser import ArgumentParser, require_extra, run_command
 from hf_dp.vocabulary import MECHANISMS
-from hf_dp.workflows.runs import load_result
+from hf_dp.workflows.run_results import load_result
 from hf_dp.workflows.study_plot import gap_closed, is_adaptive, metric_value, plot_privacy_utility, plot_title
 
 # torch and transformers load only when a run starts: `hf-dp --help` stays fast.

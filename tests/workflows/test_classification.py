@@ -24,7 +24,7 @@ from hf_dp.workflows.tasks.classification import (
     tokenize_classification,
 )
 from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
-from hf_dp.workflows.runs import RESULT_KEYS, load_result
+from hf_dp.workflows.run_results import RESULT_KEYS, load_result
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = {"war": "history", "crown": "history", "king": "history", "jest": "comedy", "wed": "comedy",
@@ -326,7 +326,8 @@ def test_classify_recipe_parser_accepts_its_flags(tmp_path):
     assert script_args.use_lora and script_args.non_private and script_args.lora_target_modules == ["query", "value"]
     assert script_args.model_name_or_path is None  # the embedded MiniLM
     assert (training_args.sampling, training_args.target_epsilon, training_args.contribution_bound) == ("els", 3.0, 4)
-    from hf_dp.workflows.runs import plain_training_arguments, recipe_run
+    from hf_dp.workflows.recipes import recipe_run
+    from hf_dp.workflows.runs import plain_training_arguments
 
     assert type(plain_training_arguments(training_args)) is TrainingArguments
     config, plain = recipe_run(ClassificationConfig, script_args, training_args)

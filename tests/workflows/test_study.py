@@ -12,7 +12,7 @@ import pytest
 
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows import study
-from hf_dp.workflows.runs import RESULT_KEYS, load_result, save_result
+from hf_dp.workflows.run_results import RESULT_KEYS, load_result, save_result
 
 ROOT = Path(__file__).resolve().parents[2]
 

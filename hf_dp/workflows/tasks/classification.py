@@ -22,7 +22,7 @@ Everything after training (evaluation, the card, the JSON) is post-processing: i
 guarantee does not cover: the choice of hyperparameters if they were tuned on the private data, and the
 pretraining data of the public model.
 
-Result JSON (`<results_dir>/<run>.json`, keys [`~hf_dp.workflows.runs.RESULT_KEYS`]; the Gradio app and
+Result JSON (`<results_dir>/<run>.json`, keys [`~hf_dp.workflows.run_results.RESULT_KEYS`]; the Gradio app and
 [`hf_dp.workflows.study`] read it; evaluation figures named by [`~hf_dp.vocabulary.EVAL_KEYS`] as in the card):
 
 ```
@@ -78,19 +78,9 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from hf_dp.workflows.runs import (
-    RunConfig,
-    check_user_id_column,
-    fit,
-    load_splits,
-    mechanism_of_arguments,
-    result_record,
-    run_config_record,
-    save_result,
-    save_run,
-    subsample_rows,
-    subsample_users,
-)
+from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_users
+from hf_dp.workflows.run_results import result_record, run_config_record, save_result
+from hf_dp.workflows.runs import RunConfig, check_user_id_column, fit, mechanism_of_arguments, save_run
 
 logger = logging.getLogger(__name__)
 
