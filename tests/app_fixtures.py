@@ -22,7 +22,7 @@ from transformers import (
 
 from hf_dp.card import write_privacy_card
 from hf_dp.vocabulary import MECHANISMS
-from hf_dp.workflows.tasks.classification import EmbeddingClassifier
+from hf_dp.workflows.tasks.classifier_models import EmbeddingClassifier
 
 LABELS = ["comedy", "history", "tragedy"]
 WORDS = (

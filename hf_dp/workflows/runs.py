@@ -282,8 +282,8 @@ def save_model(model, tokenizer, model_dir) -> None:
     """Save the model with its LoRA adapters merged (no peft needed to load it) and its tokenizer.
 
     A transformers model reloads with `from_pretrained(model_dir)`; an
-    [`~hf_dp.workflows.tasks.classification.EmbeddingClassifier`] with
-    [`~hf_dp.workflows.tasks.classification.load_classifier`].
+    [`~hf_dp.workflows.tasks.classifier_models.EmbeddingClassifier`] with
+    [`~hf_dp.workflows.tasks.classifier_models.load_classifier`].
     """
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()

@@ -26,7 +26,7 @@ Settings ([`DEMO_SETTINGS`]: the run config's fields, and the training arguments
 runs on top of them and of the non-private run under their [`~hf_dp.DPTrainingArguments`] / `TrainingArguments`
 names) and why. The fine-tuned classifier *starts as the public-only baseline*: mean-pooled MiniLM embeddings, a
 head whose rows are the label descriptions' embeddings, logits = 20 x cosine similarity
-([`~hf_dp.workflows.tasks.classification.EmbeddingClassifier`]); fine-tuning trains rank-8 LoRA adapters on the
+([`~hf_dp.workflows.tasks.classifier_models.EmbeddingClassifier`]); fine-tuning trains rank-8 LoRA adapters on the
 attention queries and values and that head (≈ 75 k of 22.7 M weights). Li et al. (2021) advise this alignment of the
 fine-tuning objective with pretraining; with a new, random classification head (`head="linear"`) DP training at
 ε = 8 fell well *below* the baseline in the first round's measurements (0.36 against 0.43). Texts are cut to 32
