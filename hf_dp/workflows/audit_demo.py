@@ -75,7 +75,7 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
     from hf_dp.trainer import DPTrainer
     from hf_dp.workflows.run_results import save_result
     from hf_dp.workflows.runs import save_run
-    from hf_dp.workflows.study import DEMO_SETTINGS, QUICK_SETTINGS
+    from hf_dp.workflows.study_settings import DEMO_SETTINGS, QUICK_SETTINGS
     from hf_dp.workflows.tasks.classification import (
         ClassificationConfig,
         accuracy,

@@ -74,7 +74,7 @@ class RunConfig:
             this fixed-size sample). `seed` is saved in the result JSON; the guarantee does not need it secret.
         max_eval_examples (`int`, *optional*): evaluate on a seeded sample of this many test rows.
         exclude_train_plays (`list[str]`, *optional*): `dataset="shakespeare"` only: titles of training plays
-            whose roles are left out of training (e.g. [`hf_dp.workflows.study.TUNING_PLAYS`], which the study
+            whose roles are left out of training (e.g. [`hf_dp.workflows.study_settings.TUNING_PLAYS`], which the study
             tunes its hyper-parameters on, so that the tuning uses no training user). Preprocessing: the
             guarantee covers the roles trained on.
         seed (`int`, *optional*, defaults to `0`): seed of the split and the samples; [`training_arguments`]
