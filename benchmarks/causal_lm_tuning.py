@@ -2,9 +2,10 @@
 
 Hyper-parameters tuned on the private training data are themselves a release the ledger does not count. The
 study ([`hf_dp.workflows.study`], `hf-dp demo --task causal_lm`) therefore leaves six training plays out of
-training ([`~hf_dp.workflows.study.TUNING_PLAYS`], two per Folio genre) and every probe here trains on the roles
-of three of them ([`~hf_dp.workflows.study.TUNING_TRAIN_PLAYS`], 142 roles, 2,414 speeches) and measures the
-next-token NLL on a fixed sample of speeches of the other three ([`~hf_dp.workflows.study.TUNING_EVAL_PLAYS`]).
+training ([`~hf_dp.workflows.study_settings.TUNING_PLAYS`], two per Folio genre) and every probe here trains on the
+roles of three of them ([`~hf_dp.workflows.study_settings.TUNING_TRAIN_PLAYS`], 142 roles, 2,414 speeches) and
+measures the next-token NLL on a fixed sample of speeches of the other three
+([`~hf_dp.workflows.study_settings.TUNING_EVAL_PLAYS`]).
 
 The proxy has far fewer roles than the study (142 against 820), so a probe would spend a much larger ε at the
 same noise. It does not calibrate: each DP probe adds the noise the *study* run will add, σ calibrated for the
@@ -47,8 +48,8 @@ def proxy_data(eval_examples: int, seed: int = 0):
     """TextData of the tuning proxy: train = roles of TUNING_TRAIN_PLAYS, test = a fixed sample of speeches of
     TUNING_EVAL_PLAYS."""
     from hf_dp.workflows.corpora import load_shakespeare
-    from hf_dp.workflows.runs import subsample_rows
-    from hf_dp.workflows.study import TUNING_EVAL_PLAYS, TUNING_TRAIN_PLAYS
+    from hf_dp.workflows.run_data import subsample_rows
+    from hf_dp.workflows.study_settings import TUNING_EVAL_PLAYS, TUNING_TRAIN_PLAYS
     from hf_dp.workflows.tasks.language_modeling import TextData
 
     train = load_shakespeare()["train"]
@@ -60,7 +61,7 @@ def proxy_data(eval_examples: int, seed: int = 0):
 def study_users() -> int:
     """Training roles of the causal-LM study (the training plays minus TUNING_PLAYS): the N of its sample rate."""
     from hf_dp.workflows.corpora import load_shakespeare
-    from hf_dp.workflows.study import TUNING_PLAYS
+    from hf_dp.workflows.study_settings import TUNING_PLAYS
 
     train = load_shakespeare()["train"]
     return len({u for u, p in zip(train["user_id"], train["play"]) if p not in TUNING_PLAYS})

@@ -1,11 +1,11 @@
 """Tune the classification study's hyper-parameters on a public proxy, never on its training roles or test plays.
 
 The same proxy as [`causal_lm_tuning`](causal_lm_tuning.py): the study ([`hf_dp.workflows.study`], `hf-dp demo`)
-leaves the six [`~hf_dp.workflows.study.TUNING_PLAYS`] out of training; every probe here fine-tunes the embedded
-MiniLM (the study's similarity head and LoRA) on the roles of three of them
-([`~hf_dp.workflows.study.TUNING_TRAIN_PLAYS`], 142 roles, 2,414 speeches, one play per Folio genre) and measures
-the genre accuracy on every speech of the other three ([`~hf_dp.workflows.study.TUNING_EVAL_PLAYS`], 2,349
-speeches, one play per genre; one standard error ≈ 1 point).
+leaves the six [`~hf_dp.workflows.study_settings.TUNING_PLAYS`] out of training; every probe here fine-tunes the
+embedded MiniLM (the study's similarity head and LoRA) on the roles of three of them
+([`~hf_dp.workflows.study_settings.TUNING_TRAIN_PLAYS`], 142 roles, 2,414 speeches, one play per Folio genre) and
+measures the genre accuracy on every speech of the other three ([`~hf_dp.workflows.study_settings.TUNING_EVAL_PLAYS`],
+2,349 speeches, one play per genre; one standard error ≈ 1 point).
 
 Each DP probe (ULS) adds the noise the *study* run will add: σ calibrated for the study's own sample rate (users
 per step / 820 roles), steps, ε (`--epsilon`) and δ = 1/(10·820), with the adaptive count composed in when
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def proxy_data(config):
     """ClassificationData of the tuning proxy: train = roles of TUNING_TRAIN_PLAYS, test = every speech of
     TUNING_EVAL_PLAYS (both from the corpus's training plays; the study trains on neither)."""
-    from hf_dp.workflows.study import TUNING_EVAL_PLAYS, TUNING_TRAIN_PLAYS
+    from hf_dp.workflows.study_settings import TUNING_EVAL_PLAYS, TUNING_TRAIN_PLAYS
     from hf_dp.workflows.tasks.classification import ClassificationData, load_classification_data
 
     data = load_classification_data(config)

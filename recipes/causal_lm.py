@@ -52,7 +52,8 @@ from hf_dp import DPTrainingArguments
 from hf_dp.parser import ArgumentParser
 from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, run_language_modeling
 from hf_dp.workflows.pretrained import smollm2_path
-from hf_dp.workflows.runs import RecipeArguments, finish_processes, recipe_run, summary_line
+from hf_dp.workflows.recipes import RecipeArguments, recipe_run, summary_line
+from hf_dp.workflows.runs import finish_processes
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -65,7 +65,8 @@ from pathlib import Path
 from hf_dp import DPTrainingArguments
 from hf_dp.parser import ArgumentParser
 from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
-from hf_dp.workflows.runs import RecipeArguments, finish_processes, recipe_run, summary_line
+from hf_dp.workflows.recipes import RecipeArguments, recipe_run, summary_line
+from hf_dp.workflows.runs import finish_processes
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -1,8 +1,9 @@
 """A fabricated results folder for the app and publishing tests (tiny config-built models, built offline).
 
-`make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (keys of `hf_dp.workflows.runs.RESULT_KEYS`,
-mechanisms named by `hf_dp.vocabulary.MECHANISMS`), saved models with tokenizers and privacy cards under
-`models/<run>/`, and `summary.json`; plus a causal-LM run. The numbers are invented; nothing here trains.
+`make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (keys of
+`hf_dp.workflows.run_results.RESULT_KEYS`, mechanisms named by `hf_dp.vocabulary.MECHANISMS`), saved models with
+tokenizers and privacy cards under `models/<run>/`, and `summary.json`; plus a causal-LM run. The numbers are
+invented; nothing here trains.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from transformers import (
 
 from hf_dp.card import write_privacy_card
 from hf_dp.vocabulary import MECHANISMS
-from hf_dp.workflows.tasks.classification import EmbeddingClassifier
+from hf_dp.workflows.tasks.classifier_models import EmbeddingClassifier
 
 LABELS = ["comedy", "history", "tragedy"]
 WORDS = (
@@ -100,7 +101,7 @@ def privacy_ledger(report: dict) -> dict:
 def _result(run: str, mechanism: str, *, eval_result: float, epsilon, target, model_dir, base_path: str,
             task: str = "classification", metric_name: str = "accuracy", privacy=None, delta=None,
             baseline_result: float = 0.40, **extra) -> dict:
-    """A result JSON as `hf_dp.workflows.runs.save_result` writes it (keys `RESULT_KEYS` there)."""
+    """A result JSON as `hf_dp.workflows.run_results.save_result` writes it (keys `RESULT_KEYS` there)."""
     return {
         "run": run, "mechanism": mechanism, "target_epsilon": target, "epsilon": epsilon, "delta": delta,
         "privacy": privacy, "metric_name": metric_name, "eval_result": eval_result,

@@ -11,7 +11,7 @@ from datasets import Dataset
 from scipy import stats
 
 from hf_dp.data import examples_per_user, keyed_seed, keyed_uniform, partition_by_user
-from hf_dp.workflows.runs import split_by_user, subsample_users
+from hf_dp.workflows.run_data import split_by_user, subsample_users
 from trainer_fixtures import user_dataset
 
 

@@ -73,18 +73,17 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
     from hf_dp.audit import audit_training, remove_canaries
     from hf_dp.audit.run import AUDIT_DIR, CANARIES_FILE
     from hf_dp.trainer import DPTrainer
-    from hf_dp.workflows.runs import save_result, save_run
-    from hf_dp.workflows.study import DEMO_SETTINGS, QUICK_SETTINGS
+    from hf_dp.workflows.run_results import save_result
+    from hf_dp.workflows.runs import save_run
+    from hf_dp.workflows.study_settings import DEMO_SETTINGS, QUICK_SETTINGS
     from hf_dp.workflows.tasks.classification import (
-        DEFAULT_BASE_MODEL,
         ClassificationConfig,
         accuracy,
         build_model,
         load_classification_data,
-        predict_labels,
-        resolve_model_path,
         tokenize_classification,
     )
+    from hf_dp.workflows.tasks.classifier_models import DEFAULT_BASE_MODEL, predict_labels, resolve_model_path
 
     start = time.perf_counter()
     if canaries is None:

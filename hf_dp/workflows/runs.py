@@ -1,4 +1,4 @@
-"""What every recipe run shares: its configuration, splits by user, and the result JSON.
+"""What every run shares: its configuration, its training arguments, and how it trains and saves its model.
 
 A run is described by two objects, and each setting lives in exactly one of them:
 
@@ -9,59 +9,40 @@ A run is described by two objects, and each setting lives in exactly one of them
   `expected_batch_size`, `contribution_bound`, `max_grad_norm`, `noise_multiplier`, ...) and every optimisation
   setting is a field there, with its default there; the run's mechanism (a key of
   [`~hf_dp.vocabulary.MECHANISMS`]) follows from them ([`mechanism_of_arguments`]). [`RunConfig.training_arguments`]
-  builds them for a mechanism; the recipes parse them from the command line.
+  builds them for a mechanism; the recipes parse them from the command line ([`hf_dp.workflows.recipes`]).
 
 The one setting both need is the user column: [`RunConfig.user_id_column`] splits the data by user (for every run,
-the non-private one too) and must equal `DPTrainingArguments.user_id_column`, the privacy unit of a DP run
-([`check_user_id_column`]); the recipes' `--user_id_column` flag sets both.
+the non-private one too; [`hf_dp.workflows.run_data`]) and must equal `DPTrainingArguments.user_id_column`, the
+privacy unit of a DP run ([`check_user_id_column`]); the recipes' `--user_id_column` flag sets both.
 
-A run writes `<results_dir>/<run>.json` with [`save_result`] (keys [`RESULT_KEYS`], schema in
-[`hf_dp.workflows.tasks.classification`]'s docstring; its `config` records the run config and the training
-arguments the run used) and its model to `<results_dir>/models/<run>/`. Nothing here affects the privacy accounting
+A run trains with [`fit`], saves its model and privacy card to `<results_dir>/models/<run>/` with [`save_run`] and
+writes `<results_dir>/<run>.json` ([`hf_dp.workflows.run_results`]). Nothing here affects the privacy accounting
 except the training arguments it passes on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
-import numpy as np
-
-from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, mechanism
+from hf_dp.vocabulary import DP_MECHANISMS, mechanism
 
 __all__ = [
-    "RESULT_KEYS",
     "RunConfig",
-    "check_disjoint_users",
     "check_user_id_column",
+    "finish_processes",
     "fit",
     "is_main_process",
-    "load_result",
     "mechanism_of_arguments",
     "plain_training_arguments",
-    "result_record",
-    "run_config_record",
+    "privacy_fields",
     "save_model",
-    "save_result",
     "save_run",
-    "split_by_user",
-    "subsample_rows",
-    "subsample_users",
-    "without_plays",
 ]
-
-# Keys every result JSON has (the Gradio app and the study rely on them); `non_private_result` is added when known.
-RESULT_KEYS = (
-    "run", "mechanism", "target_epsilon", "epsilon", "delta", "privacy", "metric_name", "eval_result",
-    "baseline_result", "model_dir", "base_model", "task", "train_seconds", "eval_seconds", "config",
-)
 
 
 @dataclass
@@ -93,7 +74,7 @@ class RunConfig:
             this fixed-size sample). `seed` is saved in the result JSON; the guarantee does not need it secret.
         max_eval_examples (`int`, *optional*): evaluate on a seeded sample of this many test rows.
         exclude_train_plays (`list[str]`, *optional*): `dataset="shakespeare"` only: titles of training plays
-            whose roles are left out of training (e.g. [`hf_dp.workflows.study.TUNING_PLAYS`], which the study
+            whose roles are left out of training (e.g. [`hf_dp.workflows.study_settings.TUNING_PLAYS`], which the study
             tunes its hyper-parameters on, so that the tuning uses no training user). Preprocessing: the
             guarantee covers the roles trained on.
         seed (`int`, *optional*, defaults to `0`): seed of the split and the samples; [`training_arguments`]
@@ -200,7 +181,7 @@ class RunConfig:
             disable_tqdm=not self.progress, dataloader_num_workers=0,
         )
         if not entry.is_private:
-            privacy = sorted(set(fields) & _privacy_fields())
+            privacy = sorted(set(fields) & privacy_fields())
             if privacy:
                 raise ValueError(f"{privacy[0]}={fields[privacy[0]]!r}: a non-private run has no privacy settings; "
                                  f"drop it, or pick a DP mechanism ({', '.join(DP_MECHANISMS)}).")
@@ -220,7 +201,7 @@ def _training_mechanism(key: str):
     return entry
 
 
-def _privacy_fields() -> set[str]:
+def privacy_fields() -> set[str]:
     """The fields [`~hf_dp.DPTrainingArguments`] adds to [`~transformers.TrainingArguments`]."""
     from transformers import TrainingArguments
 
@@ -251,213 +232,26 @@ def check_user_id_column(config: RunConfig, training_args) -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Splits and subsets (preprocessing: they choose the rows, the guarantee is about the rows trained on)
-# ----------------------------------------------------------------------------------------------------------
+def plain_training_arguments(training_args):
+    """The [`~transformers.TrainingArguments`] part of [`~hf_dp.DPTrainingArguments`], for a non-private run.
 
-
-def split_by_user(dataset, user_id_column: str, fraction: float = 0.2, seed: int = 0):
-    """(train, test): each user goes to test, with all their rows, when its keyed hash is below `fraction`.
-
-    A user's side depends only on (`seed`, user id) ([`~hf_dp.data.keyed_uniform`]): adding or removing one
-    user moves no other user, so neighbouring datasets give neighbouring training sets. The test set thus holds
-    about `fraction` of the users (at least one, never all: for a split that would be empty on one side, the
-    user with the lowest, or highest, hash is moved).
-
-    Raises:
-        ValueError: fewer than two users.
+    The privacy fields are dropped; `max_grad_norm` becomes Trainer's usual global clipping norm.
     """
-    from hf_dp.data import keyed_uniform
+    import enum
 
-    users = dataset.unique(user_id_column)
-    if len(users) < 2:
-        raise ValueError(f"Need at least two users to split by user; found {len(users)}.")
-    draws = {user: keyed_uniform(seed, user, "split") for user in users}
-    test_users = {user for user, draw in draws.items() if draw < fraction}
-    if not test_users or len(test_users) == len(users):  # only with very few users
-        ranked = sorted(users, key=draws.get)
-        test_users = {ranked[0]} if not test_users else set(ranked[:-1])
-    is_test = [u in test_users for u in dataset[user_id_column]]
-    return (dataset.select([i for i, t in enumerate(is_test) if not t]),
-            dataset.select([i for i, t in enumerate(is_test) if t]))
+    from transformers import TrainingArguments
 
-
-def subsample_users(dataset, user_id_column: str, max_users: int | None, seed: int = 0):
-    """The rows of the `max_users` users with the lowest keyed hash of (`seed`, user id) (all rows when `None` or
-    not fewer users).
-
-    Each user's hash depends on nothing else, so adding or removing an unselected user changes nothing, and a
-    selected one displaces at most one other user (a fixed-size sample must).
-    """
-    from hf_dp.data import keyed_uniform
-
-    if max_users is None:
-        return dataset
-    users = dataset.unique(user_id_column)
-    if max_users >= len(users):
-        return dataset
-    chosen = set(sorted(users, key=lambda user: keyed_uniform(seed, user, "subsample"))[:max_users])
-    keep = [i for i, u in enumerate(dataset[user_id_column]) if u in chosen]
-    return dataset.select(keep)
-
-
-def subsample_rows(dataset, max_rows: int | None, seed: int = 0):
-    """A seeded sample of `max_rows` rows, in their original order (all rows when `None` or not fewer)."""
-    if max_rows is None or max_rows >= len(dataset):
-        return dataset
-    rows = np.random.default_rng(seed).choice(len(dataset), size=max_rows, replace=False)
-    return dataset.select(np.sort(rows).tolist())
-
-
-def load_splits(config, **columns):
-    """Train and test rows of `config.dataset`, users disjoint: Shakespeare split by play, or the caller's data
-    with `config.eval_dataset` (or a seeded split by user) as the test set.
-
-    `columns`: extra required columns of [`~hf_dp.workflows.corpora.load_user_dataset`] (e.g. `label_column`).
-
-    Raises:
-        ValueError: a missing column, a test split sharing users with train, or `exclude_train_plays` with data
-            that has no `play` column or naming a play that is not among the training plays.
-    """
-    from hf_dp.workflows import corpora
-
-    if config.dataset == "shakespeare":
-        corpus = corpora.load_shakespeare()
-        train, test = corpus["train"], corpus["test"]
-    else:
-        load = dict(user_id_column=config.user_id_column, text_column=config.text_column, **columns)
-        train = corpora.load_user_dataset(config.dataset, **load)
-        if config.eval_dataset is not None:
-            test = corpora.load_user_dataset(config.eval_dataset, **load)
-        else:
-            train, test = split_by_user(train, config.user_id_column, config.eval_fraction, config.seed)
-    if getattr(config, "exclude_train_plays", None):
-        train = without_plays(train, config.exclude_train_plays)
-    check_disjoint_users(train, test, config.user_id_column)
-    return train, test
-
-
-def without_plays(train, plays):
-    """`train` without the rows of `plays` (its `play` column).
-
-    Raises:
-        ValueError: no `play` column, or a play that is not in `train`.
-    """
-    if "play" not in train.column_names:
-        raise ValueError("exclude_train_plays needs a 'play' column (dataset='shakespeare'); unset it for other data.")
-    present = set(train.unique("play"))
-    unknown = sorted(set(plays) - present)
-    if unknown:
-        raise ValueError(f"exclude_train_plays: {unknown} are not training plays (they are: {sorted(present)}).")
-    excluded = set(plays)
-    return train.filter(lambda play: [p not in excluded for p in play], input_columns="play", batched=True)
-
-
-def check_disjoint_users(train, test, user_id_column: str) -> None:
-    """Raise `ValueError` when a user has rows in both splits (the test set must hold other users)."""
-    if user_id_column not in test.column_names:
-        return
-    overlap = set(train.unique(user_id_column)) & set(test.unique(user_id_column))
-    if overlap:
-        raise ValueError(
-            f"{len(overlap)} users are in both the training and the test data (e.g. {sorted(overlap, key=str)[:3]}): "
-            "the test set must hold other users. Drop --eval_dataset to split by user."
-        )
+    values = {}
+    for spec in dataclasses.fields(TrainingArguments):
+        if not spec.init or not hasattr(training_args, spec.name):
+            continue
+        value = getattr(training_args, spec.name)
+        values[spec.name] = value.value if isinstance(value, enum.Enum) else value
+    return TrainingArguments(**values)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Results
-# ----------------------------------------------------------------------------------------------------------
-
-# The TrainingArguments fields a result records (besides every field DPTrainingArguments adds).
-_TRAINING_KEYS = (
-    "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size", "lr_scheduler_type",
-    "warmup_steps", "weight_decay", "seed", "max_grad_norm",
-)
-
-
-def training_summary(training_args) -> dict:
-    """The values of `training_args` a result records: the optimisation fields above and, for
-    [`~hf_dp.DPTrainingArguments`], every privacy field under its own name (`sampling` is `None` at the example
-    level, where it is unused, as in the privacy report)."""
-    keys = list(_TRAINING_KEYS)
-    if mechanism_of_arguments(training_args) != "non-private":
-        keys += sorted(_privacy_fields())
-    out = {}
-    for key in keys:
-        if hasattr(training_args, key):
-            value = getattr(training_args, key)
-            out[key] = value if isinstance(value, (int, float, str, type(None))) else str(value)
-    if out.get("privacy_unit") == "example":
-        out["sampling"] = None
-    return out
-
-
-def run_config_record(config: RunConfig, training_args=None) -> dict:
-    """A result's `config`: the run config's fields and the training arguments' values the run used, each under
-    its own name (so `config["target_epsilon"]` is what the trainer was given). When the run trained with another
-    seed than the config's (which seeded the split), the config's is kept as `split_seed`."""
-    record = config.to_dict()
-    if training_args is None:
-        return record
-    summary = training_summary(training_args)
-    if summary.get("seed", record["seed"]) != record["seed"]:
-        record["split_seed"] = record["seed"]
-    record.update(summary)
-    return record
-
-
-def relative_path(path, root) -> str:
-    """`path` relative to `root` (results stay valid when the results folder moves)."""
-    try:
-        return os.path.relpath(Path(path).resolve(), Path(root).resolve())
-    except ValueError:  # another drive on Windows
-        return str(path)
-
-
-def save_result(result: Mapping, results_dir) -> Path:
-    """Write `results_dir/<run>.json` atomically (a resumed study never reads half a file); main process only."""
-    folder = Path(results_dir)
-    path = folder / f"{result['run']}.json"
-    if not is_main_process():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(result), indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def load_result(path) -> dict | None:
-    """A result JSON, or `None` when it is missing or not a complete result (e.g. an interrupted write)."""
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(result, dict) or any(key not in result for key in RESULT_KEYS):
-        return None
-    return result
-
-
-def _jsonable(value):
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, (np.floating, float)):
-        value = float(value)
-        if not math.isfinite(value):
-            return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        return value
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Training, saving, reporting (shared by the task modules)
+# Training and saving (shared by the task modules)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -488,8 +282,8 @@ def save_model(model, tokenizer, model_dir) -> None:
     """Save the model with its LoRA adapters merged (no peft needed to load it) and its tokenizer.
 
     A transformers model reloads with `from_pretrained(model_dir)`; an
-    [`~hf_dp.workflows.tasks.classification.EmbeddingClassifier`] with
-    [`~hf_dp.workflows.tasks.classification.load_classifier`].
+    [`~hf_dp.workflows.tasks.classifier_models.EmbeddingClassifier`] with
+    [`~hf_dp.workflows.tasks.classifier_models.load_classifier`].
     """
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
@@ -533,126 +327,3 @@ def is_main_process() -> bool:
     from accelerate import PartialState
 
     return PartialState().is_main_process
-
-
-def result_record(config: RunConfig, *, training_args, privacy: dict | None, task: str, metric_name: str,
-                  eval_result: float, baseline_result: float, model_dir, base_model: str, train_seconds: float,
-                  eval_seconds: float, **extra) -> dict:
-    """The result dict of a fine-tuning run (keys [`RESULT_KEYS`], schema in [`hf_dp.workflows.tasks.classification`]),
-    with `non_private_result` when the config knows it."""
-    result = {
-        "run": config.run,
-        "mechanism": mechanism_of_arguments(training_args),
-        "target_epsilon": None if privacy is None else privacy.get("target_epsilon"),
-        "epsilon": None if privacy is None else privacy["epsilon"],
-        "delta": None if privacy is None else privacy["delta"],
-        "privacy": privacy,
-        "metric_name": metric_name,
-        "eval_result": float(eval_result),
-        "baseline_result": float(baseline_result),
-    }
-    if config.non_private_result is not None:
-        result["non_private_result"] = float(config.non_private_result)
-    result.update({
-        "model_dir": relative_path(model_dir, config.results_dir),
-        "base_model": base_model,
-        "task": task,
-        "train_seconds": float(train_seconds),
-        "eval_seconds": float(eval_seconds),
-        **extra,
-        "config": run_config_record(config, training_args),
-    })
-    return result
-
-
-def plain_training_arguments(training_args):
-    """The [`~transformers.TrainingArguments`] part of [`~hf_dp.DPTrainingArguments`], for a non-private run.
-
-    The privacy fields are dropped; `max_grad_norm` becomes Trainer's usual global clipping norm.
-    """
-    import enum
-
-    from transformers import TrainingArguments
-
-    values = {}
-    for spec in dataclasses.fields(TrainingArguments):
-        if not spec.init or not hasattr(training_args, spec.name):
-            continue
-        value = getattr(training_args, spec.name)
-        values[spec.name] = value.value if isinstance(value, enum.Enum) else value
-    return TrainingArguments(**values)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Recipes (`recipes/*.py`): the flags they share and the run config their flags describe
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class RecipeArguments:
-    """Data, model and reporting flags every recipe shares.
-
-    Training flags, the privacy ones and `--user_id_column` included, are [`~hf_dp.DPTrainingArguments`]'s: the
-    recipes parse both, and [`recipe_run`] takes the user column from there.
-    """
-
-    dataset: str = dataclasses.field(
-        default="shakespeare",
-        metadata={"help": "'shakespeare' (speeches by speaking role, the embedded user-partitioned corpus) or a "
-                          "JSONL/CSV/Parquet path or Hub dataset id (its user column: --user_id_column)."},
-    )
-    eval_dataset: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Test data (other users than --dataset). Default: a seeded 20%% of the users of "
-                          "--dataset, held out."},
-    )
-    text_column: str = dataclasses.field(default="text", metadata={"help": "Column with the text."})
-    use_lora: bool = dataclasses.field(default=False,
-                                       metadata={"help": "Train LoRA adapters instead of all weights."})
-    lora_r: int = dataclasses.field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = dataclasses.field(default=16, metadata={"help": "LoRA alpha."})
-    lora_target_modules: list[str] | None = dataclasses.field(
-        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
-    )
-    non_private: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "Train without DP (plain transformers.Trainer; privacy flags ignored), for comparison."},
-    )
-    results_dir: str = dataclasses.field(default="results", metadata={"help": "Where <run>.json is written."})
-    max_train_users: int | None = dataclasses.field(default=None,
-                                                    metadata={"help": "Train on a seeded sample of users."})
-    max_eval_examples: int | None = dataclasses.field(default=None,
-                                                      metadata={"help": "Evaluate on a seeded sample of rows."})
-
-
-def recipe_run(config_class, script_args, training_args, **overrides):
-    """The run config and training arguments a recipe's parsed flags describe.
-
-    Flags that name a field of `config_class` are copied by name. The user column, run name, evaluation batch size,
-    progress bars and seed come from the training arguments (`--user_id_column`, `--run_name` or `--output_dir`,
-    `--per_device_eval_batch_size`, `--disable_tqdm`, `--seed`), which become plain `TrainingArguments` with
-    `--non_private`; the privacy settings stay in the training arguments only. `overrides` replace fields whose
-    flag needs converting (e.g. a JSON file's contents).
-    """
-    user_id_column = training_args.user_id_column  # the split by user, and a DP run's privacy unit
-    if script_args.non_private:
-        training_args = plain_training_arguments(training_args)
-    names = {f.name for f in dataclasses.fields(config_class)}
-    kwargs = {f.name: getattr(script_args, f.name) for f in dataclasses.fields(script_args) if f.name in names}
-    kwargs.update(
-        run=Path(training_args.run_name or training_args.output_dir).name,
-        user_id_column=user_id_column,
-        eval_batch_size=training_args.per_device_eval_batch_size,
-        progress=not training_args.disable_tqdm,
-        seed=training_args.seed,
-    )
-    kwargs.update(overrides)
-    return config_class(**kwargs), training_args
-
-
-def summary_line(result: dict, metric_label: str, output_dir: str) -> str:
-    """One line a recipe prints at the end: run, mechanism, ε, metric beside the public-only baseline."""
-    epsilon = "no DP" if result["epsilon"] is None else f"ε = {result['epsilon']:.3g}, δ = {result['delta']:.3g}"
-    return (f"{result['run']} ({MECHANISMS[result['mechanism']].label}, {epsilon}): {metric_label} "
-            f"{result['eval_result']:.4g}; public-only baseline {result['baseline_result']:.4g}. Model and card: "
-            f"{output_dir}")

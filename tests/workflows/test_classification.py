@@ -15,16 +15,15 @@ import torch
 from hf_dp.workflows.tasks.classification import (
     LABEL_DESCRIPTIONS,
     ClassificationConfig,
-    EmbeddingClassifier,
     accuracy,
     compute_metrics,
     load_classification_data,
-    load_classifier,
     run_classification,
     tokenize_classification,
 )
+from hf_dp.workflows.tasks.classifier_models import EmbeddingClassifier, load_classifier, predict_labels
 from hf_dp.vocabulary import EVAL_KEYS, MECHANISMS
-from hf_dp.workflows.runs import RESULT_KEYS, load_result
+from hf_dp.workflows.run_results import RESULT_KEYS, load_result
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = {"war": "history", "crown": "history", "king": "history", "jest": "comedy", "wed": "comedy",
@@ -196,7 +195,6 @@ def test_zero_shot_baseline_on_real_minilm_offline(monkeypatch):
         "The King of England marches his army into France to claim the crown.",
         "O murder most foul! His blood cries for revenge from the grave.",
     ]
-    from hf_dp.workflows.tasks.classification import predict_labels
 
     embeddings = zero_shot.embed(texts)
     torch.testing.assert_close(embeddings.norm(dim=-1), torch.ones(3))
@@ -254,8 +252,6 @@ def test_run_classification_end_to_end(tmp_path, toy_jsonl, tiny_bert_dir, mecha
         # the trainer's card and ledger agree: `hf-dp publish` would accept them (the report's keys, as written)
         assert check_privacy_card(model_dir)["mechanism"] == mechanism == result["privacy"]["mechanism"]
     # The saved model (LoRA merged) reloads and predicts like the trained one.
-    from hf_dp.workflows.tasks.classification import load_classifier, predict_labels
-
     model, tokenizer = load_classifier(model_dir)
     assert isinstance(model, EmbeddingClassifier) == (head == "similarity")
     assert not any("lora" in name for name, _ in model.named_parameters())
@@ -279,7 +275,7 @@ def test_a_user_column_that_differs_between_config_and_arguments_is_refused(tmp_
 
 def test_similarity_model_starts_as_the_zero_shot_baseline(tmp_path, toy_jsonl, tiny_bert_dir):
     """Before any step the fine-tuned model is the public-only baseline (same predictions)."""
-    from hf_dp.workflows.tasks.classification import build_model, predict_labels
+    from hf_dp.workflows.tasks.classification import build_model
 
     config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl, use_lora=True)
     data = load_classification_data(config)
@@ -326,7 +322,8 @@ def test_classify_recipe_parser_accepts_its_flags(tmp_path):
     assert script_args.use_lora and script_args.non_private and script_args.lora_target_modules == ["query", "value"]
     assert script_args.model_name_or_path is None  # the embedded MiniLM
     assert (training_args.sampling, training_args.target_epsilon, training_args.contribution_bound) == ("els", 3.0, 4)
-    from hf_dp.workflows.runs import plain_training_arguments, recipe_run
+    from hf_dp.workflows.recipes import recipe_run
+    from hf_dp.workflows.runs import plain_training_arguments
 
     assert type(plain_training_arguments(training_args)) is TrainingArguments
     config, plain = recipe_run(ClassificationConfig, script_args, training_args)

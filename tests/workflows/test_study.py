@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 
 from hf_dp.vocabulary import MECHANISMS
-from hf_dp.workflows import study
-from hf_dp.workflows.runs import RESULT_KEYS, load_result, save_result
+from hf_dp.workflows import study, study_plan, study_plot, study_settings
+from hf_dp.workflows.run_results import RESULT_KEYS, load_result, save_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 
 def test_plan_runs_demo_and_grid():
-    demo = study.plan_runs(grid=False)
+    demo = study_plan.plan_runs(grid=False)
     assert [r.run for r in demo] == ["baseline", "non-private", "uls-eps8-adaptive"]
-    assert demo[2] == study.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
-    grid = study.plan_runs(grid=True)
+    assert demo[2] == study_plan.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
+    grid = study_plan.plan_runs(grid=True)
     assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid} == {
         ("public-only", None, False), ("non-private", None, False), ("example", 8.0, True), ("uls", 8.0, False),
         *{(m, e, True) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
@@ -51,26 +51,27 @@ def test_parser_flags():
 def test_each_run_takes_its_privacy_settings_from_the_training_arguments(tmp_path):
     from hf_dp import DPTrainingArguments
 
-    settings = study.DEMO_SETTINGS
-    runs = {entry.run: entry for entry in study.plan_runs(grid=True)}
+    settings = study_settings.DEMO_SETTINGS
+    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True)}
     configure = dict(examples_per_step=155, baseline_result=0.44, non_private_result=0.47)
-    baseline, none = study.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
+    baseline, none = study_plan.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
     assert none is None and baseline.baseline_result == 0.44
-    assert sorted(baseline.exclude_train_plays) == sorted(study.TUNING_PLAYS)  # tuned on them: never trained on
-    config, uls = study.configure_run(runs["uls-eps8"], settings, str(tmp_path), **configure)
+    # tuned on them: never trained on
+    assert sorted(baseline.exclude_train_plays) == sorted(study_settings.TUNING_PLAYS)
+    config, uls = study_plan.configure_run(runs["uls-eps8"], settings, str(tmp_path), **configure)
     assert isinstance(uls, DPTrainingArguments) and uls.mechanism == "uls" and uls.target_epsilon == 8.0
     assert (uls.expected_batch_size, uls.contribution_bound, uls.max_steps) == (32, 8, 200)  # users per step
     assert not uls.adaptive_clipping and uls.max_grad_norm == 1.0
     assert config.non_private_result == 0.47  # goes into the DP card and the result JSON
-    _, adaptive = study.configure_run(runs["uls-eps8-adaptive"], settings, str(tmp_path), **configure)
+    _, adaptive = study_plan.configure_run(runs["uls-eps8-adaptive"], settings, str(tmp_path), **configure)
     assert (adaptive.adaptive_clipping, adaptive.target_unclipped_quantile, adaptive.clipping_count_noise) == (
         True, 0.5, None)  # σ_b = m/20 of each run's own expected batch: ELS's must exceed its larger σ_eff / 2
-    _, els = study.configure_run(runs["els-eps3-adaptive"], settings, str(tmp_path), **configure)
+    _, els = study_plan.configure_run(runs["els-eps3-adaptive"], settings, str(tmp_path), **configure)
     assert (els.mechanism, els.expected_batch_size, els.target_epsilon) == ("els", 155, 3.0)  # examples per step
     assert els.adaptive_clipping
-    _, example = study.configure_run(runs["example-eps8-adaptive"], settings, str(tmp_path), **configure)
+    _, example = study_plan.configure_run(runs["example-eps8-adaptive"], settings, str(tmp_path), **configure)
     assert (example.mechanism, example.expected_batch_size, example.adaptive_clipping) == ("example", 155, True)
-    _, plain = study.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
+    _, plain = study_plan.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
     assert not isinstance(plain, DPTrainingArguments) and (plain.max_steps, plain.learning_rate) == (400, 2e-3)
 
 
@@ -87,7 +88,7 @@ def test_plot_privacy_utility_writes_a_png(tmp_path):
     results = [_fake("baseline", "public-only", 0.44, 0.0), _fake("non-private", "non-private", 0.55),
                _fake("uls-eps1", "uls", 0.45, 0.99, 1.0), _fake("uls-eps8", "uls", 0.5, 7.9, 8.0),
                _fake("els-eps8", "els", 0.47, 7.95, 8.0), _fake("example-eps8", "example", 0.52, 7.99, 8.0)]
-    path = study.plot_privacy_utility(results, tmp_path / "plot.png", title="t")
+    path = study_plot.plot_privacy_utility(results, tmp_path / "plot.png", title="t")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
@@ -157,7 +158,7 @@ def test_quick_demo_writes_results_summary_and_plot(tmp_path):
 
 def test_example_sampling_runs_match_uls_compute():
     # users a (3 rows), b (1 row): with G = 2 a ULS step of 10 users processes 10 x mean(2, 1) = 15 rows
-    assert study.matching_examples_per_step(["a", "a", "a", "b"], 10, 2) == 15
+    assert study_plan.matching_examples_per_step(["a", "a", "a", "b"], 10, 2) == 15
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -166,18 +167,18 @@ def test_example_sampling_runs_match_uls_compute():
 
 
 def test_plan_runs_causal_lm_demo_and_grid():
-    demo = study.plan_runs(grid=False, task="causal_lm")
+    demo = study_plan.plan_runs(grid=False, task="causal_lm")
     assert [(r.run, r.mechanism, r.target_epsilon, r.adaptive) for r in demo] == [
         ("baseline", "public-only", None, False), ("non-private", "non-private", None, False),
         ("uls-eps8", "uls", 8.0, False), ("uls-eps8-adaptive", "uls", 8.0, True)]
-    grid = study.plan_runs(grid=True, task="causal_lm")
+    grid = study_plan.plan_runs(grid=True, task="causal_lm")
     assert [r.run for r in grid[:2]] == ["baseline", "non-private"]
     assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid[2:]} == {
         (m, e, a) for m in ("uls", "els") for e in (1.0, 3.0, 8.0) for a in (False, True)}
     assert len({r.run for r in grid}) == len(grid) == 14
     assert all(r.run.endswith("-adaptive") == r.adaptive for r in grid)
     with pytest.raises(ValueError, match="task"):
-        study.plan_runs(grid=False, task="translation")
+        study_plan.plan_runs(grid=False, task="translation")
 
 
 def test_causal_lm_runs_share_compute_and_hold_out_the_tuning_plays(tmp_path):
@@ -186,32 +187,33 @@ def test_causal_lm_runs_share_compute_and_hold_out_the_tuning_plays(tmp_path):
     from hf_dp import DPTrainingArguments
     from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig
 
-    settings = study.CAUSAL_LM_SETTINGS
-    runs = {entry.run: entry for entry in study.plan_runs(grid=True, task="causal_lm")}
+    settings = study_settings.CAUSAL_LM_SETTINGS
+    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True, task="causal_lm")}
     configure = dict(examples_per_step=16, baseline_result=250.0, non_private_result=150.0, task="causal_lm")
-    baseline, none = study.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
+    baseline, none = study_plan.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
     assert none is None and isinstance(baseline, LanguageModelingConfig)
-    assert sorted(baseline.exclude_train_plays) == sorted(study.TUNING_PLAYS)
-    assert not set(study.TUNING_TRAIN_PLAYS) & set(study.TUNING_EVAL_PLAYS) and len(study.TUNING_PLAYS) == 6
+    assert sorted(baseline.exclude_train_plays) == sorted(study_settings.TUNING_PLAYS)
+    assert not set(study_settings.TUNING_TRAIN_PLAYS) & set(study_settings.TUNING_EVAL_PLAYS)
+    assert len(study_settings.TUNING_PLAYS) == 6
     dp = settings["dp"]
     for name in ("uls-eps8", "uls-eps1", "els-eps3"):
-        config, args = study.configure_run(runs[name], settings, str(tmp_path), **configure)
+        config, args = study_plan.configure_run(runs[name], settings, str(tmp_path), **configure)
         assert isinstance(args, DPTrainingArguments) and args.mechanism == name[:3]
         assert (args.expected_batch_size, args.contribution_bound, args.max_steps) == (16, 1, dp["max_steps"])
         assert (args.learning_rate, args.max_grad_norm) == (dp["learning_rate"], dp["max_grad_norm"])
         assert config.non_private_result == 150.0 and config.model_dir == tmp_path / "models" / name
         assert not getattr(args, "adaptive_clipping", False)
-    _, plain = study.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
+    _, plain = study_plan.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
     assert not isinstance(plain, DPTrainingArguments) and isinstance(plain, TrainingArguments)
     # same compute: as many speeches per step and as many steps as a DP run (G = 1: one speech per user)
     assert (plain.per_device_train_batch_size, plain.max_steps) == (dp["expected_batch_size"], dp["max_steps"])
 
 
 def test_adaptive_runs_carry_the_adaptive_fields(tmp_path):
-    settings = study.CAUSAL_LM_SETTINGS
-    runs = {entry.run: entry for entry in study.plan_runs(grid=True, task="causal_lm")}
+    settings = study_settings.CAUSAL_LM_SETTINGS
+    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True, task="causal_lm")}
     for name in ("uls-eps8-adaptive", "els-eps1-adaptive"):
-        _, args = study.configure_run(runs[name], settings, str(tmp_path), examples_per_step=16, task="causal_lm")
+        _, args = study_plan.configure_run(runs[name], settings, str(tmp_path), examples_per_step=16, task="causal_lm")
         assert args.adaptive_clipping is True
         assert args.target_unclipped_quantile == settings["adaptive"]["target_unclipped_quantile"]
         assert args.clipping_learning_rate == settings["adaptive"]["clipping_learning_rate"]
@@ -220,10 +222,10 @@ def test_adaptive_runs_carry_the_adaptive_fields(tmp_path):
 
 
 def test_adaptive_run_with_an_unknown_field_says_so(tmp_path):
-    settings = dict(study.CAUSAL_LM_SETTINGS, adaptive={"no_such_field": 1})
-    entry = study.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
+    settings = dict(study_settings.CAUSAL_LM_SETTINGS, adaptive={"no_such_field": 1})
+    entry = study_plan.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
     with pytest.raises(ValueError, match="no_such_field"):
-        study.configure_run(entry, settings, str(tmp_path), examples_per_step=16, task="causal_lm")
+        study_plan.configure_run(entry, settings, str(tmp_path), examples_per_step=16, task="causal_lm")
 
 
 def test_gap_closed_on_the_nll_scale():
@@ -232,9 +234,9 @@ def test_gap_closed_on_the_nll_scale():
 
     baseline = lm("baseline", "public-only", math.exp(5.5))
     non_private = lm("non-private", "non-private", math.exp(5.0))
-    assert study.gap_closed(lm("uls-eps8", "uls", math.exp(5.25)), baseline, non_private) == pytest.approx(0.5)
-    assert study.gap_closed(lm("uls-eps1", "uls", math.exp(5.6)), baseline, non_private) == pytest.approx(-0.2)
-    assert study.gap_closed(baseline, baseline, None) is None
+    assert study_plot.gap_closed(lm("uls-eps8", "uls", math.exp(5.25)), baseline, non_private) == pytest.approx(0.5)
+    assert study_plot.gap_closed(lm("uls-eps1", "uls", math.exp(5.6)), baseline, non_private) == pytest.approx(-0.2)
+    assert study_plot.gap_closed(baseline, baseline, None) is None
 
 
 def test_causal_lm_plot_writes_a_png(tmp_path):
@@ -246,7 +248,7 @@ def test_causal_lm_plot_writes_a_png(tmp_path):
                lm("uls-eps1", "uls", 5.45, 0.99), lm("uls-eps8", "uls", 5.3, 7.9),
                lm("uls-eps8-adaptive", "uls", 5.25, 7.9, True), lm("els-eps8", "els", 5.31, 7.95),
                lm("els-eps8-adaptive", "els", 5.27, 7.95, True)]
-    path = study.plot_privacy_utility(results, tmp_path / "plot.png", title=study.plot_title(results, False))
+    path = study_plot.plot_privacy_utility(results, tmp_path / "plot.png", title=study_plot.plot_title(results, False))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
@@ -293,7 +295,7 @@ def tiny_lm_study(tmp_path_factory):
                     lora_target_modules=["q_proj", "v_proj"], lora_layers=[1], eval_batch_size=16),
         dp=dict(expected_batch_size=4, contribution_bound=1, max_steps=2, learning_rate=1e-2, max_grad_norm=0.5,
                 per_device_train_batch_size=8, max_loss=10.0, noise_seed=0),
-        adaptive=dict(study.CAUSAL_LM_SETTINGS["adaptive"]),
+        adaptive=dict(study_settings.CAUSAL_LM_SETTINGS["adaptive"]),
         non_private=dict(per_device_train_batch_size=4, learning_rate=1e-2, max_steps=2),
     )
     return settings, folder
@@ -322,8 +324,8 @@ def test_causal_lm_study_writes_results_cards_plot_and_resumes(tiny_lm_study, tm
     assert (tmp_path / plain["model_dir"] / "README.md").is_file()
     if "uls-eps8-adaptive" in results:
         adaptive = results["uls-eps8-adaptive"]
-        assert adaptive["config"]["adaptive_clipping"] is True and study.is_adaptive(adaptive)
-        assert not study.is_adaptive(uls)
+        assert adaptive["config"]["adaptive_clipping"] is True and study_plot.is_adaptive(adaptive)
+        assert not study_plot.is_adaptive(uls)
     table = {row["run"]: row for row in summary["table"]}
     assert list(table) == runs and summary["task"] == "causal-lm" and summary["metric_name"] == "perplexity"
     assert table["uls-eps8"]["eval_nll"] == pytest.approx(uls["eval_nll"])
@@ -360,7 +362,7 @@ def test_runs_without_the_baseline_evaluate_it_once_first(tiny_lm_study, tmp_pat
 def test_causal_lm_grid_on_the_tiny_model(tiny_lm_study, tmp_path):
     """Every run of the grid, fixed and adaptive clipping, trains and is summarised."""
     settings, _ = tiny_lm_study
-    runs = [entry.run for entry in study.plan_runs(grid=True, task="causal_lm")]
+    runs = [entry.run for entry in study_plan.plan_runs(grid=True, task="causal_lm")]
     summary = study.run_study(str(tmp_path), task="causal_lm", settings=settings, grid=True, runs=runs,
                               progress=False, log=lambda line: None)
     assert [row["run"] for row in summary["table"]] == runs
@@ -381,7 +383,7 @@ def test_quick_causal_lm_demo_on_smollm2(tmp_path):
     completed = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT,
                                env={**os.environ, **env})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    runs = [entry.run for entry in study.plan_runs(grid=False, task="causal_lm")]
+    runs = [entry.run for entry in study_plan.plan_runs(grid=False, task="causal_lm")]
     for run in runs:
         result = load_result(tmp_path / f"{run}.json")
         assert result is not None and result["task"] == "causal-lm" and result["metric_name"] == "perplexity", run
@@ -389,7 +391,7 @@ def test_quick_causal_lm_demo_on_smollm2(tmp_path):
         assert math.isfinite(result["eval_nll"]) and result["num_eval_examples"] == 16
     adaptive = load_result(tmp_path / "uls-eps8-adaptive.json")
     assert adaptive["privacy"]["adaptive_clipping"] is True and adaptive["config"]["adaptive_clipping"] is True
-    assert adaptive["privacy"]["initial_max_grad_norm"] == study.CAUSAL_LM_SETTINGS["dp"]["max_grad_norm"]
+    assert adaptive["privacy"]["initial_max_grad_norm"] == study_settings.CAUSAL_LM_SETTINGS["dp"]["max_grad_norm"]
     assert not load_result(tmp_path / "uls-eps8.json")["privacy"]["adaptive_clipping"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [row["run"] for row in summary["table"]] == runs and summary["quick"] is True

@@ -53,7 +53,7 @@ _MODELS = _ModelCache()
 
 
 def _load_classifier(path: Path):
-    from hf_dp.workflows.tasks.classification import load_classifier
+    from hf_dp.workflows.tasks.classifier_models import load_classifier
 
     if not path.is_dir():
         raise AppError(f"The run's model folder {path} does not exist (was the results folder moved?).")
@@ -72,7 +72,8 @@ def _label_names(run: RunRecord, model=None) -> list[str]:
 
 def _zero_shot(run: RunRecord, label_names: Sequence[str]):
     """The run's public-only baseline: its pretrained encoder, zero-shot against the label descriptions."""
-    from hf_dp.workflows.tasks.classification import LABEL_DESCRIPTIONS, EmbeddingClassifier
+    from hf_dp.workflows.tasks.classification import LABEL_DESCRIPTIONS
+    from hf_dp.workflows.tasks.classifier_models import EmbeddingClassifier
 
     config = run.result.get("config") or {}
     model_path = config.get("model_name_or_path")

@@ -1,6 +1,6 @@
 """Finished runs on disk: result JSONs read into [`RunRecord`]s, and the Results tab's table of them.
 
-A result JSON is what [`hf_dp.workflows.runs.save_result`] writes (keys `RESULT_KEYS` there): the run's
+A result JSON is what [`hf_dp.workflows.run_results.save_result`] writes (keys `RESULT_KEYS` there): the run's
 `mechanism` (a key of [`~hf_dp.vocabulary.MECHANISMS`]), `epsilon`, `delta`, `metric_name`, `eval_result`,
 `baseline_result` (the public-only baseline on the same test rows), `non_private_result` when known, `model_dir`...
 Files that are not complete results (`summary.json`, an interrupted write) are skipped.
@@ -89,7 +89,7 @@ class RunRecord:
 
 def list_runs(results_dir: str | os.PathLike, *, include_app_runs: bool = True) -> list[RunRecord]:
     """Finished runs in `results_dir/*.json` (and `results_dir/app-runs/*.json`), sorted by mechanism and ε."""
-    from hf_dp.workflows.runs import load_result
+    from hf_dp.workflows.run_results import load_result
 
     folders = [(Path(results_dir), False)]
     if include_app_runs:

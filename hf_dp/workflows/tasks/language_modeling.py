@@ -42,18 +42,9 @@ from typing import ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from hf_dp.workflows.runs import (
-    RunConfig,
-    check_user_id_column,
-    fit,
-    load_splits,
-    mechanism_of_arguments,
-    result_record,
-    save_result,
-    save_run,
-    subsample_rows,
-    subsample_users,
-)
+from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_users
+from hf_dp.workflows.run_results import result_record, run_config_record, save_result
+from hf_dp.workflows.runs import RunConfig, check_user_id_column, fit, mechanism_of_arguments, save_run
 
 __all__ = [
     "CausalLMCollator",
@@ -261,8 +252,6 @@ def run_public_baseline(config: LanguageModelingConfig, *, model=None, tokenizer
         `dict`: the result, also written to `results_dir/<run>.json`.
     """
     from transformers import AutoModelForCausalLM
-
-    from hf_dp.workflows.runs import run_config_record
 
     data = data if data is not None else load_text_data(config)
     tokenizer = _with_pad_token(tokenizer if tokenizer is not None else _load_tokenizer(config))

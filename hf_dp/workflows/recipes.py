@@ -1,0 +1,86 @@
+"""What the scripts in `recipes/` share: their common flags, the run those flags describe, the line they print.
+
+A recipe parses [`RecipeArguments`] (data, model, reporting) beside [`~hf_dp.DPTrainingArguments`] (every
+training and privacy flag) with [`~hf_dp.parser.ArgumentParser`], turns them into a task's run config and training
+arguments with [`recipe_run`], runs the task, and prints [`summary_line`].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from hf_dp.vocabulary import MECHANISMS
+from hf_dp.workflows.runs import plain_training_arguments
+
+__all__ = ["RecipeArguments", "recipe_run", "summary_line"]
+
+
+@dataclasses.dataclass
+class RecipeArguments:
+    """Data, model and reporting flags every recipe shares.
+
+    Training flags, the privacy ones and `--user_id_column` included, are [`~hf_dp.DPTrainingArguments`]'s: the
+    recipes parse both, and [`recipe_run`] takes the user column from there.
+    """
+
+    dataset: str = dataclasses.field(
+        default="shakespeare",
+        metadata={"help": "'shakespeare' (speeches by speaking role, the embedded user-partitioned corpus) or a "
+                          "JSONL/CSV/Parquet path or Hub dataset id (its user column: --user_id_column)."},
+    )
+    eval_dataset: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Test data (other users than --dataset). Default: a seeded 20%% of the users of "
+                          "--dataset, held out."},
+    )
+    text_column: str = dataclasses.field(default="text", metadata={"help": "Column with the text."})
+    use_lora: bool = dataclasses.field(default=False,
+                                       metadata={"help": "Train LoRA adapters instead of all weights."})
+    lora_r: int = dataclasses.field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = dataclasses.field(default=16, metadata={"help": "LoRA alpha."})
+    lora_target_modules: list[str] | None = dataclasses.field(
+        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
+    )
+    non_private: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Train without DP (plain transformers.Trainer; privacy flags ignored), for comparison."},
+    )
+    results_dir: str = dataclasses.field(default="results", metadata={"help": "Where <run>.json is written."})
+    max_train_users: int | None = dataclasses.field(default=None,
+                                                    metadata={"help": "Train on a seeded sample of users."})
+    max_eval_examples: int | None = dataclasses.field(default=None,
+                                                      metadata={"help": "Evaluate on a seeded sample of rows."})
+
+
+def recipe_run(config_class, script_args, training_args, **overrides):
+    """The run config and training arguments a recipe's parsed flags describe.
+
+    Flags that name a field of `config_class` are copied by name. The user column, run name, evaluation batch size,
+    progress bars and seed come from the training arguments (`--user_id_column`, `--run_name` or `--output_dir`,
+    `--per_device_eval_batch_size`, `--disable_tqdm`, `--seed`), which become plain `TrainingArguments` with
+    `--non_private`; the privacy settings stay in the training arguments only. `overrides` replace fields whose
+    flag needs converting (e.g. a JSON file's contents).
+    """
+    user_id_column = training_args.user_id_column  # the split by user, and a DP run's privacy unit
+    if script_args.non_private:
+        training_args = plain_training_arguments(training_args)
+    names = {f.name for f in dataclasses.fields(config_class)}
+    kwargs = {f.name: getattr(script_args, f.name) for f in dataclasses.fields(script_args) if f.name in names}
+    kwargs.update(
+        run=Path(training_args.run_name or training_args.output_dir).name,
+        user_id_column=user_id_column,
+        eval_batch_size=training_args.per_device_eval_batch_size,
+        progress=not training_args.disable_tqdm,
+        seed=training_args.seed,
+    )
+    kwargs.update(overrides)
+    return config_class(**kwargs), training_args
+
+
+def summary_line(result: dict, metric_label: str, output_dir: str) -> str:
+    """One line a recipe prints at the end: run, mechanism, ε, metric beside the public-only baseline."""
+    epsilon = "no DP" if result["epsilon"] is None else f"ε = {result['epsilon']:.3g}, δ = {result['delta']:.3g}"
+    return (f"{result['run']} ({MECHANISMS[result['mechanism']].label}, {epsilon}): {metric_label} "
+            f"{result['eval_result']:.4g}; public-only baseline {result['baseline_result']:.4g}. Model and card: "
+            f"{output_dir}")
