@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 
-from . import accounting
+from . import accounting, checkpoint
 from .arguments import DPTrainingArguments
 from .budget import PrivacyBudget
 from .card import round_count
 from .contribution import bound_choice
+from .hub import ensure_hub_reachable
 from .noise import noise_source
 from .vocabulary import MECHANISMS
 
@@ -125,3 +126,63 @@ def _one(name: str, value):
             raise ValueError(f"create_model_card({name}={list(value)!r}): the privacy card states one; pass one.")
         return value[0] if value else None
     return value
+
+
+class PrivacyReporting:
+    """What a DP trainer publishes: the report, the ledger, the privacy card as Trainer's model card, and the Hub
+    upload guarded by a reachability check. Mixed into [`~hf_dp.trainer.DPTrainerMixin`]; needs its `budget`,
+    `args`, `partition`, `model` and `privacy_card_kwargs`."""
+
+    def privacy_report(self) -> dict:
+        """The guarantee earned so far, in the project's vocabulary (what the card and the app show); its fields
+        are described in [`~hf_dp.report.privacy_report`]."""
+        canary_users, canary_rows = self.canary_counts
+        return privacy_report(self.budget, self.args, clipping_norm=self.clipping_norm,
+                              num_users=self.partition.num_users - canary_users,
+                              num_examples=self.partition.num_examples - canary_rows)
+
+    def privacy_ledger(self) -> dict:
+        """The ledger `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism
+        (`privacy_unit`, `mechanism` and `sampling` as in [`privacy_report`])."""
+        return checkpoint.ledger_record(self.privacy_plan, self.args, self.accountant)
+
+    def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
+        """Write the privacy card to `output_dir/README.md` and the ledger beside it (`dp_ledger.json`, which
+        `hf-dp publish` checks the card against). Post-processing: no effect on ε."""
+        from .card import write_privacy_card
+
+        kwargs = {"base_model": base_model_name(self.model), **self.privacy_card_kwargs, **card_kwargs}
+        return write_privacy_card(self.privacy_report(), output_dir or self.args.output_dir,
+                                  ledger=self.privacy_ledger(), **kwargs)
+
+    def create_model_card(self, language: str | None = None, license: str | None = None,
+                          tags: str | list[str] | None = None, model_name: str | None = None,
+                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
+                          dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
+                          dataset_args: str | list[str] | None = None) -> None:
+        """Write the privacy card as `output_dir/README.md` (what `push_to_hub` publishes), with Trainer's fields.
+
+        `model_name` is the card's title, `finetuned_from` its `base_model`, `tasks` its pipeline tag,
+        `dataset_tags` (or `dataset`) its dataset; `language`, `license` and `tags` join its metadata (after the
+        card's own tags). What `privacy_card_kwargs` sets wins. Post-processing: no effect on ε.
+
+        Raises:
+            ValueError: `dataset_args`, or several tasks or datasets (the card states one of each).
+        """
+        fields = card_fields(model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
+                             dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
+        if not self.is_world_process_zero():
+            return
+        path = self.write_privacy_card(**{k: v for k, v in fields.items() if k not in self.privacy_card_kwargs})
+        add_card_metadata(path, language=language, license=license, tags=tags)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Offline or unreachable Hub: one clear `HubUnreachableError` before any repo is created."""
+        ensure_hub_reachable()
+        super().init_hf_repo(token=token, private=private)
+
+    def push_to_hub(self, *args, **kwargs):
+        """Trainer's `push_to_hub` (privacy card as README), after checking the Hub is reachable: nothing is
+        uploaded offline (`HF_HUB_OFFLINE=1`) or when the endpoint does not answer (`HubUnreachableError`)."""
+        ensure_hub_reachable()
+        return super().push_to_hub(*args, **kwargs)

@@ -27,12 +27,11 @@ from .budget import PrivacyBudget
 from .callbacks import PrivacyProgress
 from .clipping import GhostClipper
 from .clipping.adaptive import QuantileTracker
-from .hub import ensure_hub_reachable
 from .losses import PACKED_NEEDS_TOKEN_HEAD, base_model, is_causal_lm
 from .noise import fresh_seed
 from .privacy_plan import PrivacyPlan, plan_privacy
 from .releases import ScalarReleases
-from .report import add_card_metadata, base_model_name, card_fields, privacy_report
+from .report import PrivacyReporting
 from .sampling import PoissonBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DPTrainerMixin", "DPTrainer", "PrivacyPlan"]
 
 
-class DPTrainerMixin:
+class DPTrainerMixin(PrivacyReporting):
     """User-level (or example-level) DP-SGD for a `transformers.Trainer` subclass: `class T(DPTrainerMixin, Base)`.
 
     Takes the base trainer's constructor arguments (`model, args, data_collator, train_dataset, ...`, `args` a
@@ -50,6 +49,9 @@ class DPTrainerMixin:
 
     # Trainer subclasses whose `compute_loss` override this class knowingly replaces with per-example losses.
     known_loss_overrides: tuple = ()
+    # Whether the base trainer prepares (e.g. tokenizes) `train_dataset` in its constructor, keeping the user column:
+    # the users are then partitioned from its result instead of from the dataset given.
+    prepares_train_dataset: bool = False
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, *trainer_args,
                  privacy_card_kwargs: dict | None = None, **trainer_kwargs):
@@ -69,14 +71,21 @@ class DPTrainerMixin:
         # The data secret keys G's private draw and each user's rows; saved with checkpoints, never released.
         self._user_dataset, self._requested_max_steps = train_dataset, args.max_steps
         self._data_secret = checkpoint.secret_to_resume(args) or contribution.data_secret(args)
-        self._partition_users(args)
-        if args.per_device_train_batch_size is None:  # a pass holds a Poisson sample: one pass per step
-            rows_per_unit = (self.partition.contribution_bound or 1) if args.mechanism == "uls" else 1
-            args.per_device_train_batch_size = poisson_capacity(args.expected_batch_size, rows_per_unit,
-                                                                world_size=max(1, args.world_size))
-        compatibility.check_model_state(model)
-        compatibility.check_labels(self.partition.dataset, base_model(model))
-        super().__init__(model, args, data_collator, self.partition.dataset, *trainer_args, **trainer_kwargs)
+        requested = args.per_device_train_batch_size  # None: a pass holds a whole Poisson sample
+        if isinstance(model, torch.nn.Module):
+            compatibility.check_model_state(model)  # before Trainer moves it
+        if not self.prepares_train_dataset:
+            self._partition_users(args)
+            train_dataset = self.partition.dataset
+        args.per_device_train_batch_size = requested or (1 if self.prepares_train_dataset else self._pass_rows(args))
+        super().__init__(model, args, data_collator, train_dataset, *trainer_args, **trainer_kwargs)
+        if self.prepares_train_dataset:  # the base prepared it (the user column kept): partition the result
+            self._user_dataset = self.train_dataset
+            self._partition_users(self.args)
+            self.train_dataset = self.partition.dataset
+            self.args.per_device_train_batch_size = requested or self._pass_rows(self.args)
+        compatibility.check_model_state(self.model)
+        compatibility.check_labels(self.partition.dataset, base_model(self.model))
         compatibility.check_not_sharded(self)
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
@@ -101,8 +110,13 @@ class DPTrainerMixin:
     def _partition_users(self, args: DPTrainingArguments) -> None:
         """Group the user dataset's rows by user under G (`self.partition`), and count its audit canaries once."""
         self.partition = contribution.partition(self._user_dataset, args, self._data_secret)
-        self._canaries = contribution.canary_counts(self._user_dataset, args.user_id_column,
+        self.canary_counts = contribution.canary_counts(self._user_dataset, args.user_id_column,
                                                     self.partition.contribution_bound)
+
+    def _pass_rows(self, args: DPTrainingArguments) -> int:
+        """Rows of one pass holding this rank's whole Poisson sample (G rows per user for ULS), from public settings."""
+        rows_per_unit = (self.partition.contribution_bound or 1) if args.mechanism == "uls" else 1
+        return poisson_capacity(args.expected_batch_size, rows_per_unit, world_size=max(1, args.world_size))
 
     @property
     def privacy_plan(self) -> PrivacyPlan:
@@ -224,65 +238,11 @@ class DPTrainerMixin:
             logs.pop("train_loss", None)
         super().log(logs, start_time)
 
-    def privacy_report(self) -> dict:
-        """The guarantee earned so far, in the project's vocabulary (what the card and the app show); its fields
-        are described in [`~hf_dp.report.privacy_report`]."""
-        canary_users, canary_rows = self._canaries
-        return privacy_report(self.budget, self.args, clipping_norm=self.clipping_norm,
-                              num_users=self.partition.num_users - canary_users,
-                              num_examples=self.partition.num_examples - canary_rows)
-
-    def privacy_ledger(self) -> dict:
-        """The ledger `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism
-        (`privacy_unit`, `mechanism` and `sampling` as in [`privacy_report`])."""
-        return checkpoint.ledger_record(self.privacy_plan, self.args, self.accountant)
-
-    def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
-        """Write the privacy card to `output_dir/README.md` and the ledger beside it (`dp_ledger.json`, which
-        `hf-dp publish` checks the card against). Post-processing: no effect on ε."""
-        from .card import write_privacy_card
-
-        kwargs = {"base_model": base_model_name(self.model), **self.privacy_card_kwargs, **card_kwargs}
-        return write_privacy_card(self.privacy_report(), output_dir or self.args.output_dir,
-                                  ledger=self.privacy_ledger(), **kwargs)
-
-    def create_model_card(self, language: str | None = None, license: str | None = None,
-                          tags: str | list[str] | None = None, model_name: str | None = None,
-                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
-                          dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
-                          dataset_args: str | list[str] | None = None) -> None:
-        """Write the privacy card as `output_dir/README.md` (what `push_to_hub` publishes), with Trainer's fields.
-
-        `model_name` is the card's title, `finetuned_from` its `base_model`, `tasks` its pipeline tag,
-        `dataset_tags` (or `dataset`) its dataset; `language`, `license` and `tags` join its metadata (after the
-        card's own tags). What `privacy_card_kwargs` sets wins. Post-processing: no effect on ε.
-
-        Raises:
-            ValueError: `dataset_args`, or several tasks or datasets (the card states one of each).
-        """
-        fields = card_fields(model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
-                             dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
-        if not self.is_world_process_zero():
-            return
-        path = self.write_privacy_card(**{k: v for k, v in fields.items() if k not in self.privacy_card_kwargs})
-        add_card_metadata(path, language=language, license=license, tags=tags)
-
     def hyperparameter_search(self, *args, **kwargs):
         """Refused: each trial would train on the private data and spend its own ε, which no ledger records."""
         raise ValueError("hyperparameter_search: every trial trains on the private data and spends ε that no ledger "
                          "records, so the chosen model's card would understate its privacy cost; tune on public or "
                          "synthetic data, then train once with DPTrainer.")
-
-    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-        """Offline or unreachable Hub: one clear `HubUnreachableError` before any repo is created."""
-        ensure_hub_reachable()
-        super().init_hf_repo(token=token, private=private)
-
-    def push_to_hub(self, *args, **kwargs):
-        """Trainer's `push_to_hub` (privacy card as README), after checking the Hub is reachable: nothing is
-        uploaded offline (`HF_HUB_OFFLINE=1`) or when the endpoint does not answer (`HubUnreachableError`)."""
-        ensure_hub_reachable()
-        return super().push_to_hub(*args, **kwargs)
 
     # ---- train, checkpoints and resume ------------------------------------------------------
 
