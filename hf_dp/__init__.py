@@ -3,9 +3,12 @@
 The core, in the order one DP step's data flows through it:
 
 - `arguments` (`DPTrainingArguments`) and `vocabulary` (one name per concept, one table of mechanisms);
-- `trainer` (`DPTrainer`), which runs: `data` (user partition, contribution bound) → `sampling` (Poisson)
-  → `batching` (logical batches into micro-batches) → `losses` and `clipping` (ghost clipping per unit)
-  → `noise` → `accounting` (the ledger, calibration, `accounting.planner`);
+- `trainer` (`DPTrainerMixin`, and `DPTrainer` = the mixin on Trainer): wiring only. It runs `contribution` (G and
+  the user partition, from `data`) → `privacy_plan` and `budget` (what the accountant composes, the target ε) →
+  `compatibility` (checks before step 1) → `sampling` (Poisson) → `batching` (micro-batches) → `step` (`losses`,
+  ghost `clipping` per unit, all-reduce + `noise`) → `releases` (scalar releases) → `checkpoint` (ledger and resume
+  state); `report` (the report and the privacy card as model card);
+- `sft` (`DPSFTTrainer`: the mixin on TRL's `SFTTrainer`, the `trl` extra);
 - `card` (the privacy card) and `hub` (`hf-dp publish`); `audit` (an empirical lower bound on ε).
 
 `workflows` (corpora, tasks, the study behind `hf-dp demo`, the Gradio app) is built on the core, which imports
@@ -20,6 +23,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DPTrainer": "hf_dp.trainer",
+    "DPTrainerMixin": "hf_dp.trainer",
+    "DPSFTTrainer": "hf_dp.sft",
+    "DPSFTConfig": "hf_dp.sft",
     "DPTrainingArguments": "hf_dp.arguments",
     "GhostClipper": "hf_dp.clipping",
     "UnsupportedLayerError": "hf_dp.clipping",

@@ -77,7 +77,7 @@ class DPTrainerMixin(PrivacyReporting):
         if not self.prepares_train_dataset:
             self._partition_users(args)
             train_dataset = self.partition.dataset
-        args.per_device_train_batch_size = requested or (1 if self.prepares_train_dataset else self._pass_rows(args))
+        args.per_device_train_batch_size = requested or self._pass_rows(args)  # provisional until partitioned
         super().__init__(model, args, data_collator, train_dataset, *trainer_args, **trainer_kwargs)
         if self.prepares_train_dataset:  # the base prepared it (the user column kept): partition the result
             self._user_dataset = self.train_dataset
@@ -115,7 +115,8 @@ class DPTrainerMixin(PrivacyReporting):
 
     def _pass_rows(self, args: DPTrainingArguments) -> int:
         """Rows of one pass holding this rank's whole Poisson sample (G rows per user for ULS), from public settings."""
-        rows_per_unit = (self.partition.contribution_bound or 1) if args.mechanism == "uls" else 1
+        partition = getattr(self, "partition", None)  # before it (a base that prepares the data): one row per unit
+        rows_per_unit = (partition.contribution_bound or 1) if partition is not None and args.mechanism == "uls" else 1
         return poisson_capacity(args.expected_batch_size, rows_per_unit, world_size=max(1, args.world_size))
 
     @property

@@ -66,7 +66,10 @@ def _third_party_imports(paths) -> dict[str, str]:
     return found
 
 
-CORE_FILES = [p for p in (ROOT / "hf_dp").rglob("*.py") if "workflows" not in p.relative_to(ROOT).parts]
+# Core modules that need an extra of their own, and that extra.
+OPTIONAL_MODULES = {ROOT / "hf_dp" / "sft.py": "trl"}
+CORE_FILES = [p for p in (ROOT / "hf_dp").rglob("*.py")
+              if "workflows" not in p.relative_to(ROOT).parts and p not in OPTIONAL_MODULES]
 WORKFLOW_FILES = list((ROOT / "hf_dp" / "workflows").rglob("*.py"))
 
 
@@ -81,6 +84,13 @@ def test_workflows_import_only_core_dependencies_and_their_extras():
     assert not undeclared, f"imported by hf_dp/workflows but in neither the core nor the demo/app extras: {undeclared}"
 
 
+@pytest.mark.parametrize("path, extra", OPTIONAL_MODULES.items(), ids=lambda value: str(value).split("/")[-1])
+def test_optional_modules_import_only_core_dependencies_and_their_extra(path, extra):
+    undeclared = {name: where for name, where in _third_party_imports([path]).items()
+                  if name not in CORE | _extra(extra)}
+    assert not undeclared, f"{path.name} imports what neither the core nor the {extra!r} extra declares: {undeclared}"
+
+
 def test_tests_import_only_declared_packages():
     allowed = CORE | _extra("test")
     undeclared = {name: where for name, where in _third_party_imports((ROOT / "tests").rglob("*.py")).items()
@@ -89,11 +99,12 @@ def test_tests_import_only_declared_packages():
 
 
 def test_every_declared_dependency_is_used():
-    imported = set(_third_party_imports([*CORE_FILES, *WORKFLOW_FILES]))
-    unused = sorted((CORE | _extra("demo") | _extra("app")) - imported - DECLARED_UNIMPORTED)
+    imported = set(_third_party_imports([*CORE_FILES, *WORKFLOW_FILES, *OPTIONAL_MODULES]))
+    declared = CORE | _extra("demo") | _extra("app") | set().union(*(_extra(e) for e in OPTIONAL_MODULES.values()))
+    unused = sorted(declared - imported - DECLARED_UNIMPORTED)
     assert not unused, f"declared but imported nowhere in hf_dp (drop them or say why in DECLARED_UNIMPORTED): {unused}"
 
 
 def test_the_test_extra_includes_every_workflow_extra():
-    assert _extra("demo") | _extra("app") | _extra("docs") <= _extra("test")
+    assert _extra("demo") | _extra("app") | _extra("docs") | _extra("trl") <= _extra("test")
     assert "gradio" in _extra("app") and _extra("demo") <= _extra("app")
