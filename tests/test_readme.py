@@ -39,3 +39,16 @@ def test_readme_dptrainer_example_runs(tmp_path):
     assert 0 < epsilon <= 8.0
     card = (tmp_path / "dp-out" / "README.md").read_text()
     assert "user-level-dp" in card
+
+
+@pytest.mark.slow
+def test_readme_dpsfttrainer_example_runs(tmp_path):
+    """The SFT example: a 2-step DP LoRA run of the real SmolLM2-135M-Instruct on chat data, through TRL."""
+    (example,) = [block for block in python_blocks() if "DPSFTTrainer(" in block]
+    result = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=900, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    epsilon = float(result.stdout.strip().splitlines()[-1])
+    assert 0 < epsilon <= 8.0
+    card = (tmp_path / "sft-out" / "README.md").read_text()
+    assert "user-level-dp" in card
