@@ -179,6 +179,7 @@ def test_real_chat_is_deterministic_and_filters_users(chat, real_cache):
 
 @pytest.mark.slow
 def test_real_chat_is_trl_conversational(chat):
-    data_utils = pytest.importorskip("trl.data_utils")
+    from trl import data_utils  # the trl extra, part of the test extra
+
     assert data_utils.is_conversational(chat["train"][0])
     assert data_utils.is_conversational(chat["test"][0])
