@@ -129,6 +129,13 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                              "in the prepared dataset.")
         super()._partition_users(args)
 
+    def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
+        """DPTrainer's card, saying which of SFTTrainer's metrics were dropped."""
+        dropped = ("**SFTTrainer's training metrics.** TRL computes token accuracy, entropy and token counts from "
+                   "each training batch; they were not logged, since ε would not cover them.")
+        extra = [*card_kwargs.pop("extra_not_covered", self.privacy_card_kwargs.get("extra_not_covered", ())), dropped]
+        return super().write_privacy_card(output_dir, extra_not_covered=extra, **card_kwargs)
+
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """DPTrainer's logs; SFTTrainer's metrics of the training batch are dropped (they are not covered by ε),
         its evaluation metrics (on held-out users) kept."""
