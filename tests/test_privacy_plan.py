@@ -34,7 +34,7 @@ def spent(plan, steps=None) -> float:
 @pytest.mark.parametrize("overrides, mechanism, units, protected, group", [
     ({"sampling": "uls"}, "uls", 100, 100, 1),
     ({"sampling": "els"}, "els", 240, 100, 3),
-    ({"privacy_unit": "example"}, "example", 240, 240, 1),
+    ({"privacy_unit": "example", "contribution_bound": None}, "example", 240, 240, 1),
 ], ids=["uls", "els", "example"])
 def test_each_mechanism_samples_its_units_and_protects_its_privacy_unit(tmp_path, overrides, mechanism, units,
                                                                         protected, group):

@@ -40,7 +40,8 @@ def test_create_model_card_takes_trainers_parameters():
 
 def test_positional_arguments_mean_what_they_mean_for_trainer(tmp_path):
     data = user_dataset()
-    trainer = DPTrainer(tiny_bert(), make_args(tmp_path), pad_collator, data, user_dataset(seed=3))
+    held_out = user_dataset(seed=3, user_ids=[f"held-out-{i}" for i in range(6)])
+    trainer = DPTrainer(tiny_bert(), make_args(tmp_path), pad_collator, data, held_out)
     assert trainer.data_collator is pad_collator
     assert trainer.eval_dataset is not None and trainer.partition.num_examples == len(data)
 
@@ -205,7 +206,8 @@ def test_the_mixin_trains_another_trainer_subclass_with_dp(tmp_path):
 def test_evaluation_during_training_keeps_working(tmp_path):
     data = user_dataset()
     trainer = DPTrainer(model=tiny_bert(), args=make_args(tmp_path, eval_strategy="steps", eval_steps=2),
-                        train_dataset=data, eval_dataset=user_dataset(seed=9), data_collator=pad_collator)
+                        train_dataset=data, data_collator=pad_collator,
+                        eval_dataset=user_dataset(seed=9, user_ids=[f"held-out-{i}" for i in range(8)]))
     trainer.train()
     evaluations = [e for e in trainer.state.log_history if "eval_loss" in e]
     assert len(evaluations) == 2 and all(math.isfinite(e["eval_loss"]) for e in evaluations)
