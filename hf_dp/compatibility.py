@@ -178,6 +178,9 @@ def verify_clipping(trainer, features: dict, *, causal_lm: bool) -> None:
     model.train()
     try:
         outputs = model(**inputs)
+        logits = getattr(outputs, "logits", None)
+        if torch.is_tensor(logits) and logits.dim() == 2 and not labels.is_floating_point() and logits.shape[-1] > 1:
+            check_class_labels(trainer.partition.dataset, logits.shape[-1])
         if trainer.compute_loss_func is not None:
             losses = trainer.compute_loss_func(outputs, labels, num_items_in_batch=None).float()
         else:
@@ -234,7 +237,8 @@ def check_model_state(model) -> None:
 
 def check_labels(dataset, model) -> None:
     """Refuse training data no loss can learn from, before any ε is spent: no labelled token at all (every label
-    -100), or class labels outside the classification head. Only decides whether to train; nothing is released."""
+    -100). Only decides whether to train; nothing is released. (Class labels are checked against the head's real
+    width in `verify_clipping`.)"""
     if "labels" not in (getattr(dataset, "column_names", None) or []):
         return
     labels = dataset["labels"]
@@ -244,10 +248,14 @@ def check_labels(dataset, model) -> None:
             raise ValueError("Every label in the training data is -100 (ignored): every loss would be 0 and the run "
                              "would train on noise alone. Check the masking (e.g. assistant-only or completion-only "
                              "labels that match nothing).")
+
+
+def check_class_labels(dataset, num_classes: int) -> None:
+    """Refuse class labels outside the classification head's `num_classes` outputs (a cross-entropy error at some
+    step otherwise). Only decides whether to train; nothing is released."""
+    if "labels" not in (getattr(dataset, "column_names", None) or []):
         return
-    num_labels = getattr(getattr(model, "config", None), "num_labels", None)
-    if isinstance(first, (int,)) and not isinstance(first, bool) and isinstance(num_labels, int) and num_labels > 1:
-        bad = [label for label in labels if isinstance(label, int) and not 0 <= label < num_labels]
-        if bad:
-            raise ValueError(f"{len(bad)} class label(s) outside 0..{num_labels - 1} (e.g. {bad[0]}), the model's "
-                             f"num_labels={num_labels}: set num_labels to the number of classes or fix the labels.")
+    bad = [label for label in dataset["labels"] if isinstance(label, int) and not 0 <= label < num_classes]
+    if bad:
+        raise ValueError(f"{len(bad)} class label(s) outside 0..{num_classes - 1} (e.g. {bad[0]}): the model's head "
+                         f"has {num_classes} outputs; set num_labels to the number of classes or fix the labels.")
