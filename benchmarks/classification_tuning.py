@@ -44,7 +44,8 @@ def proxy_data(config):
     data = load_classification_data(config)
     train = data.train.filter(lambda p: [x in TUNING_TRAIN_PLAYS for x in p], input_columns="play", batched=True)
     test = data.train.filter(lambda p: [x in TUNING_EVAL_PLAYS for x in p], input_columns="play", batched=True)
-    return ClassificationData(train=train, test=test, label_names=data.label_names, dataset_name="proxy")
+    return ClassificationData(train=train, test=test, label_names=data.label_names, dataset_name="proxy",
+                              not_covered=data.not_covered)
 
 
 def main(argv=None) -> dict:

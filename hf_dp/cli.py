@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .parser import ArgumentParser, MissingExtraError
+from .parser import ArgumentParser, MissingExtraError, check_numbers
 
 __all__ = ["PlanDataArguments", "PlanRunArguments", "build_parser", "format_plan", "main"]
 
@@ -127,6 +126,20 @@ class PlanDataArguments:
                           "it besides the number of users (exponential mechanism on a public grid; spent by this "
                           "plan, in no run's ledger). Default: 0.1"})
 
+    def __post_init__(self):
+        check_numbers(self, {"examples_per_user": "int>=1", "data_epsilon": "float>0"})
+        if self.users is not None and not (isinstance(self.users, int) and self.users >= 2):
+            raise ValueError(f"--users {self.users}: DPTrainer refuses training data with fewer than 2 users (a "
+                             "user-level guarantee needs many users); give the number of users you will train on.")
+        if self.data is not None:
+            if self.users is not None or self.examples_per_user is not None:
+                raise ValueError("give either --data (with --user_id_column) or --users with --examples_per_user, "
+                                 "not both.")
+            if not self.user_id_column:
+                raise ValueError("--data needs --user_id_column (the column with the user id).")
+        elif self.users is None or self.examples_per_user is None:
+            raise ValueError("give --users and --examples_per_user, or --data with --user_id_column.")
+
 
 @dataclass
 class PlanRunArguments:
@@ -161,6 +174,11 @@ class PlanRunArguments:
         default=None,
         metadata={"help": "σ_b, the noise std of adaptive clipping's count, in units. Default: expected_batch_size / "
                           "20, as DPTrainer (only with --adaptive_clipping)"})
+
+    def __post_init__(self):
+        check_numbers(self, {"examples_per_step": "float>0", "steps": "int>=1", "target_epsilon": "float>0",
+                             "target_delta": "(0,1)", "noise_multiplier": "float>0", "contribution_bound": "int>=1",
+                             "clipping_count_noise": "float>0"})
 
 
 def _read_examples_per_user(path: str, column: str) -> list[int]:
@@ -202,14 +220,7 @@ def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
     """`hf-dp plan`: print the plan table (bad input: ValueError, one line from `main`)."""
     from .accounting import planner
 
-    if data.data is not None:
-        if data.users is not None or data.examples_per_user is not None:
-            raise ValueError("give either --data (with --user_id_column) or --users with --examples_per_user, "
-                             "not both.")
-        if not data.user_id_column:
-            raise ValueError("--data needs --user_id_column (the column with the user id).")
-        if not (data.data_epsilon > 0 and math.isfinite(data.data_epsilon)):
-            raise ValueError(f"--data_epsilon {data.data_epsilon:g}: must be a positive number.")
+    if data.data is not None:  # the flags were checked by PlanDataArguments / PlanRunArguments
         exact = _read_examples_per_user(data.data, data.user_id_column)
         # Plan on public numbers: the number of users and a DP median, never an exact statistic of the data.
         median = planner.private_quantile(exact, epsilon=data.data_epsilon)
@@ -218,24 +229,8 @@ def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
                   f"examples: {median} is an ε-DP median of its examples per user (ε = {data.data_epsilon:g}, "
                   "exponential mechanism on a public grid); no exact count is shown")
     else:
-        if data.users is None or data.examples_per_user is None:
-            raise ValueError("give --users and --examples_per_user, or --data with --user_id_column.")
-        if data.users < 2:
-            raise ValueError(f"--users {data.users}: DPTrainer refuses training data with fewer than 2 users (a "
-                             "user-level guarantee needs many users); give the number of users you will train on.")
-        if data.examples_per_user < 1:
-            raise ValueError(f"--examples_per_user {data.examples_per_user}: must be at least 1.")
         population = dict(users=data.users, examples_per_user=data.examples_per_user)
         source = f"{data.users} users x {data.examples_per_user} examples"
-    for flag, value in (("--examples_per_step", run.examples_per_step), ("--target_epsilon", run.target_epsilon),
-                        ("--noise_multiplier", run.noise_multiplier), ("--target_delta", run.target_delta),
-                        ("--clipping_count_noise", run.clipping_count_noise)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{flag} {value:g}: must be a positive number.")
-    if run.steps is not None and run.steps < 1:
-        raise ValueError(f"--steps {run.steps}: must be at least 1.")
-    if run.contribution_bound is not None and run.contribution_bound < 1:
-        raise ValueError(f"--contribution_bound {run.contribution_bound}: must be at least 1.")
     rows = planner.plan(
         **population, examples_per_step=run.examples_per_step, steps=run.steps, target_epsilon=run.target_epsilon,
         target_delta=run.target_delta, noise_multiplier=run.noise_multiplier,

@@ -45,15 +45,17 @@ user id, default `user_id`; `--target_epsilon`, `--sampling`, `--expected_batch_
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from hf_dp import DPTrainingArguments
 from hf_dp.parser import ArgumentParser
-from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, run_language_modeling
+from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, load_text_data, run_language_modeling
 from hf_dp.workflows.pretrained import smollm2_path
-from hf_dp.workflows.recipes import RecipeArguments, recipe_run, summary_line
-from hf_dp.workflows.runs import finish_processes
+from hf_dp.workflows.recipes import RecipeArguments, recipe_run, run_recipe, summary_line
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -73,15 +75,18 @@ class ScriptArguments(RecipeArguments):
     )
     max_length: int = field(default=64, metadata={"help": "Tokens per text, EOS included (longer: truncated)."})
 
+    NUMBER_RULES: ClassVar[dict] = LanguageModelingConfig.NUMBER_RULES
+
 
 def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> dict:
-    if script_args.model_name_or_path is None:
+    config, training_args = recipe_run(LanguageModelingConfig, script_args, training_args)
+    data = load_text_data(config)  # bad data is refused before the model is fetched
+    if config.model_name_or_path is None:
         from accelerate import PartialState
 
         with PartialState().main_process_first():  # one process downloads and converts, the others reuse it
-            script_args.model_name_or_path = str(smollm2_path())
-    config, training_args = recipe_run(LanguageModelingConfig, script_args, training_args)
-    result = run_language_modeling(config, training_args)
+            config = dataclasses.replace(config, model_name_or_path=str(smollm2_path()))
+    result = run_language_modeling(config, training_args, data=data)
     print(summary_line(result, "perplexity", training_args.output_dir))
     return result
 
@@ -89,11 +94,8 @@ def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> di
 def make_parser() -> ArgumentParser:
     """`HfArgumentParser` over the recipe's flags and every DPTrainingArguments field (`None` accepted for optional
     numbers: `--target_epsilon None --noise_multiplier 1.0` trains at a fixed σ and reports the ε it spent)."""
-    return ArgumentParser((ScriptArguments, DPTrainingArguments))
+    return ArgumentParser((ScriptArguments, DPTrainingArguments), one_line_errors=True)
 
 
 if __name__ == "__main__":
-    parser = make_parser()
-    script_args, training_args = parser.parse_args_into_dataclasses()
-    main(script_args, training_args)
-    finish_processes()
+    sys.exit(run_recipe(make_parser(), main))

@@ -59,14 +59,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from hf_dp import DPTrainingArguments
 from hf_dp.parser import ArgumentParser
 from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
-from hf_dp.workflows.recipes import RecipeArguments, recipe_run, summary_line
-from hf_dp.workflows.runs import finish_processes
+from hf_dp.workflows.recipes import RecipeArguments, recipe_run, run_recipe, summary_line
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -94,11 +95,21 @@ class ScriptArguments(RecipeArguments):
                           "descriptions for Shakespeare, the label names otherwise."},
     )
 
+    NUMBER_RULES: ClassVar[dict] = ClassificationConfig.NUMBER_RULES
+
 
 def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> dict:
     descriptions = None
     if script_args.label_descriptions is not None:
-        descriptions = json.loads(Path(script_args.label_descriptions).read_text())
+        path = script_args.label_descriptions
+        try:
+            descriptions = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--label_descriptions {path}: {error}; give a JSON file {{label: [descriptions]}}.") \
+                from error
+        if not isinstance(descriptions, dict):
+            raise ValueError(f"--label_descriptions {path}: holds a {type(descriptions).__name__}; give a JSON "
+                             "object {label: [descriptions]}.")
     config, training_args = recipe_run(ClassificationConfig, script_args, training_args,
                                        label_descriptions=descriptions)
     result = run_classification(config, training_args)
@@ -109,11 +120,8 @@ def main(script_args: ScriptArguments, training_args: DPTrainingArguments) -> di
 def make_parser() -> ArgumentParser:
     """`HfArgumentParser` over the recipe's flags and every DPTrainingArguments field (`None` accepted for optional
     numbers: `--target_epsilon None --noise_multiplier 1.0` trains at a fixed σ and reports the ε it spent)."""
-    return ArgumentParser((ScriptArguments, DPTrainingArguments))
+    return ArgumentParser((ScriptArguments, DPTrainingArguments), one_line_errors=True)
 
 
 if __name__ == "__main__":
-    parser = make_parser()
-    script_args, training_args = parser.parse_args_into_dataclasses()
-    main(script_args, training_args)
-    finish_processes()
+    sys.exit(run_recipe(make_parser(), main))

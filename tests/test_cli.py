@@ -216,3 +216,96 @@ def test_plan_loads_no_torch():
             "assert not loaded, loaded")
     result = _run([sys.executable, "-c", code])
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# ---- bad inputs -------------------------------------------------------------------------------------------
+# Every numeric flag of every command is checked when parsed (its arguments dataclass's __post_init__, shared with
+# Python calls): one line naming the flag and what to give, status 2, nothing run and nothing written.
+
+POPULATION = ["plan", "--users", "100", "--examples_per_user", "3"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["audit", "--max_steps", "-5"], "--max_steps -5: use a whole number >= 1"),  # used to train 59 steps
+    (["audit", "--max_steps", "0"], "--max_steps 0: use a whole number >= 1"),  # used to hang
+    (["audit", "--max_eval_examples", "0"], "--max_eval_examples 0: use a whole number >= 1"),  # was IndexError
+    (["audit", "--canaries", "1"], "--canaries 1: use a whole number >= 2"),
+    (["audit", "--rows_per_canary", "0"], "--rows_per_canary 0: use a whole number >= 1"),
+    (["audit", "--rows_per_canary", "9"], "--rows_per_canary 9: the audited run keeps at most G = 8"),
+    (["audit", "--confidence", "1"], "--confidence 1.0: use a number strictly between 0 and 1"),
+    (["audit", "--confidence", "nan"], "--confidence nan: use a number strictly between 0 and 1"),
+    (["audit", "--target_epsilon", "inf"], "--target_epsilon inf: use a finite number > 0"),
+    (["audit", "--target_epsilon", "-1"], "--target_epsilon -1.0: use a finite number > 0"),
+    (["audit", "--canary_seed", "-1"], "--canary_seed -1: use a whole number >= 0"),
+    (["audit", "--noise_seed", "-2"], "--noise_seed -2: use a whole number >= 0"),
+    (["audit", "--num_threads", "0"], "--num_threads 0: use a whole number >= 1"),
+    (["demo", "--num_threads", "-1"], "--num_threads -1: use a whole number >= 1"),
+    (["app", "--port", "0"], "--port 0: use a whole number >= 1"),
+    (["app", "--port", "70000"], "--port 70000: use a port from 1 to 65535"),
+    ([*POPULATION, "--examples_per_step", "nan"], "--examples_per_step nan: use a finite number > 0"),
+    ([*POPULATION, "--steps", "0"], "--steps 0: use a whole number >= 1"),
+    ([*POPULATION, "--target_epsilon", "inf"], "--target_epsilon inf: use a finite number > 0"),
+    ([*POPULATION, "--target_delta", "1"], "--target_delta 1.0: use a number strictly between 0 and 1"),
+    ([*POPULATION, "--noise_multiplier", "-1"], "--noise_multiplier -1.0: use a finite number > 0"),
+    ([*POPULATION, "--contribution_bound", "0"], "--contribution_bound 0: use a whole number >= 1"),
+    ([*POPULATION, "--adaptive_clipping", "--clipping_count_noise", "0"], "--clipping_count_noise 0.0"),
+    (["plan", "--users", "100", "--examples_per_user", "0"], "--examples_per_user 0: use a whole number >= 1"),
+    (["plan", "--data", "x.csv", "--user_id_column", "u", "--data_epsilon", "nan"], "--data_epsilon nan"),
+])
+def test_bad_numbers_are_refused_when_parsed(monkeypatch, tmp_path, capsys, argv, match):
+    from hf_dp.workflows import app, audit_demo, study
+
+    def never(*args, **kwargs):
+        raise AssertionError("a refused command ran")
+
+    for module, name in ((audit_demo, "run_audit"), (study, "run_study"), (app, "serve"), (planner, "plan")):
+        monkeypatch.setattr(module, name, never)
+    monkeypatch.chdir(tmp_path)
+    assert _exit_code(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"hf-dp {argv[0]}: error: ") and match in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []  # nothing printed, nothing written
+
+
+def test_the_arguments_dataclasses_refuse_the_same_values_in_python():
+    from hf_dp.workflows.app import AppArguments
+    from hf_dp.workflows.audit_demo import AuditArguments
+    from hf_dp.workflows.study import StudyArguments
+
+    for make, match in ((lambda: AuditArguments(max_steps=0), "--max_steps 0"),
+                        (lambda: AuditArguments(confidence=float("nan")), "--confidence nan"),
+                        (lambda: StudyArguments(num_threads=0), "--num_threads 0"),
+                        (lambda: AppArguments(port=-1), "--port -1"),
+                        (lambda: cli.PlanRunArguments(steps=-3), "--steps -3"),
+                        (lambda: cli.PlanDataArguments(users=10, examples_per_user=0), "--examples_per_user 0")):
+        with pytest.raises(ValueError, match=match):
+            make()
+    assert AuditArguments(max_steps=None, canaries=None).max_steps is None  # None: the documented defaults
+
+
+def test_check_numbers_rules():
+    from dataclasses import dataclass
+
+    from hf_dp.parser import check_numbers
+
+    @dataclass
+    class Flags:
+        steps: int | None = None
+        rate: float = 0.5
+        count: int = 3
+
+    rules = {"steps": "int>=1", "rate": "(0,1)", "count": "int>=0"}
+    flags = Flags(steps=8.0)
+    check_numbers(flags, rules)
+    assert flags.steps == 8 and isinstance(flags.steps, int)  # an integral float (a form, a config file) is the int
+    check_numbers(Flags(steps=None, count=0), rules)  # None where the field is optional; 0 where the rule allows it
+    for bad, message in ((Flags(steps=2.5), "--steps 2.5: use a whole number >= 1, or None for the default."),
+                         (Flags(steps=True), "--steps True: use a whole number >= 1"),
+                         (Flags(count=None), "--count None: use a whole number >= 0."),
+                         (Flags(rate=float("inf")), "--rate inf: use a number strictly between 0 and 1.")):
+        with pytest.raises(ValueError) as error:
+            check_numbers(bad, rules)
+        assert str(error.value).startswith(message)
+    with pytest.raises(ValueError, match=r"^steps=0: use .*; count=-1: use a whole number >= 0\.$"):
+        check_numbers(Flags(steps=0, count=-1), rules, flags=False)  # every bad field, on one line

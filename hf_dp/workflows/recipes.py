@@ -2,18 +2,23 @@
 
 A recipe parses [`RecipeArguments`] (data, model, reporting) beside [`~hf_dp.DPTrainingArguments`] (every
 training and privacy flag) with [`~hf_dp.parser.ArgumentParser`], turns them into a task's run config and training
-arguments with [`recipe_run`], runs the task, and prints [`summary_line`].
+arguments with [`recipe_run`], runs the task, and prints [`summary_line`]; [`run_recipe`] is its `__main__`. Bad
+numbers (a count below 1) are refused when the flags are parsed; bad data (a missing or empty file, rows without
+a user id or text) when it is loaded, before any model is built or anything trained: one line naming the option
+and the fix, status 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable, ClassVar
 
+from hf_dp.parser import ArgumentParser, check_numbers, run_command
 from hf_dp.vocabulary import MECHANISMS
-from hf_dp.workflows.runs import plain_training_arguments
+from hf_dp.workflows.runs import RunConfig, finish_processes, plain_training_arguments
 
-__all__ = ["RecipeArguments", "recipe_run", "summary_line"]
+__all__ = ["RecipeArguments", "recipe_run", "run_recipe", "summary_line"]
 
 
 @dataclasses.dataclass
@@ -47,10 +52,18 @@ class RecipeArguments:
         metadata={"help": "Train without DP (plain transformers.Trainer; privacy flags ignored), for comparison."},
     )
     results_dir: str = dataclasses.field(default="results", metadata={"help": "Where <run>.json is written."})
-    max_train_users: int | None = dataclasses.field(default=None,
-                                                    metadata={"help": "Train on a seeded sample of users."})
+    max_train_users: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Train on a seeded fixed-size sample of this many users (one user in can displace another: "
+                          "the result and the card state it)."})
     max_eval_examples: int | None = dataclasses.field(default=None,
                                                       metadata={"help": "Evaluate on a seeded sample of rows."})
+
+    # The checks of the run config the flags fill (a recipe sets its task's config class's).
+    NUMBER_RULES: ClassVar[dict] = RunConfig.NUMBER_RULES
+
+    def __post_init__(self):
+        check_numbers(self, {name: rule for name, rule in self.NUMBER_RULES.items() if hasattr(self, name)})
 
 
 def recipe_run(config_class, script_args, training_args, **overrides):
@@ -76,6 +89,20 @@ def recipe_run(config_class, script_args, training_args, **overrides):
     )
     kwargs.update(overrides)
     return config_class(**kwargs), training_args
+
+
+def run_recipe(parser: ArgumentParser, main: Callable, argv=None) -> int:
+    """A recipe's `__main__`: parse, run `main(script_args, training_args)`, end the processes; the exit status.
+
+    Bad flags, bad data and other `ValueError` / `OSError` refusals print one line (`<script>: error: ...`) and
+    return 2, before anything is trained.
+    """
+    def run(script_args, training_args) -> int:
+        main(script_args, training_args)
+        finish_processes()
+        return 0
+
+    return run_command(parser, run, argv)
 
 
 def summary_line(result: dict, metric_label: str, output_dir: str) -> str:

@@ -2,8 +2,10 @@
 
 Preprocessing only: these functions choose the rows, and the guarantee is about the rows trained on. They are
 shared by the task modules ([`hf_dp.workflows.tasks.classification`], [`hf_dp.workflows.tasks.language_modeling`])
-and keep the rule every run follows: no test user is ever trained on. A user's side of a split, and whether a
-sample keeps them, depend only on a keyed hash of (`seed`, user id), so one user more or less moves no other user.
+and keep the rule every run follows: no test user is ever trained on. A user's side of a split depends only on a
+keyed hash of (`seed`, user id), so one user more or less moves no other user. A fixed-size sample of users
+(`max_train_users`) is the exception: a sampled user can displace another, so the run states it
+([`user_sample_statement`]: the result JSON's `not_covered` and the privacy card say so).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ __all__ = [
     "load_splits",
     "split_by_user",
     "subsample_rows",
+    "subsample_training_users",
     "subsample_users",
+    "user_sample_statement",
     "without_plays",
 ]
 
@@ -51,7 +55,8 @@ def subsample_users(dataset, user_id_column: str, max_users: int | None, seed: i
     not fewer users).
 
     Each user's hash depends on nothing else, so adding or removing an unselected user changes nothing, and a
-    selected one displaces at most one other user (a fixed-size sample must).
+    selected one displaces at most one other user (a fixed-size sample must): when the sample drops users, the
+    run must state [`user_sample_statement`].
     """
     from hf_dp.data import keyed_uniform
 
@@ -63,6 +68,23 @@ def subsample_users(dataset, user_id_column: str, max_users: int | None, seed: i
     chosen = set(sorted(users, key=lambda user: keyed_uniform(seed, user, "subsample"))[:max_users])
     keep = [i for i, u in enumerate(dataset[user_id_column]) if u in chosen]
     return dataset.select(keep)
+
+
+def subsample_training_users(train, config) -> tuple:
+    """`train` cut to `config.max_train_users` users by [`subsample_users`], and the list of what the run must state:
+    [`user_sample_statement`] when the sample dropped users, nothing when it kept them all."""
+    sampled = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
+    return sampled, [user_sample_statement(config.max_train_users)] if len(sampled) < len(train) else []
+
+
+def user_sample_statement(max_users: int) -> str:
+    """What a run whose training users are a fixed-size sample of `max_users` ([`subsample_users`]) must state: the
+    item the result JSON (`not_covered`) and the privacy card ("What the guarantee covers") carry."""
+    return (f"**A sample of the users.** The training users are a fixed-size sample of {max_users} of the available "
+            "users, drawn by a keyed hash of the user id (the key is the run's seed, recorded in the result, not a "
+            "secret): the guarantee is for adding or removing a user among the sampled ones; whether a user was "
+            "sampled depends on the others (replace-one adjacency, about twice the stated ε for membership in the "
+            "source data).")
 
 
 def subsample_rows(dataset, max_rows: int | None, seed: int = 0):
@@ -90,9 +112,9 @@ def load_splits(config, **columns):
         train, test = corpus["train"], corpus["test"]
     else:
         load = dict(user_id_column=config.user_id_column, text_column=config.text_column, **columns)
-        train = corpora.load_user_dataset(config.dataset, **load)
+        train = corpora.load_user_dataset(config.dataset, argument="dataset", **load)
         if config.eval_dataset is not None:
-            test = corpora.load_user_dataset(config.eval_dataset, **load)
+            test = corpora.load_user_dataset(config.eval_dataset, argument="eval_dataset", **load)
         else:
             train, test = split_by_user(train, config.user_id_column, config.eval_fraction, config.seed)
     if getattr(config, "exclude_train_plays", None):

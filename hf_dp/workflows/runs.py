@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from hf_dp.parser import check_numbers
 from hf_dp.vocabulary import DP_MECHANISMS, mechanism
 
 __all__ = [
@@ -70,8 +71,10 @@ class RunConfig:
         text_column (`str`, *optional*, defaults to `"text"`): column with the text.
         max_train_users (`int`, *optional*): train on a sample of this many users (quick runs, [`subsample_users`]).
             The split and this sample are keyed by `seed`: each user's side is a keyed hash of (`seed`, user id)
-            alone, so one user more or less moves no other user across the split (and at most one in or out of
-            this fixed-size sample). `seed` is saved in the result JSON; the guarantee does not need it secret.
+            alone, so one user more or less moves no other user across the split (but one in or out of this
+            fixed-size sample can displace another: replace-one adjacency, which the result and the card then
+            state, [`~hf_dp.workflows.run_data.user_sample_statement`]). `seed` is saved in the result JSON; the
+            guarantee does not need it secret.
         max_eval_examples (`int`, *optional*): evaluate on a seeded sample of this many test rows.
         exclude_train_plays (`list[str]`, *optional*): `dataset="shakespeare"` only: titles of training plays
             whose roles are left out of training (e.g. [`hf_dp.workflows.study_settings.TUNING_PLAYS`], which the study
@@ -131,9 +134,16 @@ class RunConfig:
     NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 5e-4, "num_train_epochs": 2.0,
                                                      "per_device_train_batch_size": 32}
 
+    # The numeric fields' checks ([`~hf_dp.parser.check_numbers`] rules); the recipes check their flags with them.
+    NUMBER_RULES: ClassVar[dict] = {
+        "eval_fraction": "(0,1)", "max_train_users": "int>=1", "max_eval_examples": "int>=1", "seed": "int>=0",
+        "max_length": "int>=1", "lora_r": "int>=1", "lora_alpha": "int>=1", "eval_batch_size": "int>=1",
+    }
+
     def __post_init__(self):
         if not self.run or "/" in self.run or os.sep in self.run:
             raise ValueError(f"run={self.run!r}: use a non-empty name without path separators (it names files).")
+        check_numbers(self, self.NUMBER_RULES, flags=False)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

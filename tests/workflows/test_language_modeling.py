@@ -251,3 +251,70 @@ def test_causal_lm_recipe_runs_on_a_saved_tiny_model(tmp_path):
     assert math.isfinite(result["eval_result"]) and result["privacy"]["num_users"] == 30
     assert (result["config"]["target_epsilon"], result["config"]["contribution_bound"]) == (8.0, 2)
     assert "perplexity" in completed.stdout
+
+
+# ---- bad inputs ------------------------------------------------------------------------------------------
+
+
+def _causal_recipe():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "causal_lm.py"
+    spec = importlib.util.spec_from_file_location("recipe_causal_lm", path)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # dataclasses look their module up there
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+def test_max_length_below_two_is_refused():
+    """A text needs a token and its successor: max_length 1 would leave no next-token target."""
+    with pytest.raises(ValueError, match="^max_length=1: use a whole number >= 2"):
+        LanguageModelingConfig(run="x", max_length=1)
+    with pytest.raises(ValueError, match="--max_length 1: use a whole number >= 2"):
+        _causal_recipe().make_parser().parse_args_into_dataclasses(["--output_dir", "unused", "--max_length", "1"])
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "has no rows"),
+    ('{"user_id": "a", "text": null}\n{"user_id": "b", "text": "war"}\n', "1 of 2 rows have no text"),
+])
+def test_causal_lm_recipe_refuses_bad_data_before_fetching_the_model(tmp_path, capsys, monkeypatch, content, match):
+    import hf_dp.workflows.pretrained
+
+    recipe = _causal_recipe()
+
+    def never():
+        raise AssertionError("the model was fetched before the data was checked")
+
+    monkeypatch.setattr(recipe, "smollm2_path", never)
+    monkeypatch.setattr(hf_dp.workflows.pretrained, "smollm2_path", never)
+    data = tmp_path / "chats.jsonl"
+    data.write_text(content)
+    status = recipe.run_recipe(recipe.make_parser(), recipe.main, [
+        "--dataset", str(data), "--output_dir", str(tmp_path / "models" / "lm"), "--results_dir", str(tmp_path / "r"),
+        "--report_to", "none", "--use_cpu", "true"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert status == 2 and len(errors) == 1 and match in errors[0] and "dataset=" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]  # nothing trained, nothing written
+
+
+def test_a_sample_of_the_users_is_stated_by_a_causal_lm_run(tmp_path):
+    from hf_dp.workflows.run_data import user_sample_statement
+
+    data = text_data()
+    path = tmp_path / "train.jsonl"
+    data.train.to_json(str(path))
+    config = LanguageModelingConfig(run="lm-sampled", results_dir=str(tmp_path), dataset=str(path),
+                                    eval_dataset=None, max_train_users=10, max_length=16, use_lora=False,
+                                    progress=False, baseline_result=10.0)
+    loaded = load_text_data(config)
+    assert loaded.not_covered == [user_sample_statement(10)] and len(set(loaded.train["user_id"])) == 10
+    training = config.training_arguments("uls", target_epsilon=8.0, expected_batch_size=4, contribution_bound=2,
+                                         max_steps=1, per_device_train_batch_size=8, noise_seed=0)
+    result = run_language_modeling(config, training, model=tiny_lm("gpt2"), tokenizer=word_tokenizer(), data=loaded)
+    assert result["not_covered"] == [user_sample_statement(10)]
+    card = (tmp_path / result["model_dir"] / "README.md").read_text()
+    assert "fixed-size sample of 10 of the available users" in card

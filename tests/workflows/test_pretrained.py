@@ -75,13 +75,15 @@ def test_causal_lm_recipe_defaults_to_smollm2(tmp_path, monkeypatch):
     spec.loader.exec_module(recipe)
     seen = {}
     monkeypatch.setattr(recipe, "smollm2_path", lambda: tmp_path / "smollm2")
-    monkeypatch.setattr(recipe, "run_language_modeling", lambda config, args: seen.setdefault("config", config))
+    monkeypatch.setattr(recipe, "load_text_data", lambda config: "the data")  # read before the model is fetched
+    monkeypatch.setattr(recipe, "run_language_modeling",
+                        lambda config, args, data: seen.update(config=config, data=data))
     monkeypatch.setattr(recipe, "summary_line", lambda *a: "")
     script_args, training_args = recipe.make_parser().parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path / "out"), "--use_lora", "--report_to", "none"])
     assert script_args.model_name_or_path is None
     recipe.main(script_args, training_args)
-    assert seen["config"].model_name_or_path == str(tmp_path / "smollm2")
+    assert seen["config"].model_name_or_path == str(tmp_path / "smollm2") and seen["data"] == "the data"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from hf_dp.parser import ArgumentParser, require_extra, run_command
+from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
 
 from .budget import budget_view, expected_accuracy_cost, plan_budget
 from .cards import privacy_card_markdown
@@ -112,6 +112,11 @@ class AppArguments:
     host: str = field(default="127.0.0.1",
                       metadata={"help": "Interface to bind (0.0.0.0 exposes it to the network)."})
     share: bool = field(default=False, metadata={"help": "Ask gradio for a public share link (needs internet)."})
+
+    def __post_init__(self):
+        check_numbers(self, {"port": "int>=1"})
+        if self.port > 65535:
+            raise ValueError(f"--port {self.port}: use a port from 1 to 65535 (e.g. 7860).")
 
 
 def build_parser() -> ArgumentParser:

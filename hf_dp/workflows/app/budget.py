@@ -9,10 +9,11 @@ per step, the same for every mechanism). The *expected accuracy cost* is interpo
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Mapping, Sequence
 
 from hf_dp.formatting import format_number
-from hf_dp.vocabulary import MECHANISMS, mechanism_of
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, mechanism_of
 
 from .common import AppError, error_md, mechanism_label, one_line
 from .results import RunRecord, is_positive, list_runs, main_metric, study_is_quick
@@ -47,7 +48,7 @@ def plan_budget(*, target_epsilon: float, target_delta: float, users: int, examp
 
 
 def _whole(value, name: str) -> int:
-    if value is None or float(value) != int(float(value)):
+    if value is None or not math.isfinite(float(value)) or not float(value).is_integer():
         raise AppError(f"{name} must be a whole number, got {value!r}.")
     return int(float(value))
 
@@ -108,7 +109,16 @@ def expected_accuracy_cost(runs: Sequence[RunRecord], target_epsilon: float, mec
         `points` ([(ε, eval_result)]), `extrapolated`, `non_private_result`, `baseline_result`, `cost`
         (non-private − expected, for accuracy; expected − non-private for perplexity) and `lower_is_better`,
         or `None`.
+
+    Raises:
+        ValueError: `target_epsilon` is not a finite number > 0, or `mechanism` is not a DP key of
+            [`~hf_dp.vocabulary.MECHANISMS`].
     """
+    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, numbers.Real) \
+            or not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon={target_epsilon!r}: use a finite number > 0 (e.g. 8).")
+    if mechanism not in DP_MECHANISMS:
+        raise ValueError(f"mechanism={mechanism!r}: use one of {DP_MECHANISMS}.")
     study = [r for r in runs if not r.from_app]
     dp_runs = [r for r in study if r.is_dp and is_positive(r.result.get("epsilon")) and r.eval_result is not None]
     if not dp_runs:

@@ -129,9 +129,9 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
 
                 def on_start(mechanism, eps, n_users, n_steps, batch):
                     try:
-                        settings = TrainingSettings(mechanism=mechanism, target_epsilon=float(eps or 8.0),
-                                                    max_train_users=int(n_users), max_steps=int(n_steps),
-                                                    expected_batch_size=int(batch or 24))
+                        # the values as typed: TrainingSettings refuses an empty box, 0, NaN or a fraction
+                        settings = TrainingSettings(mechanism=mechanism, target_epsilon=eps, max_train_users=n_users,
+                                                    max_steps=n_steps, expected_batch_size=batch)
                         job.start(settings, results_dir)
                     except Exception as error:
                         gr.Warning(one_line(error))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from hf_dp.formatting import format_number
+from hf_dp.parser import check_numbers
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
 
 from .common import AppError, error_md, one_line
@@ -66,7 +67,10 @@ class TrainingSettings:
 
     `mechanism` is a key of [`~hf_dp.vocabulary.MECHANISMS`] (a DP one, or `"non-private"`); `target_epsilon` and
     `expected_batch_size` are the [`~hf_dp.DPTrainingArguments`] fields (users per step for ULS, examples per step
-    for ELS and example-level).
+    for ELS and example-level), checked for the DP mechanisms only (a non-private run does not use them). Counts
+    are whole numbers >= 1 (an integral float from a form, 8.0, becomes the int) and ε a finite number > 0: anything
+    else (0, a negative or fractional count, NaN, an empty box) raises [`AppError`] naming the field, before a run
+    starts.
     """
 
     mechanism: str = "uls"
@@ -79,6 +83,13 @@ class TrainingSettings:
     def __post_init__(self):
         if self.mechanism not in TRAIN_MECHANISMS:
             raise AppError(f"mechanism={self.mechanism!r}: use one of {TRAIN_MECHANISMS}.")
+        rules = {"max_train_users": "int>=2", "max_steps": "int>=1", "max_eval_examples": "int>=1"}
+        if self.mechanism in DP_MECHANISMS:
+            rules.update(target_epsilon="float>0", expected_batch_size="int>=1")
+        try:
+            check_numbers(self, rules, flags=False)
+        except ValueError as error:
+            raise AppError(str(error)) from None
 
 
 class TrainingJob:

@@ -49,6 +49,8 @@ Result JSON (`<results_dir>/<run>.json`, keys [`~hf_dp.workflows.run_results.RES
   "eval_seconds": float,           # wall-clock seconds of the test evaluation
   "label_names": [str, ...],       # class index -> name
   "num_eval_examples": int,
+  "not_covered": [str, ...],       # what the guarantee does not cover because of how the training rows were
+                                   # chosen, also in the card (a fixed-size sample of users: max_train_users)
   "config": {...}                  # the ClassificationConfig's fields (model_name_or_path None = embedded
                                    # MiniLM) and the training arguments' values the run used, each under its
                                    # own name (target_epsilon, expected_batch_size, contribution_bound, ...),
@@ -73,11 +75,11 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
-from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_users
+from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_training_users
 from hf_dp.workflows.run_results import result_record, run_config_record, save_result
 from hf_dp.workflows.runs import RunConfig, check_user_id_column, fit, mechanism_of_arguments, save_run
 from hf_dp.workflows.tasks.classifier_models import (
@@ -167,6 +169,8 @@ class ClassificationConfig(RunConfig):
     head: str = "similarity"
     logit_scale: float = 20.0
 
+    NUMBER_RULES: ClassVar[dict] = {**RunConfig.NUMBER_RULES, "logit_scale": "float>0"}
+
     def __post_init__(self):
         super().__post_init__()
         if self.head not in ("similarity", "linear"):
@@ -180,12 +184,15 @@ class ClassificationConfig(RunConfig):
 
 @dataclass
 class ClassificationData:
-    """Train and test rows (columns: user, text, `labels` as class indices) and the label names."""
+    """Train and test rows (columns: user, text, `labels` as class indices) and the label names; `not_covered`:
+    what the run's guarantee does not cover because of how the rows were chosen (the card and the result state
+    it; [`~hf_dp.workflows.run_data.user_sample_statement`])."""
 
     train: object  # datasets.Dataset
     test: object  # datasets.Dataset
     label_names: list
     dataset_name: str
+    not_covered: list = dataclasses.field(default_factory=list)
 
 
 def load_classification_data(config: ClassificationConfig) -> ClassificationData:
@@ -199,11 +206,12 @@ def load_classification_data(config: ClassificationConfig) -> ClassificationData
     train, test = load_splits(config, label_column=config.label_column)
     name = "shakespeare-first-folio-genres" if config.dataset == "shakespeare" else str(config.dataset)
     label_names, train, test = _encode_labels(train, test, config.label_column)
-    train = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
+    train, not_covered = subsample_training_users(train, config)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if not isinstance(train, datasets.Dataset) or len(train) == 0:
         raise ValueError("No training rows left: check the data and max_train_users.")
-    return ClassificationData(train=train, test=test, label_names=label_names, dataset_name=name)
+    return ClassificationData(train=train, test=test, label_names=label_names, dataset_name=name,
+                              not_covered=not_covered)
 
 
 def _encode_labels(train, test, label_column: str):
@@ -406,9 +414,11 @@ def run_classification(config: ClassificationConfig, training_args=None, *,
     train = tokenize_classification(data.train, tokenizer, text_column=config.text_column,
                                     max_length=config.max_length, keep_columns=keep)
     base_model = _base_model_name(config.model_name_or_path)
+    card_extra = dict(card_extra or {})
+    not_covered = [*data.not_covered, *card_extra.pop("extra_not_covered", ())]
     card = dict(dataset_name=data.dataset_name, metric_name="accuracy", baseline_result=baseline_result,
                 non_private_result=config.non_private_result, base_model=base_model, task="text-classification",
-                **(card_extra or {}))
+                extra_not_covered=not_covered, **card_extra)
     set_seed(training_args.seed)  # LoRA and new heads start from the run's seed, whatever ran before
     trainer, train_seconds = fit(build_model(config, data.label_names), training_args, train,
                                  data_collator=DataCollatorWithPadding(tokenizer), tokenizer=tokenizer, card=card,
@@ -428,7 +438,7 @@ def run_classification(config: ClassificationConfig, training_args=None, *,
         eval_result=eval_result, baseline_result=baseline_result, model_dir=model_dir, base_model=base_model,
         train_seconds=train_seconds, eval_seconds=eval_seconds, label_names=list(data.label_names),
         num_eval_examples=len(data.test), num_train_users=len(data.train.unique(config.user_id_column)),
-        num_train_examples=len(data.train), steps=int(trainer.state.global_step),
+        num_train_examples=len(data.train), steps=int(trainer.state.global_step), not_covered=not_covered,
     )
     result["config"]["label_descriptions"] = _label_descriptions(config, data.label_names)
     save_result(result, config.results_dir)

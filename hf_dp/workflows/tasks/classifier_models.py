@@ -133,6 +133,10 @@ class EmbeddingClassifier(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
         self.logit_scale = float(logit_scale)
         self.label_names = list(label_names) if label_names is not None else [str(i) for i in range(num_labels)]
+        # The head's classes where Trainer-side checks read them (`config.num_labels`; DPTrainer refuses labels
+        # outside it): an encoder's config says 2 whatever the head has.
+        self.config.id2label = dict(enumerate(self.label_names))
+        self.config.label2id = {name: i for i, name in enumerate(self.label_names)}
         self.tokenizer = None  # set by the constructors that load one
 
     # -- construction ----------------------------------------------------------------------------------

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_users
+from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_training_users
 from hf_dp.workflows.run_results import result_record, run_config_record, save_result
 from hf_dp.workflows.runs import RunConfig, check_user_id_column, fit, mechanism_of_arguments, save_run
 
@@ -69,12 +69,14 @@ class LanguageModelingConfig(RunConfig):
         model_name_or_path (`str`): the causal LM (local path or Hub id). Required unless a model object is
             passed to [`run_language_modeling`], in which case it only names the base model in the card.
         tokenizer_name_or_path (`str`, *optional*): defaults to `model_name_or_path`.
-        max_length (`int`, *optional*, defaults to `64`): tokens per text, EOS included.
+        max_length (`int`, *optional*, defaults to `64`): tokens per text, EOS included (at least 2: a text needs a
+            token and its successor).
     """
 
     max_length: int = 64
     tokenizer_name_or_path: str | None = None
 
+    NUMBER_RULES: ClassVar[dict] = {**RunConfig.NUMBER_RULES, "max_length": "int>=2"}
     DP_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.DP_TRAINING_DEFAULTS, "learning_rate": 1e-3}
     NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {**RunConfig.NON_PRIVATE_TRAINING_DEFAULTS, "learning_rate": 2e-4}
 
@@ -86,11 +88,13 @@ class LanguageModelingConfig(RunConfig):
 
 @dataclass
 class TextData:
-    """Train and test rows (user and text columns) and the data set's name."""
+    """Train and test rows (user and text columns) and the data set's name; `not_covered`: what the run's
+    guarantee does not cover because of how the rows were chosen (the card and the result state it)."""
 
     train: object  # datasets.Dataset
     test: object  # datasets.Dataset
     dataset_name: str
+    not_covered: list = field(default_factory=list)
 
 
 def load_text_data(config: LanguageModelingConfig) -> TextData:
@@ -102,11 +106,11 @@ def load_text_data(config: LanguageModelingConfig) -> TextData:
     """
     train, test = load_splits(config)
     name = "shakespeare-speeches" if config.dataset == "shakespeare" else str(config.dataset)
-    train = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
+    train, not_covered = subsample_training_users(train, config)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     if len(train) == 0 or len(test) == 0:
         raise ValueError("No training or no test rows left: check the data, max_train_users and max_eval_examples.")
-    return TextData(train=train, test=test, dataset_name=name)
+    return TextData(train=train, test=test, dataset_name=name, not_covered=not_covered)
 
 
 def tokenize_causal_lm(dataset, tokenizer, *, text_column: str = "text", max_length: int = 64,
@@ -340,7 +344,8 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
                                      progress=config.progress)
     base_model = config.model_name_or_path or _model_name(model)
     card = dict(dataset_name=data.dataset_name, metric_name="perplexity", baseline_result=baseline_result,
-                non_private_result=config.non_private_result, base_model=base_model, task="text-generation")
+                non_private_result=config.non_private_result, base_model=base_model, task="text-generation",
+                extra_not_covered=list(data.not_covered))
     trainer, train_seconds = fit(model, training_args, train, data_collator=collator, tokenizer=tokenizer,
                                  card=card, callbacks=callbacks)
 
@@ -357,7 +362,7 @@ def run_language_modeling(config: LanguageModelingConfig, training_args=None, *,
         train_seconds=train_seconds, eval_seconds=eval_seconds, eval_nll=math.log(eval_result),
         baseline_nll=math.log(baseline_result), num_eval_examples=len(test), num_eval_tokens=_target_tokens(test),
         num_train_users=len(data.train.unique(config.user_id_column)), num_train_examples=len(data.train),
-        steps=int(trainer.state.global_step),
+        steps=int(trainer.state.global_step), not_covered=list(data.not_covered),
     )
     save_result(result, config.results_dir)
     return result
