@@ -24,6 +24,7 @@ NOT_RUN = {
     "hf_dp.workflows.corpora.load_user_dataset": "reads the reader's own file",
     "hf_dp.workflows.tasks.classification": "trains the demo's MiniLM run (minutes; tests/workflows runs it small)",
     "hf_dp.workflows.tasks.language_modeling": "loads GPT-2 from the Hub",
+    "hf_dp.workflows.tasks.chat_sft": "fine-tunes a chat model (tests/workflows/test_chat_sft.py runs it tiny)",
     "hf_dp.workflows.pretrained": "downloads and converts SmolLM2 (93 MB, about a minute)",
 }
 

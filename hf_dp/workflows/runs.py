@@ -176,10 +176,7 @@ class RunConfig:
 
         ```
         """
-        from transformers import TrainingArguments
-
-        from hf_dp.arguments import DPTrainingArguments
-
+        dp_class, plain_class = self.training_argument_classes()
         entry = _training_mechanism(mechanism)
         fixed = sorted({"privacy_unit", "sampling", "user_id_column"} & set(fields))
         if fixed:
@@ -195,11 +192,21 @@ class RunConfig:
             if privacy:
                 raise ValueError(f"{privacy[0]}={fields[privacy[0]]!r}: a non-private run has no privacy settings; "
                                  f"drop it, or pick a DP mechanism ({', '.join(DP_MECHANISMS)}).")
-            return TrainingArguments(**{**common, **self.NON_PRIVATE_TRAINING_DEFAULTS, **fields})
+            return plain_class(**{**common, **self.NON_PRIVATE_TRAINING_DEFAULTS, **fields})
         unit = {"privacy_unit": entry.privacy_unit, "user_id_column": self.user_id_column}
         if entry.sampling is not None:
             unit["sampling"] = entry.sampling
-        return DPTrainingArguments(**{**common, **self.DP_TRAINING_DEFAULTS, **unit, **fields})
+        return dp_class(**{**common, **self.DP_TRAINING_DEFAULTS, **unit, **fields})
+
+    def training_argument_classes(self) -> tuple[type, type]:
+        """The classes [`training_arguments`] builds: (DP, non-private), [`~hf_dp.DPTrainingArguments`] and
+        [`~transformers.TrainingArguments`] here; a task that trains with another trainer returns its own (a
+        subclass of each, e.g. TRL's SFT configs in [`hf_dp.workflows.tasks.chat_sft`])."""
+        from transformers import TrainingArguments
+
+        from hf_dp.arguments import DPTrainingArguments
+
+        return DPTrainingArguments, TrainingArguments
 
 
 def _training_mechanism(key: str):
@@ -242,22 +249,28 @@ def check_user_id_column(config: RunConfig, training_args) -> None:
         )
 
 
-def plain_training_arguments(training_args):
+def plain_training_arguments(training_args, arguments_class: type | None = None):
     """The [`~transformers.TrainingArguments`] part of [`~hf_dp.DPTrainingArguments`], for a non-private run.
 
-    The privacy fields are dropped; `max_grad_norm` becomes Trainer's usual global clipping norm.
+    The privacy fields are dropped; `max_grad_norm` becomes Trainer's usual global clipping norm, and an unset
+    `per_device_train_batch_size` (DP's default: sized from the Poisson sample) takes the plain class's default.
+    `arguments_class` (default `TrainingArguments`) is the class built, from its fields' values: e.g. TRL's
+    `SFTConfig` out of a `DPSFTConfig`.
     """
     import enum
 
     from transformers import TrainingArguments
 
+    arguments_class = arguments_class or TrainingArguments
     values = {}
-    for spec in dataclasses.fields(TrainingArguments):
+    for spec in dataclasses.fields(arguments_class):
         if not spec.init or not hasattr(training_args, spec.name):
             continue
         value = getattr(training_args, spec.name)
+        if value is None and spec.name == "per_device_train_batch_size":
+            continue
         values[spec.name] = value.value if isinstance(value, enum.Enum) else value
-    return TrainingArguments(**values)
+    return arguments_class(**values)
 
 
 # ----------------------------------------------------------------------------------------------------------

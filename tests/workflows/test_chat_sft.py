@@ -1,0 +1,284 @@
+"""hf_dp.workflows.tasks.chat_sft and recipes/sft.py: chat SFT runs (DPSFTTrainer or TRL's SFTTrainer) and their
+completion perplexity beside the untouched model's.
+
+The fast tests use a tiny Llama and a word-level tokenizer with a chat template built in code (no `{% generation %}`
+marks: the rows are prompt/completion); the slow one runs the recipe on the real SmolLM2-135M-Instruct and a few
+Shakespeare conversations.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_dp.hub import check_privacy_card
+from hf_dp.sft import DPSFTConfig, DPSFTTrainer
+from hf_dp.workflows.run_results import RESULT_KEYS
+from hf_dp.workflows.tasks.chat_sft import (
+    METRIC_NAME,
+    ChatSFTConfig,
+    completion_perplexity,
+    run_chat_sft,
+    to_prompt_completion,
+    tokenize_prompt_completion,
+)
+from hf_dp.workflows.tasks.language_modeling import TextData
+
+WORDS = [f"w{i}" for i in range(30)]
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (  # ChatML-like, without generation marks, like SmolLM2's
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                        bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_chat_model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def conversations(users, seed: int = 0) -> Dataset:
+    """1..4 conversations per user; each user replies with a run of consecutive words (learnable)."""
+    rng = random.Random(seed)
+    rows = {"messages": [], "user_id": []}
+    for user in users:
+        for _ in range(rng.randint(1, 4)):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))
+            start = rng.randrange(len(WORDS) - 6)
+            reply = " ".join(WORDS[start:start + rng.randint(2, 6)])
+            rows["messages"].append([{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}])
+            rows["user_id"].append(user)
+    return Dataset.from_dict(rows)
+
+
+def chat_data() -> TextData:
+    keep = dict(keep_columns=("user_id",))
+    return TextData(train=to_prompt_completion(conversations([f"u{i}" for i in range(24)]), **keep),
+                    test=to_prompt_completion(conversations([f"t{i}" for i in range(6)], seed=1), **keep),
+                    dataset_name="toy-chat")
+
+
+# ---- data ----------------------------------------------------------------------------------------------------------
+
+
+def test_prompt_completion_rows_end_on_the_last_assistant_turn():
+    system = {"role": "system", "content": "w0"}
+    rows = Dataset.from_dict({
+        "author": ["a", "b", "c", "d"],
+        "chat": [
+            [system, {"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"},
+             {"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}],
+            [{"role": "user", "content": "w5"}],  # no reply: dropped
+            [{"role": "assistant", "content": "w6"}],  # nothing to reply to: dropped
+            [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"},
+             {"role": "user", "content": "w9"}],  # a trailing user turn is not part of the row
+        ],
+        "extra": [1, 2, 3, 4],
+    })
+    converted = to_prompt_completion(rows, messages_column="chat", keep_columns=("author",))
+    assert sorted(converted.column_names) == ["author", "completion", "prompt"]
+    assert converted["author"] == ["a", "d"]
+    assert converted[0]["completion"] == [{"role": "assistant", "content": "w4"}]
+    assert [m["content"] for m in converted[0]["prompt"]] == ["w0", "w1", "w2", "w3"]
+    assert converted[1]["prompt"] == [{"role": "user", "content": "w7"}]
+    with pytest.raises(ValueError, match="No conversations column 'messages'"):
+        to_prompt_completion(rows)
+    with pytest.raises(ValueError, match="TRL's format"):
+        to_prompt_completion(Dataset.from_dict({"messages": ["plain text"], "user_id": ["a"]}))
+
+
+@pytest.mark.parametrize("max_length", [None, 9])
+def test_evaluation_rows_are_tokenized_as_sft_trainer_prepares_training_rows(tmp_path, max_length):
+    """The test rows' input_ids and labels (prompt masked, truncated, fully masked rows dropped) equal the rows
+    DPSFTTrainer trains on, for the same conversations."""
+    rows = chat_data().train
+    args = DPSFTConfig(str(tmp_path), max_steps=1, expected_batch_size=8, target_epsilon=8.0, bf16=False,
+                       gradient_checkpointing=False, report_to="none", use_cpu=True, max_length=max_length,
+                       contribution_bound=4)
+    trainer = DPSFTTrainer(model=tiny_chat_model(), args=args, train_dataset=rows, processing_class=chat_tokenizer())
+    prepared = trainer.partition.dataset
+    ours = tokenize_prompt_completion(rows, chat_tokenizer(), max_length=max_length)
+    assert len(ours) == len(prepared) == len(rows)
+    assert ours["input_ids"] == prepared["input_ids"] and ours["labels"] == prepared["labels"]
+    assistant = chat_tokenizer().convert_tokens_to_ids("<|assistant|>")
+    first = ours[0]
+    reply = first["input_ids"].index(assistant) + 1
+    assert all(label == -100 for label in first["labels"][:reply]) and first["labels"][reply] != -100
+
+
+# ---- runs ----------------------------------------------------------------------------------------------------------
+
+
+def untouched_perplexity(data: TextData, max_length: int) -> float:
+    tokenizer = chat_tokenizer()
+    test = tokenize_prompt_completion(data.test, tokenizer, max_length=max_length)
+    return completion_perplexity(tiny_chat_model(), test, pad_token_id=tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("mechanism, use_lora", [("uls", True), ("els", False), ("non-private", False)])
+def test_run_chat_sft_end_to_end(tmp_path, mechanism, use_lora):
+    config = ChatSFTConfig(run=f"chat-{mechanism}", results_dir=str(tmp_path), model_name_or_path="tiny-chat",
+                           use_lora=use_lora, lora_target_modules=["q_proj", "v_proj"], max_length=32,
+                           progress=False)
+    common = dict(max_steps=2, learning_rate=5e-2, use_cpu=True, gradient_checkpointing=False)
+    if mechanism == "non-private":
+        training_args = config.training_arguments(mechanism, per_device_train_batch_size=8, **common)
+    else:
+        training_args = config.training_arguments(mechanism, expected_batch_size=8, target_epsilon=8.0,
+                                                  contribution_bound=3, noise_seed=0, **common)
+    data = chat_data()
+    result = run_chat_sft(config, training_args, model=tiny_chat_model(), tokenizer=chat_tokenizer(), data=data)
+
+    assert set(RESULT_KEYS) <= set(result)
+    assert (result["task"], result["metric_name"], result["mechanism"], result["steps"]) == (
+        "chat-sft", METRIC_NAME, mechanism, 2)
+    # the public-only baseline is the untouched model's completion perplexity on the same test rows
+    assert result["baseline_result"] == pytest.approx(untouched_perplexity(data, 32), rel=1e-5)
+    assert result["eval_result"] != pytest.approx(result["baseline_result"], rel=1e-6)  # training moved it
+    assert result["eval_nll"] == pytest.approx(math.log(result["eval_result"]))
+    assert result["baseline_nll"] == pytest.approx(math.log(result["baseline_result"]))
+    assert result["num_eval_tokens"] > result["num_eval_examples"] == len(data.test)
+    assert (result["num_train_users"], result["num_train_examples"]) == (24, len(data.train))
+    assert result["config"]["max_length"] == 32
+    on_disk = json.loads((tmp_path / f"chat-{mechanism}.json").read_text())
+    assert on_disk["eval_result"] == pytest.approx(result["eval_result"])
+
+    model_dir = tmp_path / result["model_dir"]
+    card = (model_dir / "README.md").read_text()
+    assert METRIC_NAME in card and f"{result['baseline_result']:.4g}"[:4] in card
+    if mechanism == "non-private":
+        assert result["epsilon"] is None and result["privacy"] is None
+        assert "non-private" in card
+    else:
+        assert 0 < result["epsilon"] <= 8.0 == result["config"]["target_epsilon"]
+        assert result["privacy"]["mechanism"] == mechanism and result["config"]["contribution_bound"] == 3
+        assert "SFTTrainer's training metrics" in card  # DPSFTTrainer's card
+        assert check_privacy_card(model_dir)["epsilon"] == pytest.approx(result["epsilon"], rel=1e-2)
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(model_dir)  # LoRA merged: a plain model
+    assert not any("lora" in name for name, _ in reloaded.named_parameters())
+
+
+def test_mismatched_or_plain_arguments_are_refused(tmp_path):
+    from transformers import TrainingArguments
+
+    config = ChatSFTConfig(run="r", results_dir=str(tmp_path), model_name_or_path="tiny-chat", progress=False)
+    kwargs = dict(model=tiny_chat_model(), tokenizer=chat_tokenizer(), data=chat_data())
+    with pytest.raises(TypeError, match="DPSFTConfig or SFTConfig"):
+        run_chat_sft(config, TrainingArguments(str(tmp_path), report_to="none", use_cpu=True), **kwargs)
+    with pytest.raises(ValueError, match="max_length"):
+        run_chat_sft(config, config.training_arguments("uls", max_length=64, use_cpu=True), **kwargs)
+
+
+def test_training_arguments_are_sft_configs_with_the_run_length():
+    from trl import SFTConfig
+
+    config = ChatSFTConfig(run="r", max_length=128)
+    dp, plain = config.training_arguments("els", use_cpu=True), config.training_arguments("non-private")
+    assert type(dp) is DPSFTConfig and type(plain) is SFTConfig
+    assert (dp.max_length, plain.max_length, dp.mechanism, dp.learning_rate) == (128, 128, "els", 1e-3)
+    with pytest.raises(ValueError, match="non-private run has no privacy settings"):
+        config.training_arguments("non-private", target_epsilon=3.0)
+
+
+# ---- the recipe ----------------------------------------------------------------------------------------------------
+
+
+def load_recipe():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "sft.py"
+    spec = importlib.util.spec_from_file_location("recipe_sft", path)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # dataclasses look their module up there
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+def test_sft_recipe_parser_accepts_its_flags(tmp_path):
+    script_args, training_args = load_recipe().make_parser().parse_args_into_dataclasses([
+        "--model_name_or_path", "some/chat-model", "--output_dir", str(tmp_path / "out"), "--dataset", "chats.jsonl",
+        "--user_id_column", "author", "--text_column", "chat", "--use_lora", "--lora_target_modules", "q_proj",
+        "--max_length", "128", "--sampling", "els", "--contribution_bound", "8", "--target_epsilon", "3",
+        "--max_train_users", "40", "--max_eval_examples", "20", "--bf16", "false", "--non_private",
+    ])
+    assert isinstance(training_args, DPSFTConfig) and training_args.max_length == 128
+    assert (script_args.model_name_or_path, training_args.user_id_column, script_args.text_column) == (
+        "some/chat-model", "author", "chat")
+    assert script_args.use_lora and script_args.non_private and script_args.max_train_users == 40
+    assert (training_args.sampling, training_args.contribution_bound, training_args.target_epsilon) == ("els", 8, 3.0)
+
+
+def test_sft_recipe_main_runs_non_private_with_plain_sft_arguments(tmp_path, monkeypatch, capsys):
+    """`--non_private`: the run gets TRL's plain SFTConfig (SFT fields kept, privacy fields gone, the unset DP
+    micro-batch back to the default) and a run config with the flags' data, user column and max_length."""
+    from trl import SFTConfig
+
+    recipe = load_recipe()
+    seen = {}
+
+    def fake_run(config, training_args):
+        seen.update(config=config, training_args=training_args)
+        return {"run": config.run, "mechanism": "non-private", "epsilon": None, "delta": None, "eval_result": 12.0,
+                "baseline_result": 20.0}
+
+    monkeypatch.setattr(recipe, "run_chat_sft", fake_run)
+    recipe.main(*recipe.make_parser().parse_args_into_dataclasses([
+        "--model_name_or_path", "some/chat-model", "--output_dir", str(tmp_path / "chat-np"), "--dataset",
+        "chats.jsonl", "--user_id_column", "author", "--max_length", "128", "--bf16", "false", "--non_private",
+        "--max_eval_examples", "20", "--learning_rate", "2e-4", "--completion_only_loss", "true",
+    ]))
+    config, args = seen["config"], seen["training_args"]
+    assert type(args) is SFTConfig and not hasattr(args, "target_epsilon")
+    assert (args.max_length, args.completion_only_loss, args.learning_rate, args.per_device_train_batch_size) == (
+        128, True, 2e-4, 8)
+    assert (config.run, config.dataset, config.user_id_column, config.max_length, config.max_eval_examples) == (
+        "chat-np", "chats.jsonl", "author", 128, 20)
+    assert "completion perplexity 12; public-only baseline 20" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_sft_recipe_on_smollm2_and_shakespeare(tmp_path):
+    """`recipes/sft.py`'s main on the real SmolLM2-135M-Instruct: 2 ULS steps with LoRA on 40 Shakespeare roles,
+    evaluated on 12 held-out conversations, beside the untouched model's completion perplexity."""
+    recipe = load_recipe()
+    script_args, training_args = recipe.make_parser().parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path / "models" / "sft-uls"), "--results_dir", str(tmp_path),
+        "--max_train_users", "40", "--max_eval_examples", "12", "--sampling", "uls", "--target_epsilon", "8",
+        "--expected_batch_size", "4", "--contribution_bound", "2", "--max_steps", "2", "--learning_rate", "1e-3",
+        "--use_lora", "--lora_target_modules", "q_proj", "v_proj", "--max_length", "96", "--bf16", "false",
+        "--use_cpu", "true", "--gradient_checkpointing", "false", "--noise_seed", "0", "--disable_tqdm", "true",
+        "--report_to", "none", "--per_device_eval_batch_size", "12",
+    ])
+    result = recipe.main(script_args, training_args)
+    assert (result["mechanism"], result["metric_name"], result["steps"]) == ("uls", METRIC_NAME, 2)
+    assert result["base_model"].endswith("smollm2-135m-instruct") and result["num_train_users"] == 40
+    assert 30 <= result["privacy"]["num_users"] <= 40  # roles whose every prompt fills max_length are dropped
+    assert 0 < result["epsilon"] <= 8.0 and 8 <= result["num_eval_examples"] <= 12
+    # a chat model already knows how replies go: its completion perplexity is finite and far below the vocabulary
+    assert 1 < result["baseline_result"] < 1000 and math.isfinite(result["eval_result"])
+    saved = json.loads((tmp_path / "sft-uls.json").read_text())
+    assert saved["config"]["max_length"] == 96 and saved["config"]["dataset"] == "shakespeare"
+    assert check_privacy_card(tmp_path / "models" / "sft-uls")["epsilon"] == pytest.approx(result["epsilon"], rel=1e-2)
