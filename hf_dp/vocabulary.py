@@ -95,6 +95,13 @@ DP_MECHANISMS = ("uls", "els", "example")
 
 # Evaluation figures, one name each in card arguments, card YAML, result JSON and the app.
 EVAL_KEYS = ("eval_result", "baseline_result", "non_private_result", "metric_name")
+# Evaluation metrics where lower is better (the rest: higher is better).
+LOWER_IS_BETTER = ("perplexity", "completion perplexity")
+
+
+def lower_is_better(metric_name: str | None) -> bool:
+    """Whether a smaller `metric_name` is a better model (perplexities), for plots, gaps and costs."""
+    return metric_name in LOWER_IS_BETTER
 
 
 def mechanism_of(privacy_unit: str, sampling: str | None) -> str:

@@ -45,3 +45,10 @@ def test_a_key_is_looked_up_or_refused_naming_the_keys():
 def test_the_arguments_name_their_mechanism_by_its_key(tmp_path, unit, sampling, key):
     args = DPTrainingArguments(str(tmp_path), privacy_unit=unit, sampling=sampling, use_cpu=True)
     assert args.mechanism == key
+
+
+def test_perplexities_are_lower_is_better():
+    from hf_dp.vocabulary import lower_is_better
+
+    assert lower_is_better("perplexity") and lower_is_better("completion perplexity")
+    assert not lower_is_better("accuracy") and not lower_is_better(None)

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
-from hf_dp.vocabulary import MECHANISMS
+from hf_dp.vocabulary import MECHANISMS, lower_is_better
 from hf_dp.workflows.run_results import load_result
 from hf_dp.workflows.study_plan import StudyRun, configure_run, matching_examples_per_step, plan_runs
 from hf_dp.workflows.study_plot import gap_closed, is_adaptive, metric_value, plot_privacy_utility, plot_title
@@ -230,7 +230,7 @@ def _describe(entry: StudyRun, task: str = "classification") -> str:
 
 
 def _result_line(result: dict) -> str:
-    if result["metric_name"] == "perplexity":
+    if lower_is_better(result["metric_name"]):
         text = (f"test NLL {metric_value(result):.4f} (perplexity {result['eval_result']:.1f}; baseline "
                 f"{math.log(result['baseline_result']):.4f})")
     else:
@@ -242,7 +242,7 @@ def _row(result: dict, reference: dict) -> dict:
     row = {"run": result["run"], "mechanism": result["mechanism"], "target_epsilon": result["target_epsilon"],
            "epsilon": result["epsilon"], "eval_result": result["eval_result"],
            "train_seconds": result["train_seconds"]}
-    if result["metric_name"] == "perplexity":
+    if lower_is_better(result["metric_name"]):
         row["eval_nll"] = metric_value(result)
     row["adaptive_clipping"] = is_adaptive(result)
     # C the run clipped at (adaptive: where it ended, a post-processing of the noised counts)

@@ -10,7 +10,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, lower_is_better
 
 __all__ = ["gap_closed", "is_adaptive", "metric_value", "plot_privacy_utility", "plot_title"]
 
@@ -22,7 +22,7 @@ def is_adaptive(result: dict) -> bool:
 
 def metric_value(result: dict) -> float:
     """The plotted figure: test NLL (log perplexity, nats per token) for a causal LM, accuracy otherwise."""
-    if result["metric_name"] == "perplexity":
+    if lower_is_better(result["metric_name"]):
         return math.log(result["eval_result"])
     return float(result["eval_result"])
 
@@ -43,7 +43,7 @@ def plot_title(results: list[dict], quick: bool) -> str:
     """The plot's title: model, task and number of training roles (flagged when `--quick`)."""
     first = next((r for r in results if r.get("privacy")), None)
     prefix = "[--quick: meaningless numbers] " if quick else ""
-    if results[0]["metric_name"] == "perplexity":
+    if lower_is_better(results[0]["metric_name"]):
         users = f"{first['privacy']['num_users']} training roles" if first else "roles"
         name = Path(str(results[0]["base_model"])).name
         if name.startswith("smollm2"):
@@ -72,7 +72,7 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    perplexity = results[0]["metric_name"] == "perplexity"
+    perplexity = lower_is_better(results[0]["metric_name"])
     fig, ax = plt.subplots(figsize=(7.5, 5.4), dpi=120)
     # Value labels: the first series below its points, the second above, the others to the right.
     label_offsets = (((0, -16), "center"), ((0, 8), "center"), ((9, -3), "left"), ((9, 5), "left"),

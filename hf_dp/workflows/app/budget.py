@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 from hf_dp.formatting import format_number
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, mechanism_of
+from hf_dp.vocabulary import lower_is_better as is_lower_better
 
 from .common import AppError, error_md, mechanism_label, one_line
 from .results import RunRecord, is_positive, list_runs, main_metric, study_is_quick
@@ -140,7 +141,7 @@ def expected_accuracy_cost(runs: Sequence[RunRecord], target_epsilon: float, mec
             break
     non_private = _measured(study, used, "non-private", "non_private_result")
     baseline = _measured(study, used, "public-only", "baseline_result")
-    lower_is_better = metric_name == "perplexity"
+    lower_is_better = is_lower_better(metric_name)
     cost = None
     if non_private is not None:
         cost = (expected - non_private) if lower_is_better else (non_private - expected)
