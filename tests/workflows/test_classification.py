@@ -289,11 +289,11 @@ def test_similarity_model_starts_as_the_zero_shot_baseline(tmp_path, toy_jsonl, 
 
 
 def test_the_similarity_head_states_its_classes_in_the_config(tmp_path):
-    """An encoder's config says num_labels=2 whatever the head has; DPTrainer refuses labels outside num_labels, so
-    the similarity head writes its own classes there (the demo's three genres were refused before the first step)."""
+    """An encoder's config says num_labels=2 whatever the head has: the similarity head writes its own classes
+    there, so the config (and the labels checked against the head's width) say 3."""
     from transformers import BertConfig, BertModel
 
-    from hf_dp.compatibility import check_labels
+    from hf_dp.compatibility import check_class_labels
 
     encoder = BertModel(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                    intermediate_size=32))
@@ -302,9 +302,9 @@ def test_the_similarity_head_states_its_classes_in_the_config(tmp_path):
     assert model.config.num_labels == 3 and model.config.id2label[2] == "tragedy"
     from datasets import Dataset
 
-    check_labels(Dataset.from_dict({"labels": [0, 1, 2]}), model)  # no refusal
+    check_class_labels(Dataset.from_dict({"labels": [0, 1, 2]}), model.config.num_labels)  # no refusal
     with pytest.raises(ValueError, match="outside 0..2"):
-        check_labels(Dataset.from_dict({"labels": [0, 3]}), model)
+        check_class_labels(Dataset.from_dict({"labels": [0, 3]}), model.config.num_labels)
 
 
 def test_non_private_training_learns_the_toy_task(tmp_path, toy_jsonl, tiny_bert_dir):
