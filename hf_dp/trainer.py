@@ -185,7 +185,8 @@ class DPTrainerMixin(PrivacyReporting):
         step.aggregate(params, sums, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
                        seed=self._seed, step=inputs.step, expected_batch_size=plan.expected_batch_size,
                        distributed=self.accelerator.num_processes > 1, secure_noise=self.args.secure_noise)
-        self._state_before_step = self._privacy_state()  # what a save between here and the update must write
+        if self.args.enable_jit_checkpoint:  # only a just-in-time save lands between here and the update
+            self._state_before_step = self._privacy_state()
         if not self.budget.record_step():
             self.control.should_training_stop = True
         loss_sum = self.releases.release(sums, inputs.step, self.quantile_tracker)
