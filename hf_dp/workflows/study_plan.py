@@ -12,7 +12,13 @@ import dataclasses
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.study_settings import check_task
 
-__all__ = ["StudyRun", "configure_run", "matching_examples_per_step", "plan_runs"]
+__all__ = ["HEADLINE_RUNS", "StudyRun", "configure_run", "matching_examples_per_step", "plan_runs", "replicate_of",
+           "run_config_class", "seed_suffix"]
+
+# The runs `--seeds N` repeats with seeds 1, ..., N-1 (seed 0 is the plain run), per task: the documented headline.
+HEADLINE_RUNS = {"sft": ("baseline", "non-private", "uls-eps8-adaptive"),
+                 "causal_lm": ("baseline", "non-private", "uls-eps8-adaptive"),
+                 "classification": ("baseline", "non-private", "uls-eps8-adaptive")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,18 +31,42 @@ class StudyRun:
     mechanism: str
     target_epsilon: float | None = None
     adaptive: bool = False
+    seed: int = 0
 
 
-def plan_runs(grid: bool, task: str = "classification") -> list[StudyRun]:
-    """The demo's runs, or the grid's (baseline and non-private first: their numbers go into the DP cards).
+def seed_suffix(seed: int) -> str:
+    """`""` for seed 0 (the plain run names), `"-seed<k>"` otherwise."""
+    return "" if seed == 0 else f"-seed{seed}"
 
-    Classification: ULS at ε = 8 with an adaptive clipping norm (grid: ULS and ELS at ε ∈ {8, 3, 1} and
-    example-level at ε = 8, all adaptive, and ULS at ε = 8 with the fixed norm beside it). Causal LM: ULS at
-    ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS and ELS at ε ∈ {8, 3, 1}, each with a fixed
-    and with an adaptive norm).
+
+def replicate_of(run: str) -> tuple[str, int]:
+    """(`run` without its seed suffix, its seed): `("uls-eps8", 2)` for `"uls-eps8-seed2"`."""
+    name, _, seed = run.rpartition("-seed")
+    return (name, int(seed)) if name and seed.isdigit() else (run, 0)
+
+
+def plan_runs(grid: bool, task: str = "sft", seeds: int = 1) -> list[StudyRun]:
+    """The demo's runs, or the grid's (baseline and non-private first: their numbers go into the DP cards), then
+    the [`HEADLINE_RUNS`] again with seeds 1 to `seeds - 1` (named `<run>-seed<k>`; each seed its own test sample,
+    training order, initialisation and noise).
+
+    Chat SFT (the default) and classification: ULS at ε = 8 with an adaptive clipping norm (grid: ULS and ELS at
+    ε ∈ {8, 3, 1}, all adaptive, ULS at ε = 8 with the fixed norm beside it, and, for classification, example-level
+    at ε = 8). Causal LM: ULS at ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS and ELS at
+    ε ∈ {8, 3, 1}, each with a fixed and with an adaptive norm).
     """
+    runs = _plan_seed_zero(grid, check_task(task))
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: use 1 or more.")
+    headline = [r for r in runs if r.run in HEADLINE_RUNS[task]]
+    for seed in range(1, seeds):
+        runs += [dataclasses.replace(r, run=r.run + seed_suffix(seed), seed=seed) for r in headline]
+    return runs
+
+
+def _plan_seed_zero(grid: bool, task: str) -> list[StudyRun]:
     runs = [StudyRun("baseline", "public-only"), StudyRun("non-private", "non-private")]
-    if check_task(task) == "causal_lm":
+    if task == "causal_lm":
         pairs = [("uls", 8.0)] if not grid else [(m, float(e)) for m in ("uls", "els") for e in (8, 3, 1)]
         for key, eps in pairs:
             runs += [StudyRun(f"{key}-eps{eps:g}", key, eps), StudyRun(f"{key}-eps{eps:g}-adaptive", key, eps, True)]
@@ -47,6 +77,8 @@ def plan_runs(grid: bool, task: str = "classification") -> list[StudyRun]:
     runs += [demo, StudyRun("uls-eps8", "uls", 8.0)]
     runs += [StudyRun(f"uls-eps{eps}-adaptive", "uls", float(eps), True) for eps in (3, 1)]
     runs += [StudyRun(f"els-eps{eps}-adaptive", "els", float(eps), True) for eps in (8, 3, 1)]
+    if task == "sft":
+        return runs
     return runs + [StudyRun("example-eps8-adaptive", "example", 8.0, True)]
 
 
@@ -63,7 +95,7 @@ def matching_examples_per_step(user_ids, users_per_step: int, contribution_bound
 
 def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples_per_step: int, progress: bool = True,
                   baseline_result: float | None = None, non_private_result: float | None = None,
-                  task: str = "classification"):
+                  task: str = "sft"):
     """The run config and training arguments of one study run (`None` for the public-only baseline, which trains
     nothing). ELS and example-level DP-SGD sample `examples_per_step` examples per step
     ([`matching_examples_per_step`]), ULS `settings["dp"]["expected_batch_size"]` users; an adaptive entry adds
@@ -72,15 +104,10 @@ def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples
     Raises:
         ValueError: an adaptive entry while [`~hf_dp.DPTrainingArguments`] has no `adaptive_clipping` field.
     """
-    if check_task(task) == "causal_lm":
-        from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig as config_class
-    else:
-        from hf_dp.workflows.tasks.classification import ClassificationConfig as config_class
-
-    config = config_class(
+    config = run_config_class(task)(
         run=entry.run, results_dir=results_dir, progress=progress, baseline_result=baseline_result,
         non_private_result=non_private_result if MECHANISMS[entry.mechanism].is_private else None,
-        **settings["config"],
+        **{**settings["config"], "seed": entry.seed},
     )
     if entry.mechanism == "public-only":
         return config, None
@@ -95,6 +122,21 @@ def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples
     if entry.mechanism == "example":
         fields.pop("contribution_bound")  # example-level DP-SGD keeps every row: no per-user bound
     return config, config.training_arguments(entry.mechanism, **fields)
+
+
+def run_config_class(task: str) -> type:
+    """The run config class of a task: `ChatSFTConfig`, `LanguageModelingConfig` or `ClassificationConfig`."""
+    if check_task(task) == "sft":
+        from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig
+
+        return ChatSFTConfig
+    if task == "causal_lm":
+        from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig
+
+        return LanguageModelingConfig
+    from hf_dp.workflows.tasks.classification import ClassificationConfig
+
+    return ClassificationConfig
 
 
 def _check_adaptive_fields(adaptive: dict) -> None:

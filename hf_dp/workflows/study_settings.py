@@ -50,8 +50,9 @@ same pipeline on a tiny subset of the roles with SmolLM2 itself (a few minutes; 
 
 from __future__ import annotations
 
-__all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEMO_SETTINGS", "QUICK_SETTINGS", "TASKS",
-           "TUNING_EVAL_PLAYS", "TUNING_PLAYS", "TUNING_TRAIN_PLAYS", "check_task", "study_settings"]
+__all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEFAULT_TASK", "DEMO_SETTINGS", "QUICK_SETTINGS",
+           "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TASKS", "TUNING_EVAL_PLAYS", "TUNING_PLAYS",
+           "TUNING_TRAIN_PLAYS", "check_task", "study_settings"]
 
 # The causal-LM study's tuning proxy: six training plays (two per Folio genre, drawn by
 # `corpora.split_plays(<the 29 training plays>, 0.2, seed=1)`) whose roles the study never trains on. Its
@@ -171,14 +172,64 @@ CAUSAL_LM_QUICK_SETTINGS = dict(
     non_private=dict(CAUSAL_LM_SETTINGS["non_private"], per_device_train_batch_size=4, max_steps=2),
 )
 
-TASKS = ("classification", "causal_lm")
+# The chat study (`--task sft`, the default; why these values: the module docstring). "config": ChatSFTConfig
+# fields; "dp", "adaptive", "non_private": DPSFTConfig / SFTConfig fields.
+SFT_SYSTEM_PROMPT = "You are a character in a play by Shakespeare."
+SFT_SETTINGS = dict(
+    config=dict(
+        model_name_or_path=None,
+        max_length=64,
+        system_prompt=SFT_SYSTEM_PROMPT,
+        use_lora=True,
+        lora_r=8,
+        lora_alpha=16,
+        lora_target_modules=["q_proj", "v_proj"],
+        lora_layers=[26, 27, 28, 29],
+        exclude_train_plays=list(TUNING_PLAYS),
+        max_eval_examples=256,
+        eval_batch_size=32,
+    ),
+    # ULS samples 16 of the training roles per step and one conversation of each (G = 1); ELS the same expected 16
+    # conversations; 60 steps. Activation checkpointing (SFTConfig's default) off: it would make the whole
+    # network take part in the backward pass, while the adapters sit in the top 4 layers.
+    dp=dict(
+        expected_batch_size=16,
+        contribution_bound=1,
+        max_steps=60,
+        learning_rate=1e-2,
+        max_grad_norm=0.1,
+        per_device_train_batch_size=16,
+        max_loss=10.0,
+        gradient_checkpointing=False,
+    ),
+    adaptive=CAUSAL_LM_SETTINGS["adaptive"],
+    non_private=dict(
+        per_device_train_batch_size=16,
+        learning_rate=1e-2,
+        max_steps=60,
+        gradient_checkpointing=False,
+    ),
+)
+
+# --task sft --quick: the same code paths on a tiny subset (SmolLM2 itself; the numbers mean nothing).
+SFT_QUICK_SETTINGS = dict(
+    config=dict(SFT_SETTINGS["config"], max_length=48, max_train_users=48, max_eval_examples=8),
+    dp=dict(SFT_SETTINGS["dp"], expected_batch_size=4, max_steps=2, per_device_train_batch_size=8),
+    adaptive=dict(SFT_SETTINGS["adaptive"], clipping_count_noise=None),  # m/20 for m = 4
+    non_private=dict(SFT_SETTINGS["non_private"], per_device_train_batch_size=4, max_steps=2),
+)
+
+TASKS = ("sft", "causal_lm", "classification")
+DEFAULT_TASK = "sft"
 _SETTINGS = {("classification", False): DEMO_SETTINGS, ("classification", True): QUICK_SETTINGS,
-             ("causal_lm", False): CAUSAL_LM_SETTINGS, ("causal_lm", True): CAUSAL_LM_QUICK_SETTINGS}
+             ("causal_lm", False): CAUSAL_LM_SETTINGS, ("causal_lm", True): CAUSAL_LM_QUICK_SETTINGS,
+             ("sft", False): SFT_SETTINGS, ("sft", True): SFT_QUICK_SETTINGS}
 
 
-def study_settings(task: str = "classification", quick: bool = False) -> dict:
-    """The settings of a study: [`DEMO_SETTINGS`] / [`QUICK_SETTINGS`] (classification) or [`CAUSAL_LM_SETTINGS`]
-    / [`CAUSAL_LM_QUICK_SETTINGS`]."""
+def study_settings(task: str = DEFAULT_TASK, quick: bool = False) -> dict:
+    """The settings of a study: [`SFT_SETTINGS`] / [`SFT_QUICK_SETTINGS`] (chat SFT, the default),
+    [`CAUSAL_LM_SETTINGS`] / [`CAUSAL_LM_QUICK_SETTINGS`] or [`DEMO_SETTINGS`] / [`QUICK_SETTINGS`]
+    (classification)."""
     return _SETTINGS[(check_task(task), bool(quick))]
 
 

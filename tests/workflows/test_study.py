@@ -1,5 +1,6 @@
-"""`hf-dp demo`: the study's plan, its plot, and a --quick run end to end (MiniLM + Shakespeare, tiny subset); the
-causal-LM study (`--task causal_lm`) on a tiny Llama and tiny data."""
+"""`hf-dp demo`: the study's plan, its plot, seeds and their summary; the chat SFT study (the default) and the
+causal-LM study (`--task causal_lm`) on a tiny Llama and tiny data, and --quick runs end to end on the real models
+(SmolLM2 for the LM studies, MiniLM for `--task classification`)."""
 from __future__ import annotations
 
 import json
@@ -19,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_runs_demo_and_grid():
-    demo = study_plan.plan_runs(grid=False)
+    demo = study_plan.plan_runs(grid=False, task="classification")
     assert [r.run for r in demo] == ["baseline", "non-private", "uls-eps8-adaptive"]
     assert demo[2] == study_plan.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
-    grid = study_plan.plan_runs(grid=True)
+    grid = study_plan.plan_runs(grid=True, task="classification")
     assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid} == {
         ("public-only", None, False), ("non-private", None, False), ("example", 8.0, True), ("uls", 8.0, False),
         *{(m, e, True) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
@@ -41,7 +42,7 @@ def test_parser_flags():
     assert (dashes.results_dir, dashes.num_threads, dashes.no_progress) == ("out", 2, True)
     defaults = study.build_parser().parse_args([])
     assert (defaults.grid, defaults.results_dir, defaults.quick, defaults.overwrite) == (False, "results", False, False)
-    assert (defaults.task, defaults.runs) == ("classification", None)  # the MiniLM study stays the default
+    assert (defaults.task, defaults.runs, defaults.seeds) == ("sft", None, 1)  # the chat study is the default
     lm = study.build_parser().parse_args(["--task", "causal_lm", "--runs", "baseline", "uls-eps8"])
     assert (lm.task, lm.runs) == ("causal_lm", ["baseline", "uls-eps8"])
     with pytest.raises(SystemExit):
@@ -52,8 +53,8 @@ def test_each_run_takes_its_privacy_settings_from_the_training_arguments(tmp_pat
     from hf_dp import DPTrainingArguments
 
     settings = study_settings.DEMO_SETTINGS
-    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True)}
-    configure = dict(examples_per_step=155, baseline_result=0.44, non_private_result=0.47)
+    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True, task="classification")}
+    configure = dict(examples_per_step=155, baseline_result=0.44, non_private_result=0.47, task="classification")
     baseline, none = study_plan.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
     assert none is None and baseline.baseline_result == 0.44
     # tuned on them: never trained on
@@ -101,7 +102,7 @@ def test_completed_runs_are_skipped(tmp_path):
     for result in runs:
         save_result(result, tmp_path)
     logged = []
-    summary = study.run_study(str(tmp_path), progress=False, log=logged.append)
+    summary = study.run_study(str(tmp_path), progress=False, log=logged.append, task="classification")
     assert sum("skipped" in line for line in logged) == 3
     assert [row["run"] for row in summary["table"]] == ["baseline", "non-private", "uls-eps8-adaptive"]
     assert (tmp_path / "privacy_utility.png").is_file()
@@ -119,8 +120,8 @@ def test_incomplete_json_is_not_a_result(tmp_path):
 @pytest.mark.slow
 def test_quick_demo_writes_results_summary_and_plot(tmp_path):
     """`python -m hf_dp.workflows.study --quick`: every run's JSON with the schema, summary.json, the PNG."""
-    command = [sys.executable, "-m", "hf_dp.workflows.study", "--quick", "--results_dir", str(tmp_path),
-               "--no_progress", "--num_threads", "1"]
+    command = [sys.executable, "-m", "hf_dp.workflows.study", "--task", "classification", "--quick", "--results_dir",
+               str(tmp_path), "--no_progress", "--num_threads", "1"]
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     import os
 
@@ -396,4 +397,127 @@ def test_quick_causal_lm_demo_on_smollm2(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [row["run"] for row in summary["table"]] == runs and summary["quick"] is True
     assert (tmp_path / "privacy_utility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "uls-eps8-adaptive" in completed.stdout and "gap closed" in completed.stdout
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The chat SFT study (the default): planned runs, seeds, and a tiny end-to-end run on a tiny chat Llama
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_plan_runs_sft_demo_grid_and_seeds():
+    demo = study_plan.plan_runs(grid=False)  # the default task
+    assert [r.run for r in demo] == ["baseline", "non-private", "uls-eps8-adaptive"]
+    grid = study_plan.plan_runs(grid=True, task="sft")
+    assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid} == {
+        ("public-only", None, False), ("non-private", None, False), ("uls", 8.0, False),
+        *{(m, e, True) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
+    }
+    seeded = study_plan.plan_runs(grid=False, task="sft", seeds=3)
+    assert [r.run for r in seeded] == ["baseline", "non-private", "uls-eps8-adaptive",
+                                       "baseline-seed1", "non-private-seed1", "uls-eps8-adaptive-seed1",
+                                       "baseline-seed2", "non-private-seed2", "uls-eps8-adaptive-seed2"]
+    assert [r.seed for r in seeded] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert seeded[5] == study_plan.StudyRun("uls-eps8-adaptive-seed1", "uls", 8.0, True, seed=1)
+    assert study_plan.replicate_of("uls-eps8-adaptive-seed12") == ("uls-eps8-adaptive", 12)
+    assert study_plan.replicate_of("non-private") == ("non-private", 0)
+    with pytest.raises(ValueError, match="seeds=0"):
+        study_plan.plan_runs(grid=False, seeds=0)
+
+
+def test_a_seed_sets_the_run_configs_seed_and_so_its_sample_and_training():
+    entry = study_plan.plan_runs(grid=False, task="sft", seeds=2)[-1]
+    config, args = study_plan.configure_run(entry, study_settings.SFT_SETTINGS, "/tmp/unused", examples_per_step=16,
+                                            task="sft")
+    assert (config.seed, args.seed, config.run) == (1, 1, "uls-eps8-adaptive-seed1")
+    assert (args.mechanism, args.max_length, args.gradient_checkpointing) == ("uls", 64, False)
+    assert config.system_prompt == study_settings.SFT_SYSTEM_PROMPT
+
+
+def test_headline_table_gives_mean_and_standard_error_over_seeds():
+    rows = [{"run": "uls-eps8-adaptive", "mechanism": "uls", "epsilon": 7.99, "eval_result": 10.0, "eval_nll": 2.0,
+             "gap_closed": 0.6},
+            {"run": "uls-eps8-adaptive-seed1", "mechanism": "uls", "epsilon": 7.99, "eval_result": 12.0,
+             "eval_nll": 2.2, "gap_closed": 0.7},
+            {"run": "uls-eps8-adaptive-seed2", "mechanism": "uls", "epsilon": 7.99, "eval_result": 14.0,
+             "eval_nll": 2.4, "gap_closed": 0.8},
+            {"run": "uls-eps3", "mechanism": "uls", "epsilon": 3.0, "eval_result": 1.0, "gap_closed": 0.1}]
+    (row,) = study.headline_table(rows)  # a run with one seed has no spread to report
+    assert (row["run"], row["n"]) == ("uls-eps8-adaptive", 3)
+    assert row["gap_closed"]["mean"] == pytest.approx(0.7)
+    assert row["gap_closed"]["standard_error"] == pytest.approx(0.1 / math.sqrt(3))  # std 0.1, n = 3
+    assert row["eval_nll"]["values"] == [2.0, 2.2, 2.4]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_study(tmp_path_factory):
+    """Settings of a chat SFT study on a tiny chat Llama (saved with its tokenizer and chat template) and JSONL
+    train/test conversations whose users differ."""
+    from tests.workflows.test_chat_sft import chat_tokenizer, conversations, tiny_chat_model
+
+    folder = tmp_path_factory.mktemp("tiny-chat-study")
+    tiny_chat_model().save_pretrained(folder / "model")
+    chat_tokenizer().save_pretrained(folder / "model")
+    conversations([f"u{i}" for i in range(24)]).to_json(folder / "train.jsonl")
+    conversations([f"t{i}" for i in range(6)], seed=1).to_json(folder / "test.jsonl")
+    settings = dict(
+        config=dict(model_name_or_path=str(folder / "model"), dataset=str(folder / "train.jsonl"),
+                    eval_dataset=str(folder / "test.jsonl"), max_length=24, use_lora=True, lora_r=2, lora_alpha=4,
+                    lora_target_modules=["q_proj", "v_proj"], eval_batch_size=16, max_eval_examples=8,
+                    system_prompt="w1 w2"),
+        dp=dict(expected_batch_size=4, contribution_bound=1, max_steps=2, learning_rate=1e-2, max_grad_norm=0.5,
+                per_device_train_batch_size=8, max_loss=10.0, gradient_checkpointing=False),
+        adaptive=dict(study_settings.SFT_SETTINGS["adaptive"]),
+        non_private=dict(per_device_train_batch_size=4, learning_rate=1e-2, max_steps=2, gradient_checkpointing=False),
+    )
+    return settings
+
+
+def test_sft_study_with_seeds_writes_results_cards_and_headline(tiny_chat_study, tmp_path):
+    logged = []
+    summary = study.run_study(str(tmp_path), settings=tiny_chat_study, seeds=2, progress=False, log=logged.append)
+    runs = [entry.run for entry in study_plan.plan_runs(grid=False, task="sft", seeds=2)]
+    results = {run: load_result(tmp_path / f"{run}.json") for run in runs}
+    for run, result in results.items():
+        assert result is not None and set(RESULT_KEYS) <= set(result), run
+        assert result["task"] == "chat-sft" and result["metric_name"] == "completion perplexity"
+        assert result["config"]["seed"] == study_plan.replicate_of(run)[1]
+    for suffix in ("", "-seed1"):  # each seed's DP run states its own seed's baseline and non-private figures
+        baseline, plain, uls = (results[name + suffix] for name in ("baseline", "non-private", "uls-eps8-adaptive"))
+        assert baseline["mechanism"] == "public-only" and baseline["epsilon"] == 0.0
+        assert uls["baseline_result"] == plain["baseline_result"] == baseline["eval_result"]
+        assert uls["non_private_result"] == plain["eval_result"]
+        assert uls["mechanism"] == "uls" and 0 < uls["epsilon"] <= 8.0 and uls["privacy"]["adaptive_clipping"]
+        card = (tmp_path / uls["model_dir"] / "README.md").read_text()
+        assert "Public-only baseline" in card and "Non-private fine-tuning" in card
+    assert results["baseline"]["eval_result"] != results["baseline-seed1"]["eval_result"]  # another test sample
+    assert summary["task"] == "chat-sft" and summary["seeds"] == 2
+    headline = {row["run"]: row for row in summary["headline"]}
+    assert set(headline) == {"baseline", "non-private", "uls-eps8-adaptive"}
+    assert headline["non-private"]["gap_closed"]["values"] == [1.0, 1.0]
+    gaps = [row["gap_closed"] for row in summary["table"] if row["run"].startswith("uls-eps8-adaptive")]
+    assert headline["uls-eps8-adaptive"]["gap_closed"]["values"] == pytest.approx(gaps)
+    assert (tmp_path / "privacy_utility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[1/6] baseline" in logged[0]
+
+
+@pytest.mark.slow
+def test_quick_sft_demo_on_smollm2(tmp_path):
+    """`python -m hf_dp.workflows.study --quick` (the default task): the real SmolLM2-135M-Instruct fine-tuned with
+    DPSFTTrainer and TRL's SFTTrainer on a few Shakespeare conversations, through the whole pipeline."""
+    import os
+
+    command = [sys.executable, "-m", "hf_dp.workflows.study", "--quick", "--results_dir", str(tmp_path),
+               "--no_progress", "--num_threads", "1"]
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                               env={**os.environ, **env})
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
+    for run in ("baseline", "non-private", "uls-eps8-adaptive"):
+        result = load_result(tmp_path / f"{run}.json")
+        assert result is not None and result["task"] == "chat-sft", run
+        assert "smollm2" in result["base_model"] and math.isfinite(result["eval_nll"])
+    uls = load_result(tmp_path / "uls-eps8-adaptive.json")
+    assert uls["privacy"]["adaptive_clipping"] is True and 0 < uls["epsilon"] <= 8.0
+    assert (tmp_path / uls["model_dir"] / "README.md").is_file()
     assert "uls-eps8-adaptive" in completed.stdout and "gap closed" in completed.stdout

@@ -56,7 +56,7 @@ from hf_dp.workflows.run_data import (
     subsample_users,
     without_plays,
 )
-from hf_dp.workflows.run_results import result_record, save_result
+from hf_dp.workflows.run_results import result_record, run_config_record, save_result
 from hf_dp.workflows.runs import RunConfig, check_user_id_column, mechanism_of_arguments, save_run
 from hf_dp.workflows.tasks.language_modeling import CausalLMCollator, TextData, perplexity
 
@@ -65,6 +65,7 @@ __all__ = [
     "ChatSFTConfig",
     "completion_perplexity",
     "load_chat_data",
+    "run_chat_baseline",
     "run_chat_sft",
     "to_prompt_completion",
     "tokenize_prompt_completion",
@@ -89,11 +90,15 @@ class ChatSFTConfig(RunConfig):
         model_name_or_path (`str`): the chat model (local path or Hub id). Required unless a model object is passed
             to [`run_chat_sft`], in which case it only names the base model in the card.
         tokenizer_name_or_path (`str`, *optional*): defaults to `model_name_or_path`; it needs a chat template.
+        system_prompt (`str`, *optional*): a system message put before every conversation, train and test (public
+            text, the same for every row); `None` keeps the conversations as they are (the chat template may add
+            its own default system message: SmolLM2's adds a 20-token one).
     """
 
     text_column: str = "messages"
     max_length: int = 256
     tokenizer_name_or_path: str | None = None
+    system_prompt: str | None = None
 
     DP_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 1e-3, "num_train_epochs": 2.0,
                                             "per_device_train_batch_size": 16}
@@ -147,17 +152,19 @@ def load_chat_data(config: ChatSFTConfig) -> TextData:
     train = subsample_users(train, config.user_id_column, config.max_train_users, config.seed)
     test = subsample_rows(test, config.max_eval_examples, config.seed)
     keep = (config.user_id_column,)
-    train = to_prompt_completion(train, messages_column=column, keep_columns=keep)
-    test = to_prompt_completion(test, messages_column=column, keep_columns=keep)
+    train = to_prompt_completion(train, messages_column=column, keep_columns=keep, system_prompt=config.system_prompt)
+    test = to_prompt_completion(test, messages_column=column, keep_columns=keep, system_prompt=config.system_prompt)
     if len(train) == 0 or len(test) == 0:
         raise ValueError("No training or no test conversations left: check the data, max_train_users and "
                          "max_eval_examples.")
     return TextData(train=train, test=test, dataset_name=name)
 
 
-def to_prompt_completion(dataset, *, messages_column: str = "messages", keep_columns: Sequence[str] = ("user_id",)):
+def to_prompt_completion(dataset, *, messages_column: str = "messages", keep_columns: Sequence[str] = ("user_id",),
+                         system_prompt: str | None = None):
     """One prompt/completion row per conversation: `completion` = `[last assistant message]`, `prompt` = the
-    messages before it (TRL's conversational prompt-completion format).
+    messages before it (TRL's conversational prompt-completion format), after a `system_prompt` message if one is
+    given and the conversation has no system message of its own.
 
     Messages keep their `role` and `content` only. Conversations with no assistant turn, or nothing before it, are
     dropped. `keep_columns` are kept (the user column); every other column is dropped.
@@ -180,7 +187,10 @@ def to_prompt_completion(dataset, *, messages_column: str = "messages", keep_col
     def convert(row):
         messages = [{"role": m["role"], "content": m["content"]} for m in row[messages_column]]
         last = reply_index(messages)
-        return {"prompt": messages[:last], "completion": [messages[last]]}
+        prompt = messages[:last]
+        if system_prompt is not None and prompt[0]["role"] != "system":
+            prompt = [{"role": "system", "content": system_prompt}] + prompt
+        return {"prompt": prompt, "completion": [messages[last]]}
 
     keep = set(keep_columns)
     dataset = dataset.filter(lambda messages: reply_index(messages) > 0, input_columns=messages_column)
@@ -311,6 +321,39 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
         num_train_users=len(data.train.unique(config.user_id_column)), num_train_examples=len(data.train),
         steps=int(trainer.state.global_step),
     )
+    save_result(result, config.results_dir)
+    return result
+
+
+def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data: TextData | None = None) -> dict:
+    """The public-only baseline as a run: the untouched chat model's test completion perplexity, in `<run>.json`.
+
+    No private data is used (`epsilon` and `delta` are 0, `model_dir` is `None`: the model is the base model
+    itself); the schema is [`run_chat_sft`]'s, with `mechanism="public-only"`. Test rows are tokenized as a run
+    with `config.max_length` and SFTConfig's default truncation tokenizes them.
+    """
+    data = data if data is not None else load_chat_data(config)
+    tokenizer = _chat_tokenizer(tokenizer, config)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        if config.model_name_or_path is None:
+            raise ValueError("Chat SFT runs need --model_name_or_path (a local path or a Hub id).")
+        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+    test = tokenize_prompt_completion(data.test, tokenizer, max_length=config.max_length)
+    start = time.perf_counter()
+    metric = completion_perplexity(model, test, pad_token_id=tokenizer.pad_token_id,
+                                   batch_size=config.eval_batch_size, progress=config.progress)
+    result = {
+        "run": config.run, "mechanism": "public-only", "target_epsilon": None, "epsilon": 0.0, "delta": 0.0,
+        "privacy": None, "metric_name": METRIC_NAME, "eval_result": metric, "baseline_result": metric,
+        "model_dir": None,
+        "base_model": config.model_name_or_path or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+        "task": TASK, "train_seconds": 0.0, "eval_seconds": time.perf_counter() - start,
+        "eval_nll": math.log(metric), "baseline_nll": math.log(metric), "num_eval_examples": len(test),
+        "num_eval_tokens": completion_tokens(test),
+        "config": {**run_config_record(config), "baseline": "the untouched chat model (no private data)"},
+    }
     save_result(result, config.results_dir)
     return result
 
