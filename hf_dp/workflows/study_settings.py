@@ -6,6 +6,23 @@ parts: `"config"` (fields of the task's run config), `"dp"` (the training argume
 [`~hf_dp.DPTrainingArguments`] names), `"adaptive"` (added to `"dp"` for the adaptive-clipping runs) and
 `"non_private"` (the `TrainingArguments` of the non-private run); every other field keeps its default there.
 
+**The chat study** ([`SFT_SETTINGS`], the default of `hf-dp demo`; [`SFT_QUICK_SETTINGS`] for `--quick`):
+SmolLM2-135M-Instruct fine-tuned with `DPSFTTrainer` (TRL's `SFTTrainer` for the non-private run) on the Shakespeare
+conversations ([`hf_dp.workflows.chat_data.load_shakespeare_chat`]: a speech and the reply of another role, the
+user the replying role), the six [`TUNING_PLAYS`] left out of training (817 of 1,098 roles remain, 19,416
+conversations, δ = 1/(10·817) = 1.2e-4), the loss on the reply only. Its optimisation settings are the causal-LM
+study's, carried over rather than tuned again (same model, same roles' lines; that study chose them on the tuning
+plays only, see below): LoRA r = 8 on the attention queries and values of the top 4 of the 30 layers, ULS with 16
+roles per step (q = 0.0196) and G = 1 conversation each, 60 steps, Adam at 1e-2 with linear decay, C₀ = 0.1 with
+adaptive clipping towards the median (σ_b = 1.6); non-private: 60 steps of 16 conversations at 1e-2. Two choices are
+the chat study's own, both for time on a 2-core machine and both public: conversations are cut to 64 tokens
+(SFTTrainer's `max_length`, keeping the start; 16 rows of 64 tokens make a step), and a short system prompt
+([`SFT_SYSTEM_PROMPT`]) replaces SmolLM2's default one, which would take 20 of the 64 tokens. Activation
+checkpointing (SFTConfig's default) is off: with adapters in the top 4 layers only, it would make the whole network
+take part in the backward pass. `benchmarks/chat_sft_tuning.py` is the same tuning proxy for this task (train on
+the conversations of three tuning plays, evaluate on the other three, with the study's noise), for changing these
+values without touching a training role.
+
 **Classification** ([`DEMO_SETTINGS`], and [`QUICK_SETTINGS`] for `--quick`). The fine-tuned classifier *starts as
 the public-only baseline*: mean-pooled MiniLM embeddings, a head whose rows are the label descriptions' embeddings,
 logits = 20 x cosine similarity ([`~hf_dp.workflows.tasks.classifier_models.EmbeddingClassifier`]); fine-tuning
