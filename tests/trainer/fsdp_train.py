@@ -65,6 +65,7 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full") -> None:
         **(dict(privacy_unit="example") if sampling == "example" else dict(sampling=sampling, contribution_bound=3)),
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
     )
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer = DPTrainer(model=model, args=args, train_dataset=user_dataset(seed=5, causal_lm=True),
                         data_collator=pad_collator)
     measure = Bytes(trainer)
@@ -74,7 +75,7 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full") -> None:
     if trainer.is_world_process_zero():
         torch.save({"state": {k: v.detach().cpu() for k, v in state.items()},
                     "world_size": trainer.accelerator.num_processes, "fsdp": trainer.is_fsdp_enabled,
-                    "sharded": measure.sharded, "bytes": measure.bytes,
+                    "initial": initial, "sharded": measure.sharded, "bytes": measure.bytes,
                     "epsilon": trainer.privacy_report()["epsilon"]}, out_path)
     finish_processes()
 
