@@ -336,11 +336,13 @@ class DPTrainingArguments(TrainingArguments):
                 f"label_smoothing_factor={self.label_smoothing_factor}: DP training computes plain per-example "
                 "cross-entropy for clipping; set it to 0."
             )
-        if self.fsdp or self.deepspeed:
-            problems.append(
-                "FSDP / DeepSpeed: sharded parameters and gradients are not supported by the clipping engine yet; "
-                "use data parallelism (accelerate launch with a multi-GPU DDP config, recipes/configs/multi_gpu.yaml)."
-            )
+        if self.deepspeed:
+            problems.append("deepspeed: its engine owns the backward pass and the gradient reduction, which DP training "
+                            "replaces; shard with FSDP2 instead (accelerate launch --config_file "
+                            "recipes/configs/fsdp.yaml).")
+        if self.fsdp and int((self.fsdp_config or {}).get("version", 2)) != 2:
+            problems.append("fsdp_config version 1: DP training supports FSDP2 only (fully_shard); set "
+                            "fsdp_config={'version': 2}.")
         if self.push_to_hub and self.hub_strategy in ("checkpoint", "all_checkpoints"):
             problems.append(
                 f"hub_strategy={str(getattr(self.hub_strategy, 'value', self.hub_strategy))!r}: it uploads checkpoint "

@@ -33,12 +33,15 @@ class MicroBatch:
             gradient of its rows' *mean* loss; `None` for weight 1.
         num_examples: the dataset rows collated (B). A packing collator (`DataCollatorWithFlattening`) puts them
             all in one row of `features`; the trainer then finds them again from `position_ids`.
+        padding: a pass that only keeps the ranks in step (FSDP2): one row with loss weight 0, so its gradient is
+            exactly zero and nothing of it is released.
     """
 
     features: dict
     units: UnitIndex | None = None
     loss_weights: torch.Tensor | None = None
     num_examples: int | None = None
+    padding: bool = False
 
 
 @dataclass
@@ -58,13 +61,16 @@ class LogicalBatches(torch.utils.data.Dataset):
         unit_rows (`list`, *optional*): rows of each unit, when units are users (ULS); `None` when a unit is a row.
         data_collator: turns a list of row dicts into model features.
         micro_batch_size (`int`): rows per physical micro-batch (a user with more rows goes alone).
+        align_passes (`bool`): give every rank as many passes as the rank with the most (padding passes), as
+            sharded training (FSDP2) needs: its collectives run in every forward and backward pass.
     """
 
-    def __init__(self, dataset, unit_rows, data_collator, micro_batch_size: int):
+    def __init__(self, dataset, unit_rows, data_collator, micro_batch_size: int, align_passes: bool = False):
         self.dataset = dataset
         self.unit_rows = unit_rows
         self.data_collator = data_collator
         self.micro_batch_size = micro_batch_size
+        self.align_passes = align_passes
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,17 +78,22 @@ class LogicalBatches(torch.utils.data.Dataset):
     def __getitem__(self, sampled: SampledUnits) -> LogicalBatch:
         batch = LogicalBatch(step=sampled.step, total_units=sampled.total)
         if self.unit_rows is None:
-            rows = [int(r) for r in sampled.units]
-            passes = math.ceil(len(rows) / self.micro_batch_size)
-            for part in _balanced(rows, [1] * len(rows), passes):
-                batch.micro_batches.append(MicroBatch(self._collate(part), num_examples=len(part)))
-            return batch
-        users = [self.unit_rows[unit] for unit in sampled.units]
-        sizes = [len(rows) for rows in users]
-        passes = math.ceil(sum(sizes) / self.micro_batch_size)
-        for group in _balanced(users, sizes, passes):
-            batch.micro_batches.append(self._user_micro_batch(group))
+            for part in self._groups(sampled.units):
+                batch.micro_batches.append(MicroBatch(self._collate([int(r) for r in part]), num_examples=len(part)))
+        else:
+            for group in self._groups(sampled.units):
+                batch.micro_batches.append(self._user_micro_batch([self.unit_rows[unit] for unit in group]))
+        if self.align_passes:  # every rank's passes are known on the host: they all draw the same sample
+            passes = max(len(self._groups(share)) for share in sampled.shares)
+            while len(batch.micro_batches) < passes:
+                batch.micro_batches.append(MicroBatch(self._collate([0]), loss_weights=torch.zeros(1),
+                                                      num_examples=1, padding=True))
         return batch
+
+    def _groups(self, units) -> list[list]:
+        """`units` in the fewest balanced passes of at most `micro_batch_size` rows (a user whole)."""
+        sizes = [1] * len(units) if self.unit_rows is None else [len(self.unit_rows[unit]) for unit in units]
+        return _balanced(list(units), sizes, math.ceil(sum(sizes) / self.micro_batch_size))
 
     def _user_micro_batch(self, users) -> MicroBatch:
         rows = [int(r) for user_rows in users for r in user_rows]

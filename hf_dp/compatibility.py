@@ -2,7 +2,7 @@
 
 Each check either passes or refuses with one line saying what to change: the private Trainer hooks the DP mixin
 overrides exist and are called, no subclass replaces `compute_loss`, the model is neither compiled nor built by
-`model_init` nor sharded, a `compute_loss_func` returns one loss per example, and the clipping engine's one-off
+`model_init`, a `compute_loss_func` returns one loss per example, and the clipping engine's one-off
 checks pass on the first training rows.
 """
 
@@ -105,12 +105,6 @@ def check_model(model, model_init) -> None:
             "compiled graph break and recompile at every batch shape (slower, not faster); pass the model itself "
             "(model._orig_mod)."
         )
-
-
-def check_not_sharded(trainer) -> None:
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError("FSDP / DeepSpeed (from the accelerate config): sharded parameters are not supported by "
-                         "the clipping engine yet; launch with a DDP config (recipes/configs/multi_gpu.yaml).")
 
 
 def check_per_example(losses, rows: int) -> None:

@@ -1,13 +1,11 @@
-"""Gaussian noise, drawn once per logical batch.
+"""Gaussian noise, drawn once per logical batch, the same whatever the number of processes or the sharding.
 
-Every rank derives the same generators from (seed, step) and adds the same noise *after* the clipped sums are
-all-reduced, so the model sees noise of variance σ²C² whatever the world size.
-
-The gradient noise is one flat draw over all trainable parameters, in chunks of `NOISE_CHUNK` elements: element
-k of the flattened parameters (in the optimizer's parameter order) gets the (k mod NOISE_CHUNK)-th value of
-chunk k // NOISE_CHUNK, whose generator is seeded from (seed, step, chunk) alone. So each element's noise
-depends only on the seed, the step and its position, a rank holding a shard of the parameters can draw just the
-chunks it needs, and a step launches one draw per chunk (a few, not one per parameter) plus one fused add.
+Every rank adds the noise *after* the clipped sums are summed over ranks, so the model sees noise of variance
+σ²C² whatever the world size. Each parameter's gradient is noised in chunks of `NOISE_CHUNK` elements: element k
+of the parameter named `name` gets the (k mod NOISE_CHUNK)-th value of chunk k // NOISE_CHUNK, whose generator
+is seeded by a keyed hash of (seed, step, name, chunk) alone. So an element's noise depends only on the run's
+secret seed, the step, its parameter and its index: a rank holding a shard (FSDP2) draws only the chunks its rows
+touch, and 1, 2 or N processes, DDP or FSDP, add the same noise. A step launches one draw per chunk.
 """
 
 from __future__ import annotations
@@ -18,11 +16,12 @@ import secrets
 import numpy as np
 import torch
 
+from .sharding import local_elements
 from .transfer import to_device
 
 _NOISE_STREAM = 1
 _LOGGING_STREAM = 2
-NOISE_CHUNK = 1 << 22  # elements per generator: 16 MiB of float32 noise at a time
+NOISE_CHUNK = 1 << 20  # elements per generator: 4 MiB of float32 noise at a time
 
 
 def fresh_seed() -> int:
@@ -30,10 +29,11 @@ def fresh_seed() -> int:
     return secrets.randbits(63)
 
 
-def chunk_seed(seed: int, step: int, chunk: int) -> int:
-    """The generator seed of one chunk of step `step`'s gradient noise."""
-    state = np.random.SeedSequence([seed, step, _NOISE_STREAM, chunk]).generate_state(1, dtype=np.uint64)[0]
-    return int(state >> 1)
+def chunk_seed(seed: int, step: int, name: str, chunk: int) -> int:
+    """The generator seed of chunk `chunk` of parameter `name`'s noise at step `step`: BLAKE2b keyed by the seed."""
+    message = f"{step} {_NOISE_STREAM} {name} {chunk}".encode()
+    digest = hashlib.blake2b(message, key=str(seed).encode()[:64], digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def noise_source(secure: bool) -> str:
@@ -45,7 +45,7 @@ def noise_source(secure: bool) -> str:
             "from OS entropy: statistically, not cryptographically, strong")
 
 
-def secure_normal(seed: int, step: int, stream: int, chunk: int, size: int) -> np.ndarray:
+def secure_normal(seed: int, step: int, stream: int, chunk, size: int) -> np.ndarray:
     """`size` standard normals from a cryptographic generator keyed by (seed, step, stream, chunk): SHAKE-256's
     output read as 53-bit uniforms, Box-Muller in float64 (tails to ~8.6σ). Deterministic, so every rank (or
     shard) draws the same values for the same key."""
@@ -57,59 +57,47 @@ def secure_normal(seed: int, step: int, stream: int, chunk: int, size: int) -> n
 
 
 def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step: int, scale: float = 1.0,
-              secure: bool = False) -> None:
-    """Add N(0, (σ·C·scale)²) to every `p.grad`, drawn in float32 on the gradients' device.
+              secure: bool = False, names=None) -> None:
+    """Add N(0, (σ·C·scale)²) to every `p.grad`, drawn in float32 on the gradients' device. `names`, the
+    parameters' names (the same on every rank and under every wrapper), key their noise; without them a
+    parameter is named by its position in `params`.
 
-    `max_grad_norm` C may be a 0-dim tensor on the device (adaptive clipping): the standard deviation then never
-    leaves the device. `scale` is the normalisation the clipped sums already carry (1 / expected batch size).
-    `secure` draws each chunk from [`secure_normal`] on the host instead of torch's generator (slower: about a
-    second per 10⁸ elements on one CPU core).
+    A sharded gradient (an FSDP2 DTensor) gets the noise of its own elements only, drawn chunk by chunk (memory
+    of one chunk beyond the shard). `max_grad_norm` C may be a 0-dim tensor on the device (adaptive clipping): the
+    standard deviation then never leaves the device. `scale` is the normalisation the clipped sums already carry
+    (1 / expected batch size). `secure` draws each chunk from [`secure_normal`] on the host instead of torch's
+    generator (slower: about a second per 10⁸ elements on one CPU core).
     """
-    grads = [_contiguous_grad(param) for param in params]
-    total = sum(grad.numel() for grad in grads)
     std = noise_multiplier * scale * max_grad_norm
-    position = [0, 0]  # (parameter, element within it) where the next chunk starts
-    for chunk, start in enumerate(range(0, total, NOISE_CHUNK)):
-        size = min(NOISE_CHUNK, total - start)
-        device = grads[position[0]].device
-        if secure:
-            draws = secure_normal(seed, step, _NOISE_STREAM, chunk, size).astype(np.float32)
-            noise = to_device(torch.from_numpy(draws), device)
-        else:
-            generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, step, chunk))
-            noise = torch.randn(size, generator=generator, device=device, dtype=torch.float32)
-        if isinstance(std, torch.Tensor):
-            noise.mul_(std)
-            alpha = 1.0
-        else:
-            alpha = float(std)
-        targets, pieces = _split(grads, noise, position)
-        torch._foreach_add_(targets, pieces, alpha=alpha)
+    params = list(params)
+    names = [str(index) for index in range(len(params))] if names is None else list(names)
+    for param, name in zip(params, names, strict=True):
+        flat, first, total = local_elements(_contiguous_grad(param))
+        last = first + flat.numel()
+        for chunk in range(first // NOISE_CHUNK, -(-last // NOISE_CHUNK)):
+            start = chunk * NOISE_CHUNK
+            size = min(NOISE_CHUNK, total - start)  # fixed by the parameter: the same draws on every rank
+            noise = _draw(seed, step, name, chunk, size, flat.device, secure)
+            lo, hi = max(first, start), min(last, start + size)
+            piece = noise[lo - start : hi - start]
+            if isinstance(std, torch.Tensor):
+                flat[lo - first : hi - first].add_(piece.mul_(std))
+            else:
+                flat[lo - first : hi - first].add_(piece, alpha=float(std))
+
+
+def _draw(seed: int, step: int, name: str, chunk: int, size: int, device, secure: bool) -> torch.Tensor:
+    if secure:
+        draws = secure_normal(seed, step, _NOISE_STREAM, f"{name} {chunk}", size).astype(np.float32)
+        return to_device(torch.from_numpy(draws), device)
+    generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, step, name, chunk))
+    return torch.randn(size, generator=generator, device=device, dtype=torch.float32)
 
 
 def _contiguous_grad(param) -> torch.Tensor:
     if not param.grad.is_contiguous():
         param.grad = param.grad.contiguous()
     return param.grad
-
-
-def _split(grads, noise, position):
-    """The gradient slices one chunk of noise covers, and the matching noise slices (views only)."""
-    targets, pieces, used = [], [], 0
-    while used < noise.numel():
-        index, offset = position
-        grad = grads[index]
-        take = min(grad.numel() - offset, noise.numel() - used)
-        piece = noise[used : used + take]
-        if offset == 0 and take == grad.numel():
-            targets.append(grad)
-            pieces.append(piece.view(grad.shape))
-        else:
-            targets.append(grad.view(-1)[offset : offset + take])
-            pieces.append(piece)
-        used += take
-        position[:] = [index + 1, 0] if offset + take == grad.numel() else [index, offset + take]
-    return targets, pieces
 
 
 def add_scalar_noise(values, stds, *, seed: int, step: int, secure: bool = False):

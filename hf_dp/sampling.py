@@ -62,12 +62,14 @@ class PoissonBatchSampler:
             if self.within_budget is not None and not self.within_budget(step):
                 return
             units = poisson_sample(self.num_units, self.sample_rate, self.seed, step)
-            yield SampledUnits(step=step, units=units[self.rank :: self.world_size], total=len(units))
+            shares = tuple(units[rank :: self.world_size] for rank in range(self.world_size))
+            yield SampledUnits(step=step, units=shares[self.rank], total=len(units), shares=shares)
 
 
 class SampledUnits(NamedTuple):
-    """One logical batch: this rank's units and the size of the whole sample."""
+    """One logical batch: this rank's units, the size of the whole sample, and every rank's units."""
 
     step: int
     units: np.ndarray
     total: int
+    shares: tuple = ()

@@ -1,7 +1,8 @@
 """One DP step, in three stages: per-example losses of a micro-batch, per-unit clipping, and aggregation.
 
-Aggregation all-reduces the clipped sums across ranks (each rank clipped its own units), adds the Gaussian noise
-once (the same on every rank, from the shared seed) and leaves every gradient divided by the expected batch size
+Aggregation all-reduces the clipped sums across ranks (each rank clipped its own units; under FSDP2 they were
+reduce-scattered into the gradient shards pass by pass), adds the Gaussian noise once (the same on every rank for
+the same element, from the shared seed) and leaves every gradient divided by the expected batch size
 q·N (folded into the clip factors and the noise scale). Everything stays on the device: what the host needs about
 the sample (units, packing) is known before the forward pass.
 """
@@ -15,6 +16,7 @@ from .losses import packed_per_example_loss, per_example_loss
 from .compatibility import check_per_example
 from .noise import add_noise
 from .releases import StepSums
+from .sharding import is_sharded
 from .transfer import to_device
 
 
@@ -68,22 +70,25 @@ def clip_units(trainer, model, micro_batches, *, max_grad_norm, expected_batch_s
         unit_losses = losses.detach().float()
         if units is not None:  # ULS: the user's mean loss, in the order of `norms` (the unit index owns it)
             unit_losses = units.sum_examples(unit_losses)
-        sums.add(unit_losses, norms, max_grad_norm, trainer.args.max_loss)
+        if not micro_batch.padding:  # a padding pass (FSDP2) contributes zero and releases nothing
+            sums.add(unit_losses, norms, max_grad_norm, trainer.args.max_loss)
     return sums
 
 
-def aggregate(params: list, sums: StepSums, *, noise_multiplier: float, max_grad_norm, seed: int, step: int,
-              expected_batch_size: float, distributed: bool, secure_noise: bool = False) -> None:
-    """All-reduce the clipped sums, then add N(0, (σ·C/(q·N))²) once to every gradient element."""
+def aggregate(params: list, names: list, sums: StepSums, *, noise_multiplier: float, max_grad_norm, seed: int,
+              step: int, expected_batch_size: float, distributed: bool, secure_noise: bool = False) -> None:
+    """All-reduce the clipped sums (sharded gradients were reduce-scattered already, pass by pass), then add
+    N(0, (σ·C/(q·N))²) once to every gradient element, keyed by the parameters' `names`."""
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
     if distributed:
         for param in params:
-            torch.distributed.all_reduce(param.grad)
+            if not is_sharded(param.grad):
+                torch.distributed.all_reduce(param.grad)
         sums.all_reduce()
-    add_noise(params, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, seed=seed, step=step,
-              scale=1.0 / expected_batch_size, secure=secure_noise)
+    add_noise(params, names=names, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, seed=seed,
+              step=step, scale=1.0 / expected_batch_size, secure=secure_noise)
 
 
 def check_some_gradient(params: list, micro_batches) -> None:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from . import checkpoint, compatibility, contribution, step
+from . import checkpoint, compatibility, contribution, sharding, step
 from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity, poisson_capacity
@@ -86,7 +86,8 @@ class DPTrainerMixin(PrivacyReporting):
             self.args.per_device_train_batch_size = requested or self._pass_rows(self.args)
         compatibility.check_model_state(self.model)
         compatibility.check_labels(self.partition.dataset, base_model(self.model))
-        compatibility.check_not_sharded(self)
+        sharding.check_supported(self)  # FSDP2 trains sharded; DeepSpeed and FSDP1 are refused
+        self._sharded_clipping = False  # the clipper follows FSDP2's sharded parameters from the first step
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
@@ -154,7 +155,8 @@ class DPTrainerMixin(PrivacyReporting):
         dataset = self._remove_unused_columns(self.partition.dataset, description="training")
         batches = LogicalBatches(dataset, unit_rows=self.partition.user_rows if plan.mechanism == "uls" else None,
                                  data_collator=self.data_collator,
-                                 micro_batch_size=self.args.per_device_train_batch_size)
+                                 micro_batch_size=self.args.per_device_train_batch_size,
+                                 align_passes=self.is_fsdp_enabled)
         sampler = PoissonBatchSampler(
             plan.num_units, plan.sample_rate, plan.steps, self._seed, rank=self.args.process_index,
             world_size=self.args.world_size, start_step=self.budget.steps,
@@ -175,6 +177,10 @@ class DPTrainerMixin(PrivacyReporting):
         plan = self.privacy_plan
         model.train()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if self.is_fsdp_enabled and not self._sharded_clipping:  # accelerate has sharded the model by now
+            sharding.check_sharded(params)
+            self.clipper.shard(sharding.add_to_shard)
+            self._sharded_clipping = True
         # C_t: fixed, or adaptive clipping's tracked norm (from earlier releases only), as a device tensor
         max_grad_norm = self.quantile_tracker.norm_on(self.args.device) if self.quantile_tracker is not None \
             else self.args.max_grad_norm
@@ -182,7 +188,7 @@ class DPTrainerMixin(PrivacyReporting):
             sums = step.clip_units(self, model, inputs.micro_batches, max_grad_norm=max_grad_norm,
                                    expected_batch_size=plan.expected_batch_size, causal_lm=self._causal_lm)
         step.check_some_gradient(params, inputs.micro_batches)
-        step.aggregate(params, sums, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
+        step.aggregate(params, self._parameter_names(params), sums, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
                        seed=self._seed, step=inputs.step, expected_batch_size=plan.expected_batch_size,
                        distributed=self.accelerator.num_processes > 1, secure_noise=self.args.secure_noise)
         if self.args.enable_jit_checkpoint:  # only a just-in-time save lands between here and the update
@@ -193,6 +199,13 @@ class DPTrainerMixin(PrivacyReporting):
         if loss_sum is None:  # nothing computed from the data is logged
             return torch.zeros((), dtype=torch.float32, device=self.args.device)
         return (loss_sum / plan.expected_batch_size).to(torch.float32)
+
+    def _parameter_names(self, params) -> list[str]:
+        """The parameters' names in the model, the same on every rank, sharded or not: they key the noise."""
+        names = getattr(self, "_names_by_id", {})
+        if any(id(param) not in names for param in params):
+            names = self._names_by_id = {id(param): name for name, param in self.model.named_parameters()}
+        return [names.get(id(param), f"#{index}") for index, param in enumerate(params)]
 
     # Private Trainer hooks with no public equivalent (their existence is checked by `check_trainer_hooks`).
 

@@ -27,7 +27,7 @@ from trainer_fixtures import make_args, one_line
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"fp16": True}, "bf16"),
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
-        ({"fsdp": "full_shard"}, "FSDP"),
+        ({"fsdp": "full_shard", "fsdp_config": {"version": 1}}, "FSDP2 only"),
     ],
 )
 def test_argument_validation(tmp_path, overrides, message):

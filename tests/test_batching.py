@@ -82,3 +82,21 @@ def test_a_logical_batch_of_rows_collates_the_sampled_rows():
     batch = batches[SampledUnits(step=0, units=np.array([1, 4, 5, 8, 9]), total=5)]
     assert [micro.features["row"] for micro in batch.micro_batches] == [["r1", "r4", "r5"], ["r8", "r9"]]
     assert all(micro.units is None and micro.loss_weights is None for micro in batch.micro_batches)
+
+
+@pytest.mark.parametrize("unit_rows", [None, [np.array([0, 1, 2]), np.array([3]), np.array([4, 5]), np.array([6])]],
+                         ids=["rows", "users"])
+def test_sharded_ranks_get_as_many_passes_as_the_busiest_with_zero_weight_padding(unit_rows):
+    """FSDP2 runs collectives in every pass: a rank with fewer (or no) units pads with one-row passes of loss
+    weight 0 up to the busiest rank's count, computed on the host from every rank's share."""
+    dataset = Dataset.from_dict({"row": [f"r{i}" for i in range(10)]})
+    batches = LogicalBatches(dataset, unit_rows=unit_rows, data_collator=_rows_collator, micro_batch_size=2,
+                             align_passes=True)
+    shares = (np.array([0, 1, 2]), np.array([], dtype=int))
+    busy, idle = (batches[SampledUnits(step=1, units=share, total=3, shares=shares)] for share in shares)
+    assert len(busy.micro_batches) == len(idle.micro_batches) >= 2
+    assert not any(micro.padding for micro in busy.micro_batches)
+    for micro in idle.micro_batches:
+        assert micro.padding and micro.num_examples == 1 and micro.loss_weights.tolist() == [0.0]
+    unaligned = LogicalBatches(dataset, unit_rows=unit_rows, data_collator=_rows_collator, micro_batch_size=2)
+    assert unaligned[SampledUnits(step=1, units=shares[1], total=3, shares=shares)].micro_batches == []

@@ -12,7 +12,7 @@ import transformers
 from packaging.specifiers import SpecifierSet
 from transformers import Trainer
 
-from hf_dp.compatibility import (SUPPORTED_TRANSFORMERS, check_model, check_no_loss_override, check_not_sharded,
+from hf_dp.compatibility import (SUPPORTED_TRANSFORMERS, check_model, check_no_loss_override,
                                  check_per_example, check_trainer_hooks, version_supported)
 from trainer_fixtures import one_line
 
@@ -105,13 +105,6 @@ def test_a_loss_function_must_return_one_loss_per_example():
                           ([0.0] * 4, "list")]:
         with pytest.raises(ValueError, match=f"compute_loss_func returned {shown} for a batch of 4 examples"):
             check_per_example(losses, 4)
-
-
-def test_sharded_training_is_refused():
-    check_not_sharded(SimpleNamespace(is_fsdp_enabled=False, is_deepspeed_enabled=False))
-    for flag in ("is_fsdp_enabled", "is_deepspeed_enabled"):
-        with pytest.raises(ValueError, match="FSDP / DeepSpeed"):
-            check_not_sharded(SimpleNamespace(**{flag: True}))
 
 
 def test_the_supported_transformers_range():

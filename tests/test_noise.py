@@ -1,4 +1,4 @@
-"""`hf_dp/noise.py`: the gradient noise's law, and each element's noise a function of (seed, step, position) only."""
+"""`hf_dp/noise.py`: the gradient noise's law, and each element's noise a function of (seed, step, parameter, index)."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,20 +35,28 @@ def test_a_device_tensor_clipping_norm_gives_the_same_noise_as_the_float():
     torch.testing.assert_close(_flat_noise(as_tensor), _flat_noise(as_float))
 
 
-@pytest.mark.parametrize("chunk", [5, 8, 1 << 22])
-def test_each_elements_noise_depends_only_on_seed_step_and_position(monkeypatch, chunk):
-    """However the flat parameter vector is cut into parameters (or shards), element k gets the same value: the
-    k-th of its chunk's draw, seeded by (seed, step, chunk) alone."""
+@pytest.mark.parametrize("chunk", [5, 8, 1 << 20])
+def test_each_elements_noise_depends_only_on_seed_step_parameter_and_index(monkeypatch, chunk):
+    """Element k of parameter `name` gets the (k mod chunk)-th value of the draw seeded by (seed, step, name,
+    k // chunk) alone: the other parameters, their order and a shard's rows (as FSDP2 splits them) change nothing."""
     monkeypatch.setattr(noise, "NOISE_CHUNK", chunk)
-    cut_one, cut_two = _grads((3, 4), (5,), (2, 2, 3)), _grads((25,), (4,))  # 29 elements each
-    for params in (cut_one, cut_two):
-        noise.add_noise(params, noise_multiplier=1.0, max_grad_norm=1.0, seed=9, step=4)
-    torch.testing.assert_close(_flat_noise(cut_one), _flat_noise(cut_two))
+    whole = _grads((7, 3), (5,))
+    noise.add_noise(whole, names=["w", "b"], noise_multiplier=1.0, max_grad_norm=1.0, seed=9, step=4)
+    reordered = _grads((5,), (7, 3))
+    noise.add_noise(reordered, names=["b", "w"], noise_multiplier=1.0, max_grad_norm=1.0, seed=9, step=4)
+    torch.testing.assert_close(reordered[1].grad, whole[0].grad)
     expected = torch.cat([
-        torch.randn(min(chunk, 29 - start), generator=torch.Generator().manual_seed(noise.chunk_seed(9, 4, index)))
-        for index, start in enumerate(range(0, 29, chunk))
+        torch.randn(min(chunk, 21 - start), generator=torch.Generator().manual_seed(noise.chunk_seed(9, 4, "w", j)))
+        for j, start in enumerate(range(0, 21, chunk))
     ])
-    torch.testing.assert_close(_flat_noise(cut_one), expected)
+    torch.testing.assert_close(whole[0].grad.reshape(-1), expected)
+    for rows in ([0, 3], [3, 6], [6, 7]):  # three ranks' shards of w, each noised alone
+        shard = torch.zeros(rows[1] - rows[0], 3)
+        monkeypatch.setattr(noise, "local_elements", lambda grad, r=rows: (grad.view(-1), r[0] * 3, 21))
+        param = torch.nn.Parameter(shard.clone())
+        param.grad = shard
+        noise.add_noise([param], names=["w"], noise_multiplier=1.0, max_grad_norm=1.0, seed=9, step=4)
+        torch.testing.assert_close(param.grad, whole[0].grad[rows[0] : rows[1]])
 
 
 def test_noise_differs_between_steps_and_seeds_and_adds_to_what_is_there():

@@ -97,8 +97,8 @@ def test_aggregation_adds_noise_of_std_sigma_c_over_the_expected_batch_to_every_
     params = [torch.nn.Parameter(torch.zeros(300, 200)), torch.nn.Parameter(torch.zeros(5000))]
     params[1].grad = torch.full((5000,), 0.25)  # a clipped sum already there
     sums = SimpleNamespace(all_reduce=lambda: pytest.fail("one process: nothing to all-reduce"))
-    aggregate(params, sums, noise_multiplier=0.8, max_grad_norm=0.5, seed=1, step=0, expected_batch_size=4.0,
-              distributed=False)
+    aggregate(params, ["w", "b"], sums, noise_multiplier=0.8, max_grad_norm=0.5, seed=1, step=0,
+              expected_batch_size=4.0, distributed=False)
     assert params[0].grad is not None  # a parameter without a gradient still gets the noise
     noise = torch.cat([params[0].grad.flatten(), params[1].grad - 0.25]).double()
     std = 0.8 * 0.5 / 4.0

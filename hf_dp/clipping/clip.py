@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -123,10 +123,13 @@ def unit_norms(
 
 def add_clipped_sums(
     norm_sq_parts: List[Tensor], reducers: Dict[nn.Parameter, Reducer], step: ClippingStep,
-    params: Sequence[nn.Parameter],
+    params: Sequence[nn.Parameter], sink: Optional[Callable[[nn.Parameter, Tensor], None]] = None,
 ) -> Tensor:
     """Adds grad_scale · Σ_u min(1, C/‖g_u‖)·g_u to each parameter's `.grad` (zeros for `params` that got
-    nothing); returns the `(U,)` float32 pre-clip norms over all parameters jointly."""
+    nothing); returns the `(U,)` float32 pre-clip norms over all parameters jointly.
+
+    With `sink` (sharded parameters), `sink(param, clipped_sum)` takes each parameter's clipped sum instead, for
+    every one of `params` in their order (zeros where nothing reached it), so that every rank calls it alike."""
     units = step.units
     # Every layer's norms combined once, on the device (no per-layer accumulation, no host read).
     norm_sq = _stacked_sum(norm_sq_parts, units.num_units, step.device)
@@ -134,6 +137,12 @@ def add_clipped_sums(
     # min(1, C/‖g_u‖)·s; a zero norm gives inf -> s.
     unit_weights = ((step.max_grad_norm * step.grad_scale) / norms).clamp(max=step.grad_scale)
     unit_weights = unit_weights.to(norm_sq_parts[0].dtype if norm_sq_parts else torch.float32)  # once
+    if sink is not None:
+        for param in params:
+            reducer = reducers.pop(param, None)
+            sink(param, reducer(unit_weights).to(param.dtype) if reducer is not None
+                 else torch.zeros(param.shape, dtype=param.dtype, device=step.device))
+        return norms.to(torch.float32)
     for param, reducer in reducers.items():
         clipped_sum = reducer(unit_weights).to(param.dtype)
         if param.grad is None:

@@ -31,6 +31,7 @@ from .clip import ClippingStep, add_clipped_sums, autocast_disabled, ensure_grad
 from .rows import check_rows
 from .terms import STRATEGIES
 from .units import UnitIndex
+from .registry import UnsupportedLayerError
 
 
 class GhostClipper:
@@ -106,6 +107,16 @@ class GhostClipper:
         self._checks = AttributionChecks(self._attached, enabled=check_coverage)
         check_gradient_checkpointing(model)
         self.forward_capture = ForwardCapture(model, self._attached.by_module)
+        self._sink = None  # set by `shard`: where the clipped sums of sharded parameters go
+
+    def shard(self, sink) -> None:
+        """Follow the parameters a sharding wrapper (FSDP2's `fully_shard`) put on the hooked modules in place of
+        the originals, and hand each clipped sum (the shape of the whole parameter) to `sink(param, clipped_sum)`
+        instead of adding it to `.grad`. The hooks, the rules and the checks already done are kept."""
+        for layer in self._attached.by_module.values():
+            for name in layer.params:
+                layer.params[name] = getattr(layer.module, name)
+        self._sink = sink
 
     @property
     def layers(self) -> Dict[str, str]:
@@ -206,6 +217,11 @@ class GhostClipper:
         coverage is checked), into `step`; the first sight of a row layout also checks its attribution."""
         edges = [capture.output_edge for capture in step.captures]
         unverified = self._checks.unverified_rows(step)
+        if unverified and self._sink is not None:
+            raise UnsupportedLayerError(
+                f"GhostClipper: a row layout first seen after sharding ({step.captures[unverified[0]].layer.path}); "
+                "its attribution check needs extra backward passes that sharded ranks cannot run out of step: "
+                "train once unsharded with the same batch layout to find the cause.")
         with self.forward_capture.backward_pass():
             try:
                 # Weighted backward passes (graph kept) reduce each new layout's output gradient to a few
@@ -231,4 +247,4 @@ class GhostClipper:
         norm_sq_parts, reducers, scales = unit_norms(terms_by_param, step.units, self.strategy, measure_scales=checking)
         if checking:
             self._checks.verify_coverage(step, reducers, scales, bits_by_param)
-        return add_clipped_sums(norm_sq_parts, reducers, step, self._attached.params)
+        return add_clipped_sums(norm_sq_parts, reducers, step, self._attached.params, self._sink)

@@ -19,7 +19,8 @@ def free_port() -> int:
 
 
 def launch(out: Path, num_processes: int, sampling: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parent.parent)]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     if num_processes == 1:
         command = [sys.executable, str(HERE / "distributed_train.py"), str(out), sampling]
     else:

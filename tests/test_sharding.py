@@ -1,0 +1,61 @@
+"""`hf_dp/sharding.py`: the refusals of sharded setups DP cannot run exactly, and which elements a rank holds.
+
+The sharded path itself (reduce-scatter into DTensor shards) runs with two gloo processes in
+`tests/trainer/test_fsdp.py`; here a one-rank mesh checks the DTensor calls."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+from hf_dp import sharding
+
+
+def _trainer(**plugin):
+    settings = dict(fsdp_version=2, activation_checkpointing=False, cpu_offload=OffloadPolicy(),
+                    cpu_ram_efficient_loading=False)
+    settings.update(plugin)
+    return SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True,
+                           accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(**settings))))
+
+
+@pytest.mark.parametrize("plugin, message", [
+    ({"fsdp_version": 1}, "FSDP2 only"),
+    ({"activation_checkpointing": True}, "gradient_checkpointing=True"),
+    ({"cpu_offload": CPUOffloadPolicy()}, "fsdp_offload_params: false"),
+    ({"cpu_ram_efficient_loading": True}, "fsdp_cpu_ram_efficient_loading"),
+])
+def test_sharded_setups_that_would_not_clip_exactly_are_refused_in_one_line(plugin, message):
+    sharding.check_supported(_trainer())  # FSDP2 as recipes/configs/fsdp.yaml sets it
+    with pytest.raises(ValueError, match=message) as error:
+        sharding.check_supported(_trainer(**plugin))
+    assert "\n" not in str(error.value)
+
+
+def test_deepspeed_is_refused_with_a_pointer_to_fsdp2():
+    with pytest.raises(ValueError, match="recipes/configs/fsdp.yaml"):
+        sharding.check_supported(SimpleNamespace(is_deepspeed_enabled=True))
+
+
+def test_a_one_rank_shard_holds_the_whole_tensor_and_takes_the_whole_sum(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)]))
+        sharding.check_sharded([param])
+        with pytest.raises(ValueError, match="not sharded by FSDP2"):
+            sharding.check_sharded([torch.nn.Parameter(torch.zeros(2))])
+        full = torch.arange(15.0).reshape(5, 3)
+        sharding.add_to_shard(param, full)
+        sharding.add_to_shard(param, full)
+        assert sharding.is_sharded(param.grad)
+        flat, first, total = sharding.local_elements(param.grad)
+        assert (first, total) == (0, 15) and torch.equal(flat, 2 * full.reshape(-1))
+    finally:
+        dist.destroy_process_group()
