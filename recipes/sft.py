@@ -93,6 +93,11 @@ class ScriptArguments(RecipeArguments):
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer with a chat template (default: the model's)."}
     )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={"help": "A system message put before every conversation, train and test (public text); default: "
+                          "none (the chat template may add its own: SmolLM2's does)."},
+    )
 
 
 def main(script_args: ScriptArguments, training_args: DPSFTConfig) -> dict:

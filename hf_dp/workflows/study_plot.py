@@ -48,7 +48,9 @@ def plot_title(results: list[dict], quick: bool) -> str:
         name = Path(str(results[0]["base_model"])).name
         if name.startswith("smollm2"):
             name = "SmolLM2-135M-Instruct"
-        return f"{prefix}{name}: next token on Shakespeare speeches ({users})"
+        what = ("replies in Shakespeare conversations" if results[0].get("task") == "chat-sft"
+                else "next token on Shakespeare speeches")
+        return f"{prefix}{name}: {what} ({users})"
     users = f"{first['privacy']['num_users']} training roles" if first else "Shakespeare"
     return f"{prefix}all-MiniLM-L6-v2 on Shakespeare genres ({users})"
 
@@ -110,7 +112,8 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
     delta = next((r["delta"] for r in results if r.get("privacy") and r["privacy"]["privacy_unit"] == "user"), None)
     ax.set_xlabel("ε spent (log scale)" + (f"; user-level δ = {delta:.2g}" if delta else ""))
     if perplexity:
-        ax.set_ylabel("test NLL, nats per token (held-out plays; lower is better)")
+        tokens = "reply token" if results[0].get("task") == "chat-sft" else "token"
+        ax.set_ylabel(f"test NLL, nats per {tokens} (held-out plays; lower is better)")
     else:
         ax.set_ylabel("test accuracy (held-out plays)" + ("; bars: ±1 s.e." if any(_standard_error(r) for r in results)
                                                            else ""))
