@@ -13,10 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from app_fixtures import LABELS, make_results_dir, make_tokenizer, tiny_classifier
+from app_fixtures import (
+    LABELS,
+    make_chat_results_dir,
+    make_chat_tokenizer,
+    make_results_dir,
+    make_tokenizer,
+    tiny_chat_lm,
+    tiny_classifier,
+)
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows import app
 from hf_dp.workflows.app import budget as budget_tab
+from hf_dp.workflows.app import compare
 from hf_dp.workflows.app import training
 
 SMALL = dict(users=200, examples_per_user=2, examples_per_step=40, steps=20)  # fast planner calls: 400 examples
@@ -154,7 +163,7 @@ def test_compare_defaults_to_the_first_dp_run(results):
 
 def test_compare_classification_run(results):
     out = app.compare_view(results, "uls-eps8", "Once more unto the breach, dear friends")
-    assert out["error"] == "" and not out["causal_lm"]
+    assert out["error"] == "" and not out["language_model"] and out["columns"] == []
     for side in ("baseline", "dp"):
         assert set(out[side]) == set(LABELS)
         assert sum(out[side].values()) == pytest.approx(1.0, abs=1e-5)
@@ -162,10 +171,105 @@ def test_compare_classification_run(results):
 
 
 def test_compare_causal_lm_run_generates_side_by_side(results):
+    """A plain causal LM: its prompt as plain text; the base model and the run (no non-private causal LM here)."""
     out = app.compare_view(results, "lm-uls-eps8", "once more unto the")
-    assert out["error"] == "" and out["causal_lm"]
-    assert isinstance(out["baseline_text"], str) and isinstance(out["dp_text"], str)
-    assert 0 < sum(out["dp"].values()) <= 1.0 + 1e-6  # top next-token probabilities
+    assert out["error"] == "" and out["language_model"] and out["baseline"] is None
+    baseline, dp = out["columns"]
+    assert "Public-only baseline" in baseline["heading"] and "no private data" in baseline["heading"]
+    assert "test perplexity 35.000 (lower is better)" in baseline["heading"]  # the run's baseline_result
+    assert "`lm-uls-eps8`" in dp["heading"] and "ε = 7.9" in dp["heading"] and "perplexity 30.000" in dp["heading"]
+    assert baseline["text"] and dp["text"] and "⚠️" not in baseline["heading"] + dp["heading"]
+    assert "plain text" in out["decoding"] and "seed 0" in out["decoding"]
+
+
+@pytest.fixture(scope="module")
+def chat_results(tmp_path_factory):
+    return make_chat_results_dir(tmp_path_factory.mktemp("chat"))
+
+
+def test_compare_chat_run_shows_baseline_dp_and_non_private(chat_results):
+    out = app.compare_view(chat_results, None, "once more unto the breach", app.Decoding(seed=3, max_new_tokens=8))
+    assert out["error"] == "" and out["language_model"]
+    assert "chat template" in out["decoding"] and "seed 3" in out["decoding"] and "8 new tokens" in out["decoding"]
+    baseline, dp, non_private = out["columns"]
+    assert "no private data" in baseline["heading"] and "completion perplexity 40.000" in baseline["heading"]
+    assert MECHANISMS["uls"].label in dp["heading"] and "ε = 7.9, δ = 1e-05 (user-level)" in dp["heading"]
+    assert "completion perplexity 31.000 (lower is better)" in dp["heading"]
+    assert "no privacy guarantee" in non_private["heading"] and "25.000" in non_private["heading"]
+    assert all(column["text"] for column in out["columns"])
+    # the same seed gives the same texts; another seed, other samples (the models differ: so do their texts)
+    again = app.compare_view(chat_results, "uls-eps8", "once more unto the breach", app.Decoding(seed=3,
+                                                                                               max_new_tokens=8))
+    assert again["columns"] == out["columns"]
+    assert len({column["text"] for column in out["columns"]}) > 1
+    # the non-private run compared: baseline and it, no third column
+    assert len(app.compare_view(chat_results, "non-private", "once more")["columns"]) == 2
+
+
+def test_chat_prompt_goes_through_the_chat_template():
+    tokenizer = make_chat_tokenizer()
+    chat = compare.prompt_inputs(tokenizer, "once more", chat=True)["input_ids"][0].tolist()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "once more"}], add_generation_prompt=True,
+                                             tokenize=False)
+    assert rendered.startswith("[CLS] user once more [SEP]") and rendered.rstrip().endswith("[CLS] assistant")
+    assert chat == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    plain = compare.prompt_inputs(tokenizer, "once more", chat=False)["input_ids"][0].tolist()
+    assert tokenizer.decode(plain) == "once more"
+    with pytest.raises(app.AppError, match="no chat template"):
+        compare.prompt_inputs(make_tokenizer(), "once more", chat=True)
+
+
+def test_generation_is_seeded_and_leaves_the_global_rng_alone():
+    import torch
+
+    tokenizer = make_chat_tokenizer()
+    model = tiny_chat_lm(0, len(tokenizer)).eval()
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    texts = {seed: compare.generate_text(model, tokenizer, "king", chat=True,
+                                         decoding=app.Decoding(seed=seed, max_new_tokens=12)) for seed in (0, 1)}
+    assert torch.rand(1) == expected_next  # the seeded generation did not move the caller's RNG
+    assert texts[0] == compare.generate_text(model, tokenizer, "king", chat=True,
+                                             decoding=app.Decoding(seed=0, max_new_tokens=12))
+    assert texts[0] != texts[1]
+    greedy = [compare.generate_text(model, tokenizer, "king", chat=True,
+                                    decoding=app.Decoding(seed=seed, temperature=0)) for seed in (0, 1)]
+    assert greedy[0] == greedy[1]  # temperature 0: greedy, whatever the seed
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(seed=-1), "seed=-1: use a whole number >= 0"),
+    (dict(seed=1.5), "seed=1.5"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=10_000), "max_new_tokens=10000: use at most 200"),
+    (dict(temperature=-0.1), "temperature=-0.1"),
+    (dict(temperature=None), "temperature=None"),
+    (dict(top_p=0), "top_p=0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+])
+def test_decoding_refuses_bad_values(fields, match):
+    with pytest.raises(app.AppError, match=re.escape(match)):
+        app.Decoding(**fields)
+
+
+def test_a_missing_model_is_one_line_in_its_column(chat_results, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    shutil.rmtree(copy / "models" / "non-private")
+    out = app.compare_view(copy, "uls-eps8", "king")
+    assert out["error"] == ""
+    baseline, dp, non_private = out["columns"]
+    assert baseline["text"] and dp["text"] and non_private["text"] == ""
+    message = non_private["heading"].splitlines()[-1]
+    assert message.startswith("**⚠️") and "does not exist" in message and "Traceback" not in non_private["heading"]
+    result = json.loads((copy / "uls-eps8.json").read_text())
+    result["config"]["model_name_or_path"] = str(tmp_path / "gone")
+    (copy / "uls-eps8.json").write_text(json.dumps(result))
+    baseline = app.compare_view(copy, "uls-eps8", "king")["columns"][0]
+    assert baseline["text"] == "" and "base model folder" in baseline["heading"]
 
 
 @pytest.mark.parametrize("run, text, expected", [
@@ -337,9 +441,10 @@ def test_the_train_tab_shows_a_bad_number_and_starts_nothing(results):
     demo = app.build_app(results, training_job=job)
     functions = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns
     on_start = next(f.fn for f in functions if getattr(f, "name", None) == "on_start")
-    for values, match in ((("uls", 8.0, 96, 0, 24), "max_steps=0"), (("uls", float("nan"), 96, 8, 24),
-                                                                      "target_epsilon=nan"),
-                          (("uls", None, 96, 8, 24), "target_epsilon=None")):
+    for values, match in ((("chat-sft", "uls", 8.0, 96, 0, 24), "max_steps=0"),
+                          (("classification", "uls", float("nan"), 96, 8, 24), "target_epsilon=nan"),
+                          (("chat-sft", "uls", None, 96, 8, 24), "target_epsilon=None"),
+                          (("poetry", "uls", 8.0, 96, 8, 24), "task='poetry'")):
         with pytest.warns(UserWarning, match=match):  # gr.Warning, outside a page
             _, status, _ = on_start(*values)
         assert status.startswith("**⚠️") and match in status and "\n" not in status

@@ -60,7 +60,7 @@ from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_comma
 from .budget import budget_view, expected_accuracy_cost, plan_budget
 from .cards import privacy_card_markdown
 from .common import AppError, one_line
-from .compare import compare_view
+from .compare import Decoding, compare_view
 from .layout import build_app
 from .plot import privacy_utility_figure
 from .results import APP_RUNS_DIR, RunRecord, list_runs, results_overview_markdown
@@ -70,6 +70,7 @@ __all__ = [
     "APP_RUNS_DIR",
     "AppArguments",
     "AppError",
+    "Decoding",
     "RunRecord",
     "TrainingJob",
     "TrainingSettings",
