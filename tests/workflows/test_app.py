@@ -364,6 +364,51 @@ def test_training_job_reports_progress_and_epsilon():
     assert message.startswith("**⚠️ Training failed") and "\n" not in message
 
 
+def test_results_plot_of_a_chat_study_is_its_test_nll(chat_results, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    adaptive = json.loads((copy / "uls-eps8.json").read_text())
+    adaptive.update(run="uls-eps8-adaptive", eval_result=30.0)
+    adaptive["config"]["adaptive_clipping"] = True
+    (copy / "uls-eps8-adaptive.json").write_text(json.dumps(adaptive))
+    ax = app.privacy_utility_figure(app.list_runs(copy)).axes[0]
+    assert "NLL" in ax.get_ylabel() and "lower is better" in ax.get_ylabel()
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    uls = MECHANISMS["uls"].label
+    assert lines[uls].get_ydata()[0] == pytest.approx(math.log(31.0))
+    assert lines[f"{uls}, adaptive clipping"].get_ydata()[0] == pytest.approx(math.log(30.0))
+    assert lines[f"{uls}, adaptive clipping"].get_linestyle() == "--"
+    for key, value in (("public-only", 40.0), ("non-private", 25.0)):
+        line = next(line for label, line in lines.items() if label.startswith(MECHANISMS[key].label))
+        assert line.get_ydata()[0] == pytest.approx(math.log(value))
+
+
+@pytest.mark.parametrize("mechanism, private", [("uls", True), ("els", True), ("non-private", False)])
+def test_the_chat_run_trains_with_the_settings_picked(monkeypatch, mechanism, private):
+    """The Train tab's task, mechanism, ε and users per step are the DPSFTTrainer's arguments."""
+    from hf_dp.sft import DPSFTConfig
+    from hf_dp.workflows import pretrained
+    from hf_dp.workflows.tasks import chat_sft
+
+    calls = []
+    monkeypatch.setattr(chat_sft, "run_chat_sft", lambda config, args, callbacks: calls.append((config, args)) or {})
+    monkeypatch.setattr(pretrained, "smollm2_path", lambda: "/models/smollm2")
+    settings = app.TrainingSettings(task="chat-sft", mechanism=mechanism, target_epsilon=3.0, max_train_users=32,
+                                    max_steps=5, expected_batch_size=6)
+    app.run_app_training(settings, "some/results", [])
+    config, args = calls[0]
+    assert config.model_name_or_path == "/models/smollm2" and config.max_train_users == 32
+    assert config.results_dir == f"some/results/{app.APP_RUNS_DIR}" and config.run.startswith(f"app-chat-{mechanism}")
+    assert args.max_steps == 5 and args.max_length == config.max_length
+    if not private:
+        assert not isinstance(args, DPSFTConfig)
+    else:
+        assert isinstance(args, DPSFTConfig) and args.mechanism == mechanism
+        assert (args.target_epsilon, args.expected_batch_size) == (3.0, 6)
+
+
 def test_training_settings_take_mechanism_keys():
     with pytest.raises(app.AppError, match="mechanism='ULS'"):
         app.TrainingSettings(mechanism="ULS")
