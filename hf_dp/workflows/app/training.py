@@ -28,17 +28,13 @@ from .results import APP_RUNS_DIR
 # What the Train tab offers: the DP mechanisms and the non-private comparison.
 TRAIN_MECHANISMS = DP_MECHANISMS + ("non-private",)
 # Its tasks: the label of the choice, and the subset, steps and batch its controls default to (about a minute or
-# two on 2 CPU cores). The chat run follows the causal-LM study's recipe for SmolLM2 ([`CHAT_RECIPE`]).
+# two on 2 CPU cores). The chat run is the chat study's recipe (`SFT_SETTINGS` of hf_dp.workflows.study_settings).
 TRAIN_TASKS = {
     "chat-sft": dict(label="Chat SFT: SmolLM2-135M-Instruct replies as a Shakespeare role (LoRA)",
                      max_train_users=64, max_steps=6, expected_batch_size=8, max_eval_examples=32),
     "classification": dict(label="Classification: MiniLM predicts a speech's genre (LoRA)",
                            max_train_users=96, max_steps=8, expected_batch_size=24, max_eval_examples=128),
 }
-# Chat SFT: LoRA r = 8 on the queries and values of SmolLM2's top 4 layers, learning rate 1e-2, clipping norm 0.1
-# (`CAUSAL_LM_SETTINGS` of hf_dp.workflows.study_settings), one conversation per user per step (G = 1), 64 tokens.
-CHAT_RECIPE = dict(max_length=64, lora_target_modules=["q_proj", "v_proj"], lora_layers=[26, 27, 28, 29],
-                   learning_rate=1e-2, max_grad_norm=0.1, contribution_bound=1)
 
 
 def batch_size_label(mechanism: str) -> str:
@@ -208,21 +204,17 @@ def run_app_training(settings: TrainingSettings, results_dir, callbacks: Sequenc
 
 
 def _run_chat(common: dict, mechanism: str, fields: dict, callbacks: list) -> dict:
-    """SmolLM2 fine-tuned on Shakespeare conversations ([`CHAT_RECIPE`]), the study's tuning plays left out."""
+    """SmolLM2 fine-tuned on Shakespeare conversations with the chat study's recipe (`SFT_SETTINGS`: LoRA on the top
+    4 layers, 64 tokens, its system prompt and optimiser, G = 1; the study's tuning plays left out); the subset,
+    steps, ε and batch are the page's."""
     from hf_dp.workflows.pretrained import smollm2_path
-    from hf_dp.workflows.study_settings import TUNING_PLAYS
+    from hf_dp.workflows.study_settings import SFT_SETTINGS
     from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig, run_chat_sft
 
-    recipe = dict(CHAT_RECIPE)
-    config = ChatSFTConfig(**common, model_name_or_path=str(smollm2_path()), max_length=recipe.pop("max_length"),
-                           lora_target_modules=recipe.pop("lora_target_modules"), lora_layers=recipe.pop("lora_layers"),
-                           exclude_train_plays=list(TUNING_PLAYS), eval_batch_size=16)
-    fields.update(learning_rate=recipe.pop("learning_rate"))
-    if mechanism in DP_MECHANISMS:
-        fields.update(recipe, per_device_train_batch_size=16)
-    else:
-        fields.update(per_device_train_batch_size=8)
-    return run_chat_sft(config, config.training_arguments(mechanism, **fields), callbacks=callbacks)
+    config = ChatSFTConfig(**{**SFT_SETTINGS["config"], **common, "model_name_or_path": str(smollm2_path())})
+    recipe = SFT_SETTINGS["dp" if mechanism in DP_MECHANISMS else "non_private"]
+    arguments = config.training_arguments(mechanism, **{**recipe, **fields})
+    return run_chat_sft(config, arguments, callbacks=callbacks)
 
 
 def train_description(task: str, results_dir) -> str:
@@ -230,8 +222,8 @@ def train_description(task: str, results_dir) -> str:
     where = f"Its model, privacy card and result go to `{results_dir}/{APP_RUNS_DIR}/`"
     if task == "chat-sft":
         return ("A short LoRA run of SmolLM2-135M-Instruct with `DPSFTTrainer` on the Shakespeare conversations: each "
-                "user is a speaking role, each conversation a speech and that role's reply (64 tokens; a seeded "
-                f"subset of the roles). {where}, so the Compare tab can then generate with it. The loss shown is "
+                "user is a speaking role, each conversation a speech and that role's reply (the chat study's recipe, "
+                f"64 tokens, on a seeded subset of the roles). {where}, so the Compare tab can then generate with it. The loss shown is "
                 "the trainer's noised release, covered by ε. On 2 CPU cores expect a minute or two.")
     return ("A short run of the embedded MiniLM on a small subset of the Shakespeare genres (users are speaking "
             f"roles). It uses the study's recipe (LoRA, 32 tokens). {where}. On 2 CPU cores expect about a minute.")
