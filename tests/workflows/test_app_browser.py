@@ -196,7 +196,8 @@ def test_app_in_headless_chromium(server, page, tmp_path):
 
 
 def textarea_filled(page, selector: str) -> str:
-    page.wait_for_function("sel => (document.querySelector(sel)?.value || '').trim().length > 0", arg=selector)
+    page.wait_for_function("sel => (document.querySelector(sel)?.value || '').trim().length > 0", arg=selector,
+                           timeout=120_000)  # loading two SmolLM2s and generating on a busy 2-core machine
     return page.locator(selector).input_value()
 
 
@@ -215,7 +216,7 @@ def test_train_a_chat_model_then_compare_its_generations(lm_server, page, tmp_pa
     page.locator("#train-batch input").press("Tab")
     page.locator("#start-training").click()
     page.wait_for_function("() => /Finished|Failed|⚠️/.test(document.querySelector('#train-status')?.innerText "
-                           "|| '')", timeout=150_000)
+                           "|| '')", timeout=240_000)
     status = page.locator("#train-status").inner_text()
     assert "Finished" in status and "completion perplexity" in status, status
     progress = page.locator("#train-progress").inner_text()

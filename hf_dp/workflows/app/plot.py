@@ -71,7 +71,7 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
     ax.set_xticks(ticks + [right])
     ax.set_xticklabels([f"{t:g}" for t in ticks] + ["∞"])
     ax.set_xlabel("ε spent (log scale)")
-    ax.set_ylabel(f"test NLL, nats per token (log {metric_name}; lower is better)" if lower
+    ax.set_ylabel(f"test NLL = log {metric_name}\n(nats per token; lower is better)" if lower
                   else f"test {metric_name}")
     quick = study_is_quick(study[0].folder)
     ax.set_title("Privacy / utility" + (" (quick study: the numbers mean nothing)" if quick else ""), fontsize=10)
