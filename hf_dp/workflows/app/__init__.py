@@ -39,10 +39,10 @@ job, each testable without gradio except the page itself:
 Mechanisms are named by the keys of [`~hf_dp.vocabulary.MECHANISMS`] (a result JSON's `mechanism`), evaluation
 figures by [`~hf_dp.vocabulary.EVAL_KEYS`] (`eval_result`, `baseline_result`, `non_private_result`).
 
-Errors (no results yet, an impossible budget, a missing model) are shown in the page as one line, never as a
-stack trace. The page needs no network: gradio analytics are off, fonts and scripts are served locally, models
-load from the results folder, the embedded MiniLM and the converted SmolLM2. (A causal-LM run whose base model is a Hub id needs that
-model in the local cache; run with `HF_HUB_OFFLINE=1` to be sure nothing reaches the Hub.)
+Errors (no results yet, an impossible budget, a missing model) are shown in the page as one line, never as a stack
+trace. The page needs no network: gradio analytics are off, fonts and scripts are served locally, models load from
+the results folder, the embedded MiniLM and the converted SmolLM2. (A causal-LM run whose base model is a Hub id
+needs that model in the local cache; run with `HF_HUB_OFFLINE=1` to be sure nothing reaches the Hub.)
 
 Example:
 

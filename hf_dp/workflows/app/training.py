@@ -223,8 +223,8 @@ def train_description(task: str, results_dir) -> str:
     if task == "chat-sft":
         return ("A short LoRA run of SmolLM2-135M-Instruct with `DPSFTTrainer` on the Shakespeare conversations: each "
                 "user is a speaking role, each conversation a speech and that role's reply (the chat study's recipe, "
-                f"64 tokens, on a seeded subset of the roles). {where}, so the Compare tab can then generate with it. The loss shown is "
-                "the trainer's noised release, covered by ε. On 2 CPU cores expect a minute or two.")
+                f"64 tokens, on a seeded subset of the roles). {where}, so the Compare tab can then generate with it. "
+                "The loss shown is the trainer's noised release, covered by ε. On 2 CPU cores expect a minute or two.")
     return ("A short run of the embedded MiniLM on a small subset of the Shakespeare genres (users are speaking "
             f"roles). It uses the study's recipe (LoRA, 32 tokens). {where}. On 2 CPU cores expect about a minute.")
 
@@ -269,7 +269,7 @@ def job_status_markdown(state: Mapping) -> str:
         better = "; lower is better" if lower_is_better(result.get("metric_name")) else ""
         return (f"**Finished `{result.get('run')}`**: {result.get('metric_name', 'metric')} "
                 f"{format_number(result.get('eval_result'), '.3f')} (public-only baseline "
-                f"{format_number(result.get('baseline_result'), '.3f')}{better}), {eps_text}. It is listed in the Compare and "
-                f"Results tabs as `{APP_RUNS_DIR}/{result.get('run')}`. Quick runs on small subsets: the numbers are "
-                "noisy.")
+                f"{format_number(result.get('baseline_result'), '.3f')}{better}), {eps_text}. It is listed in the "
+                f"Compare and Results tabs as `{APP_RUNS_DIR}/{result.get('run')}`. Quick runs on small subsets: the "
+                "numbers are noisy.")
     return ""
