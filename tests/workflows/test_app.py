@@ -257,6 +257,21 @@ def test_decoding_refuses_bad_values(fields, match):
         app.Decoding(**fields)
 
 
+def test_a_train_tab_run_is_compared_with_the_studys_non_private_run(chat_results, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    shutil.copytree(copy / "models" / "uls-eps8", copy / app.APP_RUNS_DIR / "models" / "app-uls")
+    result = json.loads((copy / "uls-eps8.json").read_text())
+    result.update(run="app-uls", model_dir="models/app-uls", baseline_result=41.0)
+    (copy / app.APP_RUNS_DIR / "app-uls.json").write_text(json.dumps(result))
+    baseline, dp, non_private = app.compare_view(copy, f"{app.APP_RUNS_DIR}/app-uls", "king")["columns"]
+    assert "41.000" in baseline["heading"]  # the app run's baseline_result, on its own test rows
+    assert f"`{app.APP_RUNS_DIR}/app-uls`" in dp["heading"] and dp["text"]
+    assert "`non-private`" in non_private["heading"] and "on its own test rows" in non_private["heading"]
+
+
 def test_a_missing_model_is_one_line_in_its_column(chat_results, tmp_path):
     import shutil
 

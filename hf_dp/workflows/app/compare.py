@@ -267,6 +267,8 @@ def language_model_columns(results_dir, run: RunRecord, prompt: str, decoding: D
             continue
         heading = (f"#### {mechanism_label(other.mechanism)}: `{other.name}`\n{other.guarantee()} · "
                    f"{_metric_text(other, other.eval_result)}")
+        if other.from_app != run.from_app:  # a study run beside a Train-tab run: other test rows
+            heading += " (on its own test rows)"
         columns.append(_column(heading, lambda other=other: _language_model(other.model_path, "model"), prompt,
                                decoding, **prompting))
     return columns
