@@ -2,8 +2,9 @@
 
 `make_results_dir(root)` writes what `hf-dp demo` would: result JSONs (keys of
 `hf_dp.workflows.run_results.RESULT_KEYS`, mechanisms named by `hf_dp.vocabulary.MECHANISMS`), saved models with
-tokenizers and privacy cards under `models/<run>/`, and `summary.json`; plus a causal-LM run. The numbers are
-invented; nothing here trains.
+tokenizers and privacy cards under `models/<run>/`, and `summary.json`; plus a causal-LM run. `make_chat_results_dir`
+writes a chat-SFT study (task `chat-sft`: baseline, non-private, ULS) of tiny Llamas with a chat template. The
+numbers are invented; nothing here trains.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from transformers import (
     BertForSequenceClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
 
@@ -44,6 +47,21 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
                                    model_max_length=32)
 
 
+# ChatML-like, in the tokenizer's words: [CLS] opens a turn, [SEP] ends it (SmolLM2's has no generation marks either)
+CHAT_TEMPLATE = ("{% for m in messages %}[CLS] {{ m['role'] }} {{ m['content'] }} [SEP] {% endfor %}"
+                 "{% if add_generation_prompt %}[CLS] assistant {% endif %}")
+
+
+CHAT_SYSTEM_PROMPT = "you are the king of england"
+
+
+def make_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """`make_tokenizer` with a chat template (the role names are unknown words to it)."""
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 def tiny_classifier(seed: int, vocab_size: int) -> BertForSequenceClassification:
     torch.manual_seed(seed)
     config = BertConfig(
@@ -61,6 +79,14 @@ def tiny_embedding_classifier(seed: int, vocab_size: int) -> EmbeddingClassifier
 
     encoder = BertModel(tiny_classifier(seed, vocab_size).config, add_pooling_layer=False)
     return EmbeddingClassifier(encoder, len(LABELS), label_names=LABELS)
+
+
+def tiny_chat_lm(seed: int, vocab_size: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=4, bos_token_id=2)
+    return LlamaForCausalLM(config)
 
 
 def tiny_lm(seed: int, vocab_size: int) -> GPT2LMHeadModel:
@@ -155,6 +181,40 @@ def make_results_dir(root: str | Path) -> Path:
                         metric_name="perplexity", privacy=lm_report, delta=1e-5, baseline_result=35.0,
                         non_private_result=28.0))
 
+    results.mkdir(parents=True, exist_ok=True)
+    for result in runs:
+        (results / f"{result['run']}.json").write_text(json.dumps(result, indent=2))
+    (results / "summary.json").write_text(json.dumps({"quick": False, "runs": runs}))
+    return results
+
+
+def make_chat_results_dir(root: str | Path) -> Path:
+    """Write a fabricated chat-SFT study into `root/chat-results` (base model in `root/base-chat`): `baseline`
+    (public-only, no model), `non-private` and `uls-eps8` with models, as `hf-dp demo --task sft` would."""
+    root = Path(root)
+    results = root / "chat-results"
+    tokenizer = make_chat_tokenizer()
+    vocab_size = len(tokenizer)
+    base = root / "base-chat"
+    tiny_chat_lm(20, vocab_size).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    chat = dict(task="chat-sft", metric_name="completion perplexity", base_path=str(base), baseline_result=40.0)
+    runs = [_result("baseline", "public-only", eval_result=40.0, epsilon=0.0, target=None, model_dir=None,
+                    delta=0.0, **chat)]
+    for seed, (run, mechanism, metric) in enumerate((("non-private", "non-private", 25.0),
+                                                     ("uls-eps8", "uls", 31.0)), start=21):
+        model_dir = results / "models" / run
+        tiny_chat_lm(seed, vocab_size).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        private = MECHANISMS[mechanism].is_private
+        report = privacy_report(mechanism, 7.9, 8.0) if private else {"non_private": True}
+        write_privacy_card(report, model_dir, base_model="test/tiny-chat", task="text-generation",
+                           metric_name="completion perplexity", eval_result=metric, baseline_result=40.0)
+        runs.append(_result(run, mechanism, eval_result=metric, epsilon=7.9 if private else None,
+                            target=8.0 if private else None, model_dir=f"models/{run}",
+                            privacy=report if private else None, delta=1e-5 if private else None, **chat))
+    for result in runs:  # the study's system prompt, in the runs' configs
+        result["config"]["system_prompt"] = CHAT_SYSTEM_PROMPT
     results.mkdir(parents=True, exist_ok=True)
     for result in runs:
         (results / f"{result['run']}.json").write_text(json.dumps(result, indent=2))

@@ -13,10 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from app_fixtures import LABELS, make_results_dir, make_tokenizer, tiny_classifier
+from app_fixtures import (
+    CHAT_SYSTEM_PROMPT,
+    LABELS,
+    make_chat_results_dir,
+    make_chat_tokenizer,
+    make_results_dir,
+    make_tokenizer,
+    tiny_chat_lm,
+    tiny_classifier,
+)
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows import app
 from hf_dp.workflows.app import budget as budget_tab
+from hf_dp.workflows.app import compare
 from hf_dp.workflows.app import training
 
 SMALL = dict(users=200, examples_per_user=2, examples_per_step=40, steps=20)  # fast planner calls: 400 examples
@@ -154,7 +164,7 @@ def test_compare_defaults_to_the_first_dp_run(results):
 
 def test_compare_classification_run(results):
     out = app.compare_view(results, "uls-eps8", "Once more unto the breach, dear friends")
-    assert out["error"] == "" and not out["causal_lm"]
+    assert out["error"] == "" and not out["language_model"] and out["columns"] == []
     for side in ("baseline", "dp"):
         assert set(out[side]) == set(LABELS)
         assert sum(out[side].values()) == pytest.approx(1.0, abs=1e-5)
@@ -162,10 +172,123 @@ def test_compare_classification_run(results):
 
 
 def test_compare_causal_lm_run_generates_side_by_side(results):
+    """A plain causal LM: its prompt as plain text; the base model and the run (no non-private causal LM here)."""
     out = app.compare_view(results, "lm-uls-eps8", "once more unto the")
-    assert out["error"] == "" and out["causal_lm"]
-    assert isinstance(out["baseline_text"], str) and isinstance(out["dp_text"], str)
-    assert 0 < sum(out["dp"].values()) <= 1.0 + 1e-6  # top next-token probabilities
+    assert out["error"] == "" and out["language_model"] and out["baseline"] is None
+    baseline, dp = out["columns"]
+    assert "Public-only baseline" in baseline["heading"] and "no private data" in baseline["heading"]
+    assert "test perplexity 35.000 (lower is better)" in baseline["heading"]  # the run's baseline_result
+    assert "`lm-uls-eps8`" in dp["heading"] and "ε = 7.9" in dp["heading"] and "perplexity 30.000" in dp["heading"]
+    assert baseline["text"] and dp["text"] and "⚠️" not in baseline["heading"] + dp["heading"]
+    assert "plain text" in out["decoding"] and "seed 0" in out["decoding"]
+
+
+@pytest.fixture(scope="module")
+def chat_results(tmp_path_factory):
+    return make_chat_results_dir(tmp_path_factory.mktemp("chat"))
+
+
+def test_compare_chat_run_shows_baseline_dp_and_non_private(chat_results):
+    out = app.compare_view(chat_results, None, "once more unto the breach", app.Decoding(seed=3, max_new_tokens=8))
+    assert out["error"] == "" and out["language_model"]
+    assert "chat template" in out["decoding"] and "seed 3" in out["decoding"] and "8 new tokens" in out["decoding"]
+    assert CHAT_SYSTEM_PROMPT in out["decoding"]  # the runs' system prompt goes first, as in training
+    baseline, dp, non_private = out["columns"]
+    assert "no private data" in baseline["heading"] and "completion perplexity 40.000" in baseline["heading"]
+    assert MECHANISMS["uls"].label in dp["heading"] and "ε = 7.9, δ = 1e-05 (user-level)" in dp["heading"]
+    assert "completion perplexity 31.000 (lower is better)" in dp["heading"]
+    assert "no privacy guarantee" in non_private["heading"] and "25.000" in non_private["heading"]
+    assert all(column["text"] for column in out["columns"])
+    # the same seed gives the same texts; another seed, other samples (the models differ: so do their texts)
+    again = app.compare_view(chat_results, "uls-eps8", "once more unto the breach", app.Decoding(seed=3,
+                                                                                               max_new_tokens=8))
+    assert again["columns"] == out["columns"]
+    assert len({column["text"] for column in out["columns"]}) > 1
+    # the non-private run compared: baseline and it, no third column
+    assert len(app.compare_view(chat_results, "non-private", "once more")["columns"]) == 2
+
+
+def test_chat_prompt_goes_through_the_chat_template():
+    tokenizer = make_chat_tokenizer()
+    chat = compare.prompt_inputs(tokenizer, "once more", chat=True)["input_ids"][0].tolist()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "once more"}], add_generation_prompt=True,
+                                             tokenize=False)
+    assert rendered.startswith("[CLS] user once more [SEP]") and rendered.rstrip().endswith("[CLS] assistant")
+    assert chat == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    with_system = compare.prompt_inputs(tokenizer, "once more", chat=True, system_prompt="the king")
+    assert tokenizer.decode(with_system["input_ids"][0]).startswith("[CLS] [UNK] the king [SEP] [CLS] [UNK] once more")
+    plain = compare.prompt_inputs(tokenizer, "once more", chat=False)["input_ids"][0].tolist()
+    assert tokenizer.decode(plain) == "once more"
+    with pytest.raises(app.AppError, match="no chat template"):
+        compare.prompt_inputs(make_tokenizer(), "once more", chat=True)
+
+
+def test_generation_is_seeded_and_leaves_the_global_rng_alone():
+    import torch
+
+    tokenizer = make_chat_tokenizer()
+    model = tiny_chat_lm(0, len(tokenizer)).eval()
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    texts = {seed: compare.generate_text(model, tokenizer, "king", chat=True,
+                                         decoding=app.Decoding(seed=seed, max_new_tokens=12)) for seed in (0, 1)}
+    assert torch.rand(1) == expected_next  # the seeded generation did not move the caller's RNG
+    assert texts[0] == compare.generate_text(model, tokenizer, "king", chat=True,
+                                             decoding=app.Decoding(seed=0, max_new_tokens=12))
+    assert texts[0] != texts[1]
+    greedy = [compare.generate_text(model, tokenizer, "king", chat=True,
+                                    decoding=app.Decoding(seed=seed, temperature=0)) for seed in (0, 1)]
+    assert greedy[0] == greedy[1]  # temperature 0: greedy, whatever the seed
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(seed=-1), "seed=-1: use a whole number >= 0"),
+    (dict(seed=1.5), "seed=1.5"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=10_000), "max_new_tokens=10000: use at most 200"),
+    (dict(temperature=-0.1), "temperature=-0.1"),
+    (dict(temperature=None), "temperature=None"),
+    (dict(top_p=0), "top_p=0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+])
+def test_decoding_refuses_bad_values(fields, match):
+    with pytest.raises(app.AppError, match=re.escape(match)):
+        app.Decoding(**fields)
+
+
+def test_a_train_tab_run_is_compared_with_the_studys_non_private_run(chat_results, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    shutil.copytree(copy / "models" / "uls-eps8", copy / app.APP_RUNS_DIR / "models" / "app-uls")
+    result = json.loads((copy / "uls-eps8.json").read_text())
+    result.update(run="app-uls", model_dir="models/app-uls", baseline_result=41.0)
+    (copy / app.APP_RUNS_DIR / "app-uls.json").write_text(json.dumps(result))
+    baseline, dp, non_private = app.compare_view(copy, f"{app.APP_RUNS_DIR}/app-uls", "king")["columns"]
+    assert "41.000" in baseline["heading"]  # the app run's baseline_result, on its own test rows
+    assert f"`{app.APP_RUNS_DIR}/app-uls`" in dp["heading"] and dp["text"]
+    assert "`non-private`" in non_private["heading"] and "on its own test rows" in non_private["heading"]
+
+
+def test_a_missing_model_is_one_line_in_its_column(chat_results, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    shutil.rmtree(copy / "models" / "non-private")
+    out = app.compare_view(copy, "uls-eps8", "king")
+    assert out["error"] == ""
+    baseline, dp, non_private = out["columns"]
+    assert baseline["text"] and dp["text"] and non_private["text"] == ""
+    message = non_private["heading"].splitlines()[-1]
+    assert message.startswith("**⚠️") and "does not exist" in message and "Traceback" not in non_private["heading"]
+    result = json.loads((copy / "uls-eps8.json").read_text())
+    result["config"]["model_name_or_path"] = str(tmp_path / "gone")
+    (copy / "uls-eps8.json").write_text(json.dumps(result))
+    baseline = app.compare_view(copy, "uls-eps8", "king")["columns"][0]
+    assert baseline["text"] == "" and "base model folder" in baseline["heading"]
 
 
 @pytest.mark.parametrize("run, text, expected", [
@@ -260,6 +383,51 @@ def test_training_job_reports_progress_and_epsilon():
     assert message.startswith("**⚠️ Training failed") and "\n" not in message
 
 
+def test_results_plot_of_a_chat_study_is_its_test_nll(chat_results, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    adaptive = json.loads((copy / "uls-eps8.json").read_text())
+    adaptive.update(run="uls-eps8-adaptive", eval_result=30.0)
+    adaptive["config"]["adaptive_clipping"] = True
+    (copy / "uls-eps8-adaptive.json").write_text(json.dumps(adaptive))
+    ax = app.privacy_utility_figure(app.list_runs(copy)).axes[0]
+    assert "NLL" in ax.get_ylabel() and "lower is better" in ax.get_ylabel()
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    uls = MECHANISMS["uls"].label
+    assert lines[uls].get_ydata()[0] == pytest.approx(math.log(31.0))
+    assert lines[f"{uls}, adaptive clipping"].get_ydata()[0] == pytest.approx(math.log(30.0))
+    assert lines[f"{uls}, adaptive clipping"].get_linestyle() == "--"
+    for key, value in (("public-only", 40.0), ("non-private", 25.0)):
+        line = next(line for label, line in lines.items() if label.startswith(MECHANISMS[key].label))
+        assert line.get_ydata()[0] == pytest.approx(math.log(value))
+
+
+@pytest.mark.parametrize("mechanism, private", [("uls", True), ("els", True), ("non-private", False)])
+def test_the_chat_run_trains_with_the_settings_picked(monkeypatch, mechanism, private):
+    """The Train tab's task, mechanism, ε and users per step are the DPSFTTrainer's arguments."""
+    from hf_dp.sft import DPSFTConfig
+    from hf_dp.workflows import pretrained
+    from hf_dp.workflows.tasks import chat_sft
+
+    calls = []
+    monkeypatch.setattr(chat_sft, "run_chat_sft", lambda config, args, callbacks: calls.append((config, args)) or {})
+    monkeypatch.setattr(pretrained, "smollm2_path", lambda: "/models/smollm2")
+    settings = app.TrainingSettings(task="chat-sft", mechanism=mechanism, target_epsilon=3.0, max_train_users=32,
+                                    max_steps=5, expected_batch_size=6)
+    app.run_app_training(settings, "some/results", [])
+    config, args = calls[0]
+    assert config.model_name_or_path == "/models/smollm2" and config.max_train_users == 32
+    assert config.results_dir == f"some/results/{app.APP_RUNS_DIR}" and config.run.startswith(f"app-chat-{mechanism}")
+    assert args.max_steps == 5 and args.max_length == config.max_length
+    if not private:
+        assert not isinstance(args, DPSFTConfig)
+    else:
+        assert isinstance(args, DPSFTConfig) and args.mechanism == mechanism
+        assert (args.target_epsilon, args.expected_batch_size) == (3.0, 6)
+
+
 def test_training_settings_take_mechanism_keys():
     with pytest.raises(app.AppError, match="mechanism='ULS'"):
         app.TrainingSettings(mechanism="ULS")
@@ -337,9 +505,10 @@ def test_the_train_tab_shows_a_bad_number_and_starts_nothing(results):
     demo = app.build_app(results, training_job=job)
     functions = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns
     on_start = next(f.fn for f in functions if getattr(f, "name", None) == "on_start")
-    for values, match in ((("uls", 8.0, 96, 0, 24), "max_steps=0"), (("uls", float("nan"), 96, 8, 24),
-                                                                      "target_epsilon=nan"),
-                          (("uls", None, 96, 8, 24), "target_epsilon=None")):
+    for values, match in ((("chat-sft", "uls", 8.0, 96, 0, 24), "max_steps=0"),
+                          (("classification", "uls", float("nan"), 96, 8, 24), "target_epsilon=nan"),
+                          (("chat-sft", "uls", None, 96, 8, 24), "target_epsilon=None"),
+                          (("poetry", "uls", 8.0, 96, 8, 24), "task='poetry'")):
         with pytest.warns(UserWarning, match=match):  # gr.Warning, outside a page
             _, status, _ = on_start(*values)
         assert status.startswith("**⚠️") and match in status and "\n" not in status

@@ -11,6 +11,7 @@ test fails, it does not skip.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ import pytest
 from app_fixtures import make_results_dir
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows import app
+from hf_dp.workflows.app.training import run_app_training
 
 pytestmark = pytest.mark.browser
 
@@ -47,8 +49,23 @@ def server(tmp_path_factory):
     demo.close()
 
 
+@pytest.fixture(scope="module")
+def lm_server(tmp_path_factory):
+    """An empty results folder; the Train tab's real chat run (SmolLM2, DPSFTTrainer), its test set cut to 4 rows."""
+    results = tmp_path_factory.mktemp("browser-lm-results")
+
+    def run_fn(settings, results_dir, callbacks):
+        return run_app_training(dataclasses.replace(settings, max_eval_examples=4), results_dir, callbacks)
+
+    port = free_port()
+    demo = app.serve(results, host="127.0.0.1", port=port, block=False,
+                     demo=app.build_app(results, training_job=app.TrainingJob(run_fn=run_fn)))
+    yield f"http://127.0.0.1:{port}/", results
+    demo.close()
+
+
 @pytest.fixture
-def page(server):
+def page():
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         pytest.fail(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium chromium-driver) "
                     "or set HF_DP_CHROMIUM to a Chromium binary. The browser test does not skip.")
@@ -104,7 +121,8 @@ def wait_for_text(page, selector: str, text: str) -> None:
 
 def pick_run(page, name: str) -> None:
     page.locator("#compare-run input").click()
-    page.get_by_role("option", name=re.compile(re.escape(name) + " ")).click()
+    pattern = re.escape(name).replace("/", r"\/")  # Playwright writes the pattern between slashes
+    page.get_by_role("option", name=re.compile(pattern + " ")).click()
 
 
 def test_app_in_headless_chromium(server, page, tmp_path):
@@ -174,4 +192,55 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     assert "uls-eps8" in page.locator("#results-overview").inner_text()
     screenshot(page, tmp_path, "results")
 
+    assert page.blocked_requests == [], f"the page tried to reach the network: {page.blocked_requests}"
+
+
+def textarea_filled(page, selector: str) -> str:
+    page.wait_for_function("sel => (document.querySelector(sel)?.value || '').trim().length > 0", arg=selector,
+                           timeout=120_000)  # loading two SmolLM2s and generating on a busy 2-core machine
+    return page.locator(selector).input_value()
+
+
+@pytest.mark.slow
+def test_train_a_chat_model_then_compare_its_generations(lm_server, page, tmp_path):
+    """Train tab: a real DP chat SFT run of SmolLM2 (2 steps, 16 roles) with live ε; Compare: the untouched
+    SmolLM2's and the DP model's replies to a typed prompt, side by side, with the same seeded sampling."""
+    url, results = lm_server
+    page.goto(url)
+    page.get_by_role("tab", name="Train").click()
+    assert page.locator("#train-task").get_by_label(re.compile("Chat SFT")).is_checked()  # the default task
+    for box, value in (("#train-users", "16"), ("#train-steps", "2")):
+        page.locator(f"{box} input[type=number]").fill(value)
+        page.locator(f"{box} input[type=number]").press("Tab")
+    page.locator("#train-batch input").fill("4")
+    page.locator("#train-batch input").press("Tab")
+    page.locator("#start-training").click()
+    page.wait_for_function("() => /Finished|Failed|⚠️/.test(document.querySelector('#train-status')?.innerText "
+                           "|| '')", timeout=240_000)
+    status = page.locator("#train-status").inner_text()
+    assert "Finished" in status and "completion perplexity" in status, status
+    progress = page.locator("#train-progress").inner_text()
+    assert "step 2/2" in progress and re.search(r"ε spent [0-9.]+ of 8", progress), progress
+    result = app.list_runs(results)[0].result
+    assert result["task"] == "chat-sft" and result["config"]["expected_batch_size"] == 4
+    assert result["epsilon"] <= 8.0 and result["config"]["max_steps"] == 2
+    screenshot(page, tmp_path, "train-chat")
+
+    page.get_by_role("tab", name="Compare").click()
+    pick_run(page, f"{app.APP_RUNS_DIR}/{result['run']}")
+    prompt = "Good morrow, sweet lady. Wilt thou walk with me tonight?"
+    page.locator("#compare-text textarea").fill(prompt)
+    page.locator("#compare-max-new-tokens input").fill("16")
+    page.locator("#compare-button").click()
+    texts = {side: textarea_filled(page, f"#{side}-text textarea") for side in ("baseline", "dp")}
+    for side, text in texts.items():
+        assert text.strip() and text.strip() != prompt and "⚠️" not in text, (side, text)
+    assert "no private data" in page.locator("#baseline-heading").inner_text()
+    dp_heading = page.locator("#dp-heading").inner_text()
+    assert result["run"] in dp_heading and "ε = 8" in dp_heading and "completion perplexity" in dp_heading
+    assert not page.locator("#non-private-text").is_visible()  # no non-private run in this folder
+    decoding = page.locator("#compare-decoding").inner_text()
+    assert "seed 0" in decoding and "chat template" in decoding and "16 new tokens" in decoding
+    page.wait_for_timeout(500)
+    screenshot(page, tmp_path, "compare-chat")
     assert page.blocked_requests == [], f"the page tried to reach the network: {page.blocked_requests}"

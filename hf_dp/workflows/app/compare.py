@@ -1,23 +1,36 @@
 """The Compare tab: a fine-tuned run beside the public-only baseline on one text.
 
 For a classifier, both sides' class probabilities: the baseline is the run's pretrained encoder, zero-shot by
-embedding similarity to the label descriptions (what the study measures as `baseline_result`). For a causal LM, the
-base model's and the run's greedy generations and next-token probabilities side by side. Loaded models are kept in a
-small cache (loading is the slow part of a comparison).
+embedding similarity to the label descriptions (what the study measures as `baseline_result`).
+
+For a language model (a result `task` of [`~hf_dp.workflows.app.results.LANGUAGE_MODEL_TASKS`]: `chat-sft` or
+`causal-lm`), generations side by side ([`language_model_columns`]): the public-only baseline (the untouched base
+model the run started from), the selected run, and the non-private run of the same task when the folder has one,
+each headed with its guarantee and its test metric. A chat run's prompt is sent as a user message through the chat
+template with the generation prompt (as it was trained); a plain causal LM's as plain text. Every column decodes
+alike ([`Decoding`]): sampling at a fixed temperature and top-p after `torch.manual_seed(seed)`, so a seed gives the
+same texts on every click and the columns differ only by their weights. Generations are post-processing of the
+models: they spend no ε.
+
+Loaded models are kept in a small cache (loading is the slow part of a comparison).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Sequence
 
 from hf_dp.formatting import format_number
+from hf_dp.parser import check_numbers
+from hf_dp.vocabulary import lower_is_better
 
 from .common import AppError, error_md, mechanism_label, one_line
-from .results import NON_PRIVATE, RunRecord, find_run
+from .results import NON_PRIVATE, RunRecord, find_run, list_runs
 
 EXAMPLE_TEXTS = [
     "Once more unto the breach, dear friends, once more, or close the wall up with our English dead.",
@@ -50,6 +63,8 @@ class _ModelCache:
 
 
 _MODELS = _ModelCache()
+MAX_NEW_TOKENS = 200
+_GENERATING = threading.Lock()  # one seeded generation at a time: the seed is torch's global one
 
 
 def _load_classifier(path: Path):
@@ -117,57 +132,171 @@ def _load_causal_lm(path_or_name: str):
     return model, tokenizer
 
 
-def _generate(model, tokenizer, text: str, max_new_tokens: int) -> tuple[str, dict]:
+def _language_model(path_or_name, what: str):
+    """A cached (model, tokenizer) from a folder (or a Hub id in the local cache); a one-line [`AppError`] when the
+    folder is missing or does not load."""
+    path = Path(str(path_or_name))
+    if isinstance(path_or_name, Path) or path.is_absolute() or str(path_or_name).startswith("."):
+        if not path.is_dir():
+            raise AppError(f"The {what} folder {path} does not exist (was the results folder or the cache moved?).")
+    key = ("lm", str(path.resolve()) if path.is_dir() else str(path_or_name))
+    try:
+        return _MODELS.get(key, lambda: _load_causal_lm(str(path_or_name)))
+    except Exception as error:
+        raise AppError(f"The {what} {str(path_or_name)!r} does not load offline ({one_line(error)}).") from error
+
+
+@dataclasses.dataclass
+class Decoding:
+    """How every column of a language-model comparison decodes: `torch.manual_seed(seed)`, then sampling at
+    `temperature` (0: greedy) with nucleus `top_p`, at most `max_new_tokens` tokens.
+
+    Raises:
+        AppError: a seed that is not a whole number >= 0, `max_new_tokens` outside 1..[`MAX_NEW_TOKENS`],
+            `temperature` outside 0..10 or `top_p` outside (0, 1].
+    """
+
+    seed: int = 0
+    max_new_tokens: int = 40
+    temperature: float = 0.7
+    top_p: float = 0.9
+
+    def __post_init__(self):
+        try:
+            check_numbers(self, {"seed": "int>=0", "max_new_tokens": "int>=1"}, flags=False)
+        except ValueError as error:
+            raise AppError(str(error)) from None
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise AppError(f"max_new_tokens={self.max_new_tokens}: use at most {MAX_NEW_TOKENS}.")
+        for name, low, high, low_open in (("temperature", 0.0, 10.0, False), ("top_p", 0.0, 1.0, True)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value > high or value < low or (low_open and value == low):
+                wanted = f"a number in ({low:g}, {high:g}]" if low_open else f"a number from {low:g} to {high:g}"
+                raise AppError(f"{name}={value!r}: use {wanted}.")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+
+    def describe(self, chat: bool, system_prompt: str | None = None) -> str:
+        """The decoding in words, as the page states it under the columns."""
+        how = ("greedy decoding" if self.temperature == 0 else
+               f"sampling at temperature {self.temperature:g}, top-p {self.top_p:g}, seed {self.seed}")
+        prompt = ("given as plain text (a causal LM: no chat template)" if not chat
+                  else "sent as a user message through the chat template"
+                  + (f", after the run's system prompt “{system_prompt}”" if system_prompt else ""))
+        return (f"Every column: {how}, at most {self.max_new_tokens} new tokens (the same seed gives the same texts); "
+                f"the prompt is {prompt}.")
+
+
+def prompt_inputs(tokenizer, prompt: str, *, chat: bool, system_prompt: str | None = None) -> dict:
+    """The model inputs for `prompt`: a user message (after a `system_prompt` message, when given) through the chat
+    template with the generation prompt when `chat`, else the plain text."""
+    if not chat:
+        return dict(tokenizer([prompt], return_tensors="pt"))
+    if not getattr(tokenizer, "chat_template", None):
+        raise AppError("This chat run's tokenizer has no chat template: it cannot be prompted as a chat model.")
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return dict(tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}],
+                                              add_generation_prompt=True, return_dict=True, return_tensors="pt"))
+
+
+def generate_text(model, tokenizer, prompt: str, *, chat: bool, decoding: Decoding | None = None,
+                  system_prompt: str | None = None) -> str:
+    """`model`'s continuation of `prompt` ([`prompt_inputs`]) under `decoding`, without the prompt or special
+    tokens. The global torch RNG is seeded with `decoding.seed` for this call only (restored afterwards)."""
     import torch
 
-    encoded = tokenizer([text], return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**encoded).logits[0, -1].float()
-        top = torch.topk(torch.softmax(logits, dim=-1), k=min(5, logits.shape[-1]))
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        output = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    continuation = tokenizer.decode(output[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
-    next_tokens = {}
-    for p, i in zip(top.values.tolist(), top.indices.tolist()):
-        token = repr(tokenizer.decode([i]))
-        next_tokens[token] = next_tokens.get(token, 0.0) + float(p)
-    return continuation, next_tokens
+    decoding = decoding or Decoding()
+    inputs = prompt_inputs(tokenizer, prompt, chat=chat, system_prompt=system_prompt)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    settings = dict(max_new_tokens=decoding.max_new_tokens, pad_token_id=pad, do_sample=decoding.temperature > 0)
+    if settings["do_sample"]:
+        settings.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=0)
+    else:
+        settings.update(temperature=None, top_p=None, top_k=None)
+    with _GENERATING, torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(decoding.seed)
+        output = model.generate(**inputs, **settings)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def _compare_causal_lm(run: RunRecord, text: str, max_new_tokens: int = 30):
-    path = run.model_path
-    if path is None or not path.is_dir():
-        raise AppError(f"{run.name} has no saved model to generate with.")
-    config = run.result.get("config") or {}
-    base = config.get("model_name_or_path") or run.result.get("base_model")
+def non_private_run(results_dir, run: RunRecord) -> RunRecord | None:
+    """The non-private run to show beside `run`: one of the same task with a model (from the same folder first:
+    the study's, or the Train tab's), `None` if there is none or `run` is it."""
+    task = run.task.replace("_", "-")
+    candidates = [r for r in list_runs(results_dir) if r.mechanism == NON_PRIVATE and r.model_path is not None
+                  and r.task.replace("_", "-") == task and r.name != run.name]
+    candidates.sort(key=lambda r: r.from_app != run.from_app)
+    return candidates[0] if candidates else None
+
+
+def _metric_text(run: RunRecord, value) -> str:
+    better = " (lower is better)" if lower_is_better(run.metric_name) else ""
+    return f"test {run.metric_name} {format_number(value, '.3f')}{better}"
+
+
+def _column(heading: str, load: Callable, prompt: str, decoding: Decoding, **prompting) -> dict:
+    """One column: its heading and text, or the heading and the one-line reason it has no text."""
     try:
-        base_model, base_tokenizer = _MODELS.get(("lm", str(base)), lambda: _load_causal_lm(str(base)))
+        model, tokenizer = load()
+        text = generate_text(model, tokenizer, prompt, decoding=decoding, **prompting)
+        return {"heading": heading, "text": text or "(nothing: the model ended its reply at once)"}
     except Exception as error:
-        raise AppError(f"The base model {base!r} is not available offline ({one_line(error)}).") from error
-    dp_model, dp_tokenizer = _MODELS.get(("lm", str(path.resolve())), lambda: _load_causal_lm(str(path)))
-    base_text, base_next = _generate(base_model, base_tokenizer, text, max_new_tokens)
-    dp_text, dp_next = _generate(dp_model, dp_tokenizer, text, max_new_tokens)
-    return base_next, dp_next, base_text, dp_text
+        return {"heading": heading + "\n\n" + error_md(error), "text": ""}
 
 
-def compare_view(results_dir, run_name: str | None, text: str | None) -> dict:
+def language_model_columns(results_dir, run: RunRecord, prompt: str, decoding: Decoding | None = None) -> list[dict]:
+    """The generations of the public-only baseline, `run` and (when there is one) the non-private run.
+
+    Returns:
+        `list[dict]`: two or three columns, each `{"heading": markdown, "text": generation}`: the untouched base
+        model (headed "no private data" and `run`'s `baseline_result`, measured on `run`'s test rows), `run`
+        (its guarantee and `eval_result`), the non-private run ([`non_private_run`]). A column that cannot
+        generate has `text` `""` and the one-line reason in its heading.
+    """
+    decoding = decoding or Decoding()
+    config = run.result.get("config") or {}
+    # every column is prompted as the run was trained: a chat run's system prompt, if it had one, comes first
+    prompting = dict(chat=run.is_chat, system_prompt=config.get("system_prompt") if run.is_chat else None)
+    base = config.get("model_name_or_path") or run.result.get("base_model")
+    base_name = Path(str(base)).name if base else "?"
+    columns = [_column(f"#### Public-only baseline\nthe untouched `{base_name}` · no private data · "
+                       f"{_metric_text(run, run.result.get('baseline_result'))}",
+                       lambda: _language_model(base, "base model"), prompt, decoding, **prompting)]
+    for other in (run, non_private_run(results_dir, run)):
+        if other is None:
+            continue
+        heading = (f"#### {mechanism_label(other.mechanism)}: `{other.name}`\n{other.guarantee()} · "
+                   f"{_metric_text(other, other.eval_result)}")
+        if other.from_app != run.from_app:  # a study run beside a Train-tab run: other test rows
+            heading += " (on its own test rows)"
+        columns.append(_column(heading, lambda other=other: _language_model(other.model_path, "model"), prompt,
+                               decoding, **prompting))
+    return columns
+
+
+def compare_view(results_dir, run_name: str | None, text: str | None, decoding: Decoding | None = None) -> dict:
     """The Compare tab for one run and one text.
 
     Returns:
-        `dict` with `baseline` and `dp` (label -> probability; next token -> probability for causal LMs),
-        `baseline_text` and `dp_text` (generations, causal LMs only), `causal_lm`, `header` (markdown) and
-        `error` (one line, or `""`).
+        `dict` with `baseline` and `dp` (label -> probability, classifiers), `columns` (language models: the
+        baseline's, the run's and the non-private run's generations, [`language_model_columns`]),
+        `language_model`, `decoding` (the decoding in words, language models), `header` (markdown) and `error`
+        (one line, or `""`).
     """
-    out = {"baseline": None, "dp": None, "baseline_text": "", "dp_text": "", "causal_lm": False,
-           "header": "", "error": ""}
+    out = {"baseline": None, "dp": None, "columns": [], "language_model": False, "decoding": "", "header": "",
+           "error": ""}
     try:
         run = find_run(results_dir, run_name)
         if not text or not text.strip():
             raise AppError("Type or pick a text to compare.")
         text = text.strip()
-        if run.is_causal_lm:
-            out["causal_lm"] = True
-            out["baseline"], out["dp"], out["baseline_text"], out["dp_text"] = _compare_causal_lm(run, text)
+        if run.is_language_model:
+            if run.model_path is None:
+                raise AppError(f"{run.name} is the public-only baseline (no fine-tuned model): pick a fine-tuned run.")
+            decoding = decoding or Decoding()
+            out["language_model"] = True
+            out["columns"] = language_model_columns(results_dir, run, text, decoding)
+            out["decoding"] = decoding.describe(run.is_chat, (run.result.get("config") or {}).get("system_prompt"))
         else:
             out["baseline"], out["dp"] = _classify(run, text)
         out["header"] = compare_header(run)
@@ -179,12 +308,7 @@ def compare_view(results_dir, run_name: str | None, text: str | None) -> dict:
 def compare_header(run: RunRecord) -> str:
     """The line above the comparison: the run, its mechanism and guarantee, its `eval_result` and the baseline's."""
     result = run.result
-    if run.mechanism == NON_PRIVATE:
-        guarantee = "no privacy guarantee"
-    else:
-        unit = (result.get("privacy") or {}).get("privacy_unit", "?")
-        guarantee = (f"({format_number(result.get('epsilon'), '.3g')}, {format_number(result.get('delta'), '.2g')})"
-                     f"-DP, {unit}-level")
-    return (f"**{run.name}**: {mechanism_label(run.mechanism)}, {guarantee}; test {run.metric_name} "
+    return (f"**{run.name}**: {mechanism_label(run.mechanism)}, {run.guarantee()}; test {run.metric_name} "
             f"{format_number(result.get('eval_result'), '.3f')} vs public-only baseline "
-            f"{format_number(result.get('baseline_result'), '.3f')}.")
+            f"{format_number(result.get('baseline_result'), '.3f')}"
+            + (" (lower is better)." if lower_is_better(run.metric_name) else "."))

@@ -16,19 +16,23 @@ from hf_dp.vocabulary import MECHANISMS
 from .budget import budget_view
 from .cards import privacy_card_markdown
 from .common import error_md, one_line
-from .compare import EXAMPLE_TEXTS, compare_view
+from .compare import EXAMPLE_TEXTS, MAX_NEW_TOKENS, Decoding, compare_view
 from .plot import privacy_utility_figure
-from .results import APP_RUNS_DIR, default_run, list_runs, results_overview_markdown
+from .results import default_run, list_runs, results_overview_markdown
 from .training import (
     TRAIN_MECHANISMS,
+    TRAIN_TASKS,
     TrainingJob,
     TrainingSettings,
     batch_size_label,
     job_status_markdown,
     progress_html,
+    train_description,
 )
 
 EPSILON_RANGE = (0.5, 16.0)
+# The Compare tab's column headings for a classifier (a language model's come with its columns).
+CLASSIFIER_HEADINGS = ("#### Public-only baseline (no private data)", "#### Fine-tuned model")
 
 
 def eps_from_log2(value: float) -> float:
@@ -62,8 +66,8 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
     with gr.Blocks(title="hf_dp: user-level DP fine-tuning", analytics_enabled=False) as demo:
         gr.Markdown(
             "# hf_dp — user-level differentially private fine-tuning\n"
-            f"Results folder: `{results_dir}`. Set a privacy budget, train a short run, compare the DP model "
-            "with the public-only baseline, and read each run's privacy card."
+            f"Results folder: `{results_dir}`. Set a privacy budget, train a short run, compare the DP model's "
+            "outputs with the public-only baseline's, and read each run's privacy card."
         )
         with gr.Tabs():
             # ---- Budget -------------------------------------------------------------------------
@@ -109,29 +113,36 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
 
             # ---- Train --------------------------------------------------------------------------
             with gr.Tab("Train", id="train"):
-                gr.Markdown(
-                    "A short run of the embedded MiniLM on a small subset of the Shakespeare genres (users are "
-                    "speaking roles). It uses the study's recipe (LoRA, 32 tokens); its results go to "
-                    f"`{results_dir}/{APP_RUNS_DIR}/`. On 2 CPU cores expect about a minute."
-                )
+                train_about = gr.Markdown(train_description("chat-sft", results_dir))
+                train_task = gr.Radio([(spec["label"], key) for key, spec in TRAIN_TASKS.items()], value="chat-sft",
+                                      label="task", elem_id="train-task")
+                defaults = TRAIN_TASKS["chat-sft"]
                 with gr.Row():
                     train_mechanism = gr.Radio([(MECHANISMS[key].label, key) for key in TRAIN_MECHANISMS],
                                                value="uls", label="mechanism", elem_id="train-mechanism")
                     train_eps = gr.Number(8.0, label="target_epsilon", minimum=0.1, elem_id="train-epsilon")
-                    train_users = gr.Slider(16, 512, value=96, step=8, label="training users (subset)")
-                    train_steps = gr.Slider(1, 50, value=8, step=1, label="max_steps")
-                    train_batch = gr.Number(24, label=batch_size_label("uls"), precision=0, minimum=1,
-                                            elem_id="train-batch")
+                    train_users = gr.Slider(16, 512, value=defaults["max_train_users"], step=8,
+                                            label="training users (subset)", elem_id="train-users")
+                    train_steps = gr.Slider(1, 50, value=defaults["max_steps"], step=1, label="max_steps",
+                                            elem_id="train-steps")
+                    train_batch = gr.Number(defaults["expected_batch_size"], label=batch_size_label("uls"),
+                                            precision=0, minimum=1, elem_id="train-batch")
                 start = gr.Button("Start training", variant="primary", elem_id="start-training")
                 progress = gr.HTML(progress_html(job.poll()), elem_id="train-progress-box")
-                train_status = gr.Markdown(job_status_markdown(job.poll()))
+                train_status = gr.Markdown(job_status_markdown(job.poll()), elem_id="train-status")
                 timer = gr.Timer(1.0, active=job.running)
 
-                def on_start(mechanism, eps, n_users, n_steps, batch):
+                def on_task(task):
+                    spec = TRAIN_TASKS[task]
+                    return (train_description(task, results_dir), spec["max_train_users"], spec["max_steps"],
+                            spec["expected_batch_size"])
+
+                def on_start(task, mechanism, eps, n_users, n_steps, batch):
                     try:
                         # the values as typed: TrainingSettings refuses an empty box, 0, NaN or a fraction
-                        settings = TrainingSettings(mechanism=mechanism, target_epsilon=eps, max_train_users=n_users,
-                                                    max_steps=n_steps, expected_batch_size=batch)
+                        settings = TrainingSettings(task=task, mechanism=mechanism, target_epsilon=eps,
+                                                    max_train_users=n_users, max_steps=n_steps,
+                                                    expected_batch_size=batch)
                         job.start(settings, results_dir)
                     except Exception as error:
                         gr.Warning(one_line(error))
@@ -143,9 +154,11 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
                     active = state.get("status") in ("starting", "training")
                     return progress_html(state), job_status_markdown(state), gr.Timer(active=active)
 
+                train_task.change(on_task, train_task, [train_about, train_users, train_steps, train_batch],
+                                  queue=False, show_progress="hidden")
                 train_mechanism.change(lambda key: gr.Number(label=batch_size_label(key)), train_mechanism,
                                        train_batch, queue=False, show_progress="hidden")
-                start.click(on_start, [train_mechanism, train_eps, train_users, train_steps, train_batch],
+                start.click(on_start, [train_task, train_mechanism, train_eps, train_users, train_steps, train_batch],
                             [progress, train_status, timer])
                 timer.tick(on_tick, None, [progress, train_status, timer])
 
@@ -154,34 +167,60 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
                 with gr.Row():
                     compare_run = gr.Dropdown(choices=[], label="fine-tuned run", elem_id="compare-run", scale=3)
                     refresh = gr.Button("Reload runs", scale=1)
-                compare_text = gr.Textbox(EXAMPLE_TEXTS[0], label="text", lines=2, elem_id="compare-text")
+                compare_text = gr.Textbox(EXAMPLE_TEXTS[0], lines=2, elem_id="compare-text",
+                                          label="text: a classifier labels it, a language model replies to it")
                 gr.Examples([[t] for t in EXAMPLE_TEXTS], [compare_text], label="pick a text")
-                compare_button = gr.Button("Compare", variant="primary", elem_id="compare-button")
+                with gr.Accordion("Decoding (language models): the same for every column", open=True):
+                    with gr.Row():
+                        seed = gr.Number(0, label="seed (torch.manual_seed before each generation)", precision=0,
+                                         minimum=0, elem_id="compare-seed")
+                        max_new_tokens = gr.Number(Decoding.max_new_tokens, label="max_new_tokens", precision=0,
+                                                   minimum=1, maximum=MAX_NEW_TOKENS, elem_id="compare-max-new-tokens")
+                        temperature = gr.Number(Decoding.temperature, label="temperature (0: greedy)", minimum=0,
+                                                step=0.1, elem_id="compare-temperature")
+                        top_p = gr.Number(Decoding.top_p, label="top_p", minimum=0.01, maximum=1, step=0.05,
+                                          elem_id="compare-top-p")
+                compare_button = gr.Button("Compare / generate", variant="primary", elem_id="compare-button")
                 compare_header = gr.Markdown(elem_id="compare-header")
                 with gr.Row():
                     with gr.Column():
-                        gr.Markdown("#### Public-only baseline (no private data)")
-                        baseline_label = gr.Label(label="baseline: class / next-token probabilities",
-                                                  num_top_classes=5, elem_id="baseline-label")
-                        baseline_text = gr.Textbox(label="baseline generation", visible=False,
+                        baseline_heading = gr.Markdown(CLASSIFIER_HEADINGS[0], elem_id="baseline-heading")
+                        baseline_label = gr.Label(label="baseline: class probabilities", num_top_classes=5,
+                                                  elem_id="baseline-label")
+                        baseline_text = gr.Textbox(label="generation", visible=False, lines=6,
                                                    elem_id="baseline-text")
                     with gr.Column():
-                        gr.Markdown("#### DP fine-tuned model")
-                        dp_label = gr.Label(label="DP model: class / next-token probabilities",
-                                            num_top_classes=5, elem_id="dp-label")
-                        dp_text = gr.Textbox(label="DP model generation", visible=False, elem_id="dp-text")
+                        dp_heading = gr.Markdown(CLASSIFIER_HEADINGS[1], elem_id="dp-heading")
+                        dp_label = gr.Label(label="fine-tuned model: class probabilities", num_top_classes=5,
+                                            elem_id="dp-label")
+                        dp_text = gr.Textbox(label="generation", visible=False, lines=6, elem_id="dp-text")
+                    with gr.Column(visible=False) as non_private_column:
+                        non_private_heading = gr.Markdown(elem_id="non-private-heading")
+                        non_private_text = gr.Textbox(label="generation", lines=6, elem_id="non-private-text")
+                decoding_md = gr.Markdown(elem_id="compare-decoding")
 
-                def on_compare(run_name, text):
-                    out = compare_view(results_dir, run_name, text)
-                    if out["error"]:
-                        return (out["error"], None, None, gr.Textbox(visible=False), gr.Textbox(visible=False))
-                    lm = out["causal_lm"]
-                    return (out["header"], out["baseline"], out["dp"],
-                            gr.Textbox(value=out["baseline_text"], visible=lm),
-                            gr.Textbox(value=out["dp_text"], visible=lm))
+                def on_compare(run_name, text, seed_value, new_tokens, temp, nucleus):
+                    try:
+                        decoding = Decoding(seed=seed_value, max_new_tokens=new_tokens, temperature=temp,
+                                            top_p=nucleus)
+                    except Exception as error:
+                        out = {"error": error_md(error)}
+                    else:
+                        out = compare_view(results_dir, run_name, text, decoding)
+                    lm = bool(out.get("language_model"))
+                    columns = list(out.get("columns") or []) + [None] * 3
+                    headings = ([c["heading"] if c else "" for c in columns[:3]] if lm
+                                else list(CLASSIFIER_HEADINGS) + [""])
+                    return (out["error"] or out["header"], *headings, gr.Column(visible=lm and bool(columns[2])),
+                            gr.Label(value=out.get("baseline"), visible=not lm),
+                            gr.Label(value=out.get("dp"), visible=not lm),
+                            *[gr.Textbox(value=c["text"] if c else "", visible=lm) for c in columns[:3]],
+                            out.get("decoding", ""))
 
-                compare_button.click(on_compare, [compare_run, compare_text],
-                                     [compare_header, baseline_label, dp_label, baseline_text, dp_text])
+                compare_button.click(on_compare, [compare_run, compare_text, seed, max_new_tokens, temperature, top_p],
+                                     [compare_header, baseline_heading, dp_heading, non_private_heading,
+                                      non_private_column, baseline_label, dp_label, baseline_text, dp_text,
+                                      non_private_text, decoding_md])
 
             # ---- Results ------------------------------------------------------------------------
             with gr.Tab("Results", id="results"):

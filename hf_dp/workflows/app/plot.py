@@ -1,18 +1,26 @@
-"""The Results tab's plot: `eval_result` against ε spent (log x) per DP mechanism, styled from MECHANISMS."""
+"""The Results tab's plot: the test metric against ε spent (log x) per DP mechanism, styled from MECHANISMS.
+
+Accuracy for classification; for a language model (a lower-is-better perplexity: the causal LM's, the chat model's
+completion perplexity) its logarithm, the test NLL in nats per token, as the study's plot shows it
+([`hf_dp.workflows.study_plot.metric_value`]).
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
-from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, lower_is_better
+from hf_dp.workflows.study_plot import is_adaptive, metric_value
 
 from .results import NON_PRIVATE, RunRecord, is_positive, main_metric, study_is_quick
 
 
 def privacy_utility_figure(runs: Sequence[RunRecord]):
-    """`eval_result` against ε spent (log x) per DP mechanism, the public-only baseline as a line, the non-private
-    run as a point at ε = ∞. Markers, colors and labels are those of [`~hf_dp.vocabulary.MECHANISMS`]; the Train
-    tab's runs are left out.
+    """The metric against ε spent (log x) per DP mechanism (adaptive clipping as its own dashed series), the
+    public-only baseline and the non-private run as horizontal lines (the non-private run also as a point at
+    ε = ∞). Markers, colors and labels are those of [`~hf_dp.vocabulary.MECHANISMS`]; the Train tab's runs are left
+    out. Accuracy, or test NLL (log perplexity, lower is better) for language models.
 
     Returns a matplotlib `Figure` (for `gr.Plot`), or `None` when there is no run to plot.
     """
@@ -23,29 +31,37 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
         return None
     metric_name = main_metric(study)
     study = [r for r in study if r.metric_name == metric_name]
+    lower = lower_is_better(metric_name)
     fig = Figure(figsize=(7.5, 4.6), dpi=110)
     ax = fig.add_subplot(1, 1, 1)
     epsilons = []
     for key in DP_MECHANISMS:
         style = MECHANISMS[key]
-        points = sorted((float(r.result["epsilon"]), r.eval_result) for r in study
-                        if r.mechanism == key and is_positive(r.result.get("epsilon")))
-        if points:
+        for adaptive in (False, True):
+            points = sorted((float(r.result["epsilon"]), metric_value(r.result)) for r in study
+                            if r.mechanism == key and is_adaptive(r.result) == adaptive
+                            and is_positive(r.result.get("epsilon")))
+            if not points:
+                continue
             xs, ys = zip(*points)
             epsilons += xs
-            ax.plot(xs, ys, marker=style.marker, color=style.color, label=style.label)
+            ax.plot(xs, ys, marker=style.marker, color=style.color, linestyle="--" if adaptive else "-",
+                    markerfacecolor="white" if adaptive else style.color,
+                    label=style.label + (", adaptive clipping" if adaptive else ""))
     low, high = (min(epsilons), max(epsilons)) if epsilons else (1.0, 8.0)
     right = high * 2.5
-    baseline = next((r.eval_result for r in study if r.is_baseline), None)
-    if baseline is None:
-        baseline = next((float(r.result["baseline_result"]) for r in study
+    baseline = next((metric_value(r.result) for r in study if r.is_baseline), None)
+    if baseline is None:  # the DP runs record the baseline's figure on their test rows
+        recorded = next((float(r.result["baseline_result"]) for r in study
                          if r.result.get("baseline_result") is not None), None)
+        baseline = None if recorded is None else (math.log(recorded) if lower else recorded)
     if baseline is not None:
         style = MECHANISMS["public-only"]
         ax.axhline(baseline, color=style.color, linestyle="--", label=f"{style.label} ({baseline:.3f})")
-    non_private = next((r.eval_result for r in study if r.mechanism == NON_PRIVATE), None)
+    non_private = next((metric_value(r.result) for r in study if r.mechanism == NON_PRIVATE), None)
     if non_private is not None:
         style = MECHANISMS[NON_PRIVATE]
+        ax.axhline(non_private, color=style.color, linestyle=":")
         ax.plot([right], [non_private], marker=style.marker, markersize=14, color=style.color, linestyle="none",
                 label=f"{style.label}, ε = ∞ ({non_private:.3f})")
     ax.set_xscale("log")
@@ -55,7 +71,8 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
     ax.set_xticks(ticks + [right])
     ax.set_xticklabels([f"{t:g}" for t in ticks] + ["∞"])
     ax.set_xlabel("ε spent (log scale)")
-    ax.set_ylabel(f"test {metric_name}")
+    ax.set_ylabel(f"test NLL = log {metric_name}\n(nats per token; lower is better)" if lower
+                  else f"test {metric_name}")
     quick = study_is_quick(study[0].folder)
     ax.set_title("Privacy / utility" + (" (quick study: the numbers mean nothing)" if quick else ""), fontsize=10)
     ax.grid(True, alpha=0.3)

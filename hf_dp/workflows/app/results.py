@@ -25,6 +25,9 @@ from .common import AppError, error_md, mechanism_label
 APP_RUNS_DIR = "app-runs"
 BASELINE = "public-only"
 NON_PRIVATE = "non-private"
+# Result JSON `task`s of language models (`causal_lm` is read as `causal-lm`): the Compare tab generates with them.
+CHAT_TASK = "chat-sft"
+LANGUAGE_MODEL_TASKS = ("causal-lm", CHAT_TASK)
 # Listing order: the baseline, the non-private run, then the DP mechanisms.
 _ORDER = {key: i for i, key in enumerate((BASELINE, NON_PRIVATE) + DP_MECHANISMS)}
 
@@ -72,8 +75,25 @@ class RunRecord:
         return str(self.result.get("task") or "classification")
 
     @property
-    def is_causal_lm(self) -> bool:
-        return self.task.replace("-", "_") == "causal_lm"
+    def is_language_model(self) -> bool:
+        """A generative run ([`LANGUAGE_MODEL_TASKS`]): the Compare tab shows generations, not class probabilities."""
+        return self.task.replace("_", "-") in LANGUAGE_MODEL_TASKS
+
+    @property
+    def is_chat(self) -> bool:
+        """A chat fine-tuning run: its prompts go through the chat template as a user message."""
+        return self.task.replace("_", "-") == CHAT_TASK
+
+    def guarantee(self) -> str:
+        """The run's guarantee in words: `ε = 7.9, δ = 1e-05 (user-level)`, `no privacy guarantee` (non-private)
+        or `no private data` (the public-only baseline)."""
+        if self.mechanism == NON_PRIVATE:
+            return "no privacy guarantee"
+        if self.is_baseline:
+            return "no private data"
+        unit = (self.result.get("privacy") or {}).get("privacy_unit", "?")
+        return (f"ε = {format_number(self.result.get('epsilon'), '.3g')}, "
+                f"δ = {format_number(self.result.get('delta'), '.2g')} ({unit}-level)")
 
     def label(self) -> str:
         """The run as the dropdowns list it: name, mechanism, ε, result."""

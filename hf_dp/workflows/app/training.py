@@ -1,7 +1,11 @@
 """The Train tab: a short run in a background thread, its progress through a TrainerCallback and a queue.
 
-The run is [`hf_dp.workflows.tasks.classification.run_classification`] on a seeded subset of the Shakespeare genres
-with the embedded MiniLM; the guarantee is the DPTrainer's for the rows trained on. A
+Two tasks ([`TRAIN_TASKS`]): **chat SFT** (the default), SmolLM2-135M-Instruct fine-tuned with LoRA to reply as
+Shakespeare's roles ([`hf_dp.workflows.tasks.chat_sft.run_chat_sft`], [`~hf_dp.sft.DPSFTTrainer`]), and
+**classification**, the embedded MiniLM on the Shakespeare genres
+([`hf_dp.workflows.tasks.classification.run_classification`]), each on a seeded subset of the training roles. The
+mechanism, `target_epsilon` and `expected_batch_size` the page sets are the trainer's arguments, and the ε shown is
+the trainer's ledger value (its `dp/epsilon` log); the guarantee covers the rows trained on. A
 [`~transformers.TrainerCallback`] puts each step and log on a queue, the page's timer drains it ([`TrainingJob.poll`]).
 """
 
@@ -16,13 +20,21 @@ from typing import Callable, Mapping, Sequence
 
 from hf_dp.formatting import format_number
 from hf_dp.parser import check_numbers
-from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
+from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, lower_is_better
 
 from .common import AppError, error_md, one_line
 from .results import APP_RUNS_DIR
 
 # What the Train tab offers: the DP mechanisms and the non-private comparison.
 TRAIN_MECHANISMS = DP_MECHANISMS + ("non-private",)
+# Its tasks: the label of the choice, and the subset, steps and batch its controls default to (about a minute or
+# two on 2 CPU cores). The chat run is the chat study's recipe (`SFT_SETTINGS` of hf_dp.workflows.study_settings).
+TRAIN_TASKS = {
+    "chat-sft": dict(label="Chat SFT: SmolLM2-135M-Instruct replies as a Shakespeare role (LoRA)",
+                     max_train_users=64, max_steps=6, expected_batch_size=8, max_eval_examples=32),
+    "classification": dict(label="Classification: MiniLM predicts a speech's genre (LoRA)",
+                           max_train_users=96, max_steps=8, expected_batch_size=24, max_eval_examples=128),
+}
 
 
 def batch_size_label(mechanism: str) -> str:
@@ -65,22 +77,25 @@ def queue_callback_class():
 class TrainingSettings:
     """What the Train tab asks for; the rest of the run follows the study's settings on a small subset.
 
-    `mechanism` is a key of [`~hf_dp.vocabulary.MECHANISMS`] (a DP one, or `"non-private"`); `target_epsilon` and
-    `expected_batch_size` are the [`~hf_dp.DPTrainingArguments`] fields (users per step for ULS, examples per step
-    for ELS and example-level), checked for the DP mechanisms only (a non-private run does not use them). Counts
-    are whole numbers >= 1 (an integral float from a form, 8.0, becomes the int) and ε a finite number > 0: anything
-    else (0, a negative or fractional count, NaN, an empty box) raises [`AppError`] naming the field, before a run
-    starts.
+    `task` is a key of [`TRAIN_TASKS`]; `mechanism` a key of [`~hf_dp.vocabulary.MECHANISMS`] (a DP one, or
+    `"non-private"`); `target_epsilon` and `expected_batch_size` are the [`~hf_dp.DPTrainingArguments`] fields
+    (users per step for ULS, examples per step for ELS and example-level), checked for the DP mechanisms only (a
+    non-private run does not use them). Counts are whole numbers >= 1 (an integral float from a form, 8.0, becomes
+    the int) and ε a finite number > 0: anything else (0, a negative or fractional count, NaN, an empty box) raises
+    [`AppError`] naming the field, before a run starts. `max_eval_examples` `None`: the task's default.
     """
 
     mechanism: str = "uls"
     target_epsilon: float = 8.0
-    max_train_users: int = 96
-    max_steps: int = 8
-    expected_batch_size: int = 24
-    max_eval_examples: int = 128
+    max_train_users: int = TRAIN_TASKS["chat-sft"]["max_train_users"]
+    max_steps: int = TRAIN_TASKS["chat-sft"]["max_steps"]
+    expected_batch_size: int = TRAIN_TASKS["chat-sft"]["expected_batch_size"]
+    max_eval_examples: int | None = None
+    task: str = "chat-sft"
 
     def __post_init__(self):
+        if self.task not in TRAIN_TASKS:
+            raise AppError(f"task={self.task!r}: use one of {tuple(TRAIN_TASKS)}.")
         if self.mechanism not in TRAIN_MECHANISMS:
             raise AppError(f"mechanism={self.mechanism!r}: use one of {TRAIN_MECHANISMS}.")
         rules = {"max_train_users": "int>=2", "max_steps": "int>=1", "max_eval_examples": "int>=1"}
@@ -90,6 +105,8 @@ class TrainingSettings:
             check_numbers(self, rules, flags=False)
         except ValueError as error:
             raise AppError(str(error)) from None
+        if self.max_eval_examples is None:
+            self.max_eval_examples = TRAIN_TASKS[self.task]["max_eval_examples"]
 
 
 class TrainingJob:
@@ -156,31 +173,60 @@ class TrainingJob:
 
 
 def run_app_training(settings: TrainingSettings, results_dir, callbacks: Sequence) -> dict:
-    """A short fine-tuning run of the embedded MiniLM on a subset of the Shakespeare genres.
+    """A short fine-tuning run of `settings.task` ([`TRAIN_TASKS`]) on a seeded subset of the training roles.
 
     Writes `results_dir/app-runs/<run>.json` and the model + privacy card to `results_dir/app-runs/models/<run>/`.
-    The guarantee is the DPTrainer's for the rows trained on (a seeded subset of the training roles).
+    The mechanism, `target_epsilon` and `expected_batch_size` are `settings`'; the guarantee is the trainer's for
+    the rows trained on.
     """
-    from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
-
     mechanism = settings.mechanism
     private = mechanism in DP_MECHANISMS
     stamp = time.strftime("%H%M%S")
-    run = f"app-{mechanism}-eps{settings.target_epsilon:g}-{stamp}" if private else f"app-{mechanism}-{stamp}"
-    config = ClassificationConfig(
-        run=run, results_dir=str(Path(results_dir) / APP_RUNS_DIR), max_train_users=int(settings.max_train_users),
-        max_eval_examples=int(settings.max_eval_examples), max_length=32, use_lora=True,
-        lora_target_modules=["query", "value"], progress=False,
-    )
+    prefix = "app-chat" if settings.task == "chat-sft" else "app"
+    run = f"{prefix}-{mechanism}-eps{settings.target_epsilon:g}-{stamp}" if private else f"{prefix}-{mechanism}-{stamp}"
+    common = dict(run=run, results_dir=str(Path(results_dir) / APP_RUNS_DIR), use_lora=True, progress=False,
+                  max_train_users=int(settings.max_train_users), max_eval_examples=int(settings.max_eval_examples))
     # DPTrainingArguments / TrainingArguments fields; logging every step gives the progress bar ε and loss
     fields = dict(max_steps=int(settings.max_steps), logging_steps=1)
     if private:
-        fields.update(target_epsilon=float(settings.target_epsilon), contribution_bound=2,
-                      expected_batch_size=int(settings.expected_batch_size), per_device_train_batch_size=64)
+        fields.update(target_epsilon=float(settings.target_epsilon),
+                      expected_batch_size=int(settings.expected_batch_size))
+    if settings.task == "chat-sft":
+        return _run_chat(common, mechanism, fields, list(callbacks))
+    from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
+
+    config = ClassificationConfig(**common, max_length=32, lora_target_modules=["query", "value"])
+    if private:
+        fields.update(contribution_bound=2, per_device_train_batch_size=64)
     else:
         fields.update(per_device_train_batch_size=16)
-    training_args = config.training_arguments(mechanism, **fields)
-    return run_classification(config, training_args, callbacks=list(callbacks))
+    return run_classification(config, config.training_arguments(mechanism, **fields), callbacks=list(callbacks))
+
+
+def _run_chat(common: dict, mechanism: str, fields: dict, callbacks: list) -> dict:
+    """SmolLM2 fine-tuned on Shakespeare conversations with the chat study's recipe (`SFT_SETTINGS`: LoRA on the top
+    4 layers, 64 tokens, its system prompt and optimiser, G = 1; the study's tuning plays left out); the subset,
+    steps, ε and batch are the page's."""
+    from hf_dp.workflows.pretrained import smollm2_path
+    from hf_dp.workflows.study_settings import SFT_SETTINGS
+    from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig, run_chat_sft
+
+    config = ChatSFTConfig(**{**SFT_SETTINGS["config"], **common, "model_name_or_path": str(smollm2_path())})
+    recipe = SFT_SETTINGS["dp" if mechanism in DP_MECHANISMS else "non_private"]
+    arguments = config.training_arguments(mechanism, **{**recipe, **fields})
+    return run_chat_sft(config, arguments, callbacks=callbacks)
+
+
+def train_description(task: str, results_dir) -> str:
+    """The Train tab's words on what `task` trains (markdown)."""
+    where = f"Its model, privacy card and result go to `{results_dir}/{APP_RUNS_DIR}/`"
+    if task == "chat-sft":
+        return ("A short LoRA run of SmolLM2-135M-Instruct with `DPSFTTrainer` on the Shakespeare conversations: each "
+                "user is a speaking role, each conversation a speech and that role's reply (the chat study's recipe, "
+                f"64 tokens, on a seeded subset of the roles). {where}, so the Compare tab can then generate with it. "
+                "The loss shown is the trainer's noised release, covered by ε. On 2 CPU cores expect a minute or two.")
+    return ("A short run of the embedded MiniLM on a small subset of the Shakespeare genres (users are speaking "
+            f"roles). It uses the study's recipe (LoRA, 32 tokens). {where}. On 2 CPU cores expect about a minute.")
 
 
 def progress_html(state: Mapping) -> str:
@@ -197,7 +243,8 @@ def progress_html(state: Mapping) -> str:
         eps_text = f"no privacy guarantee ({state['mechanism']})"
     else:
         eps_text = f"ε spent {eps:.3g}" + (f" of {target:g}" if target else "") if eps is not None else "ε spent 0"
-    loss = f", loss {state['loss']:.3f}" if state.get("loss") is not None else ""
+    noised = "noised " if state.get("mechanism") in DP_MECHANISMS else ""
+    loss = f", {noised}loss {state['loss']:.3f}" if state.get("loss") is not None else ""
     elapsed = time.time() - state.get("started", time.time())
     words = {"starting": "Loading data and model…", "training": "Training", "done": "Finished", "error": "Failed"}
     color = {"error": "#c0392b", "done": "#2e7d32"}.get(status, "#1f6feb")
@@ -219,9 +266,10 @@ def job_status_markdown(state: Mapping) -> str:
         eps = result.get("epsilon")
         eps_text = ("no guarantee (non-private)" if eps is None
                     else f"ε = {eps:.3g}, δ = {format_number(result.get('delta'), '.2g')}")
+        better = "; lower is better" if lower_is_better(result.get("metric_name")) else ""
         return (f"**Finished `{result.get('run')}`**: {result.get('metric_name', 'metric')} "
                 f"{format_number(result.get('eval_result'), '.3f')} (public-only baseline "
-                f"{format_number(result.get('baseline_result'), '.3f')}), {eps_text}. It is listed in the Compare and "
-                f"Results tabs as `{APP_RUNS_DIR}/{result.get('run')}`. Quick runs on small subsets: the numbers are "
-                "noisy.")
+                f"{format_number(result.get('baseline_result'), '.3f')}{better}), {eps_text}. It is listed in the "
+                f"Compare and Results tabs as `{APP_RUNS_DIR}/{result.get('run')}`. Quick runs on small subsets: the "
+                "numbers are noisy.")
     return ""
