@@ -30,8 +30,8 @@ the C trajectory adaptive clipping follows from C_0 (simulated from the same nor
 that grows during training hurts beyond its SNR (Adam's second-moment estimate lags the growing noise). The
 gradients do not change with the weights there, so it isolates the noise; it is no training run.
 
-Examples (one thread: classification 3 minutes on an idle core, 19 minutes on the shared, loaded 2-core machine;
-the causal LM with 64 units 14 minutes there):
+Examples (one thread on the shared 2-core machine, depending on its load: classification 3 to 19 minutes, the
+causal LM with 64 units 14 minutes under heavy load):
 
     python benchmarks/clipping_snr.py --adam
     python benchmarks/clipping_snr.py --task causal_lm --lm_units 64 --adam
