@@ -100,7 +100,8 @@ def main(argv=None) -> dict:
     lm_tuning.study_users = study_users
     data = proxy_data(args.eval_examples, system_prompt=args.system_prompt)
     layers = list(range(NUM_LAYERS - args.lora_layers, NUM_LAYERS)) if args.lora_layers else None
-    record = {"system_prompt": args.system_prompt, "lora_layers": args.lora_layers, "max_length": args.max_length, "truncation_mode": args.truncation_mode,
+    record = {"system_prompt": args.system_prompt, "lora_layers": args.lora_layers, "max_length": args.max_length,
+              "truncation_mode": args.truncation_mode,
               "eval_examples": len(data.test), "proxy_train_users": len(set(data.train["user_id"])),
               "proxy_train_rows": len(data.train)}
     start = time.perf_counter()
