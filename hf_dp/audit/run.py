@@ -9,7 +9,9 @@
    training data (the trainer never sees the coins) and out of every upload (`_*` is skipped by `hf-dp publish`
    and by `Trainer.push_to_hub`);
 3. it records the start: each canary row's loss under the initial, public-only model (black-box score, the
-   default) or the trainable parameters θ_0 (white-box score);
+   default) or the trainable parameters θ_0 (white-box score). For chat SFT (`prompt_column`) canaries are
+   prompt/completion conversations like the real rows and the loss is their reply's; a trainer that tokenizes its
+   own data (`DPSFTTrainer`) gets raw rows, and `score_tokenize` tokenizes the canaries for scoring as it does;
 4. it trains once, scores every canary ([`loss_scores`] or [`gradient_alignment_scores`]), and turns the
    guesses into lower bounds on ε at the run's δ: Steinke et al.'s (no assumption) and Mahloujifar et al.'s
    f-DP one (assuming a Gaussian trade-off curve, as DP-SGD has approximately);
@@ -539,8 +541,8 @@ def _scoring_rows(features, canary_set: Canaries) -> list[list[dict]]:
     columns)."""
     expected = len(canary_set) * len(canary_set.rows[0])
     if len(features) != expected:
-        raise ValueError(f"tokenize turned {expected} canary rows into {len(features)}: it must map rows one to one "
-                         "(no filtering, no packing).")
+        raise ValueError(f"tokenize (or score_tokenize) turned {expected} canary rows into {len(features)}: it must "
+                         "map rows one to one (no filtering, no packing, a max_length that leaves every row a target).")
     raw = (canary_set.user_id_column, canary_set.text_column, canary_set.prompt_column)
     drop = [c for c in features.column_names if c in raw
             or getattr(features.features[c], "dtype", None) in ("string", "large_string")]

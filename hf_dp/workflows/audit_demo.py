@@ -1,36 +1,38 @@
 """`hf-dp audit`: an empirical privacy audit of a demo-sized DP run on the embedded default, offline, on a CPU.
 
-The run is the study's ULS run ([`hf_dp.workflows.study`], the same settings but 100 steps instead of 200, so that
-it takes a few minutes; `--max_steps 200` audits the study's run itself): the embedded MiniLM classifier
-(all-MiniLM-L6-v2 with the similarity head, LoRA on queries and values) learns the First Folio genre of
-Shakespeare speeches, users = speaking roles, with user-level DP (ULS) at `--target_epsilon` (default 8). Before
-training, `--canaries` canary users (random text with random genres, `--rows_per_canary` rows each) are added,
-each by a fair coin; after training each canary is scored and the guesses give an ε lower bound at the run's δ
-with `--confidence` ([`hf_dp.audit.audit_training`]).
+`--task sft` (the default) audits the chat study's ULS run as `hf-dp demo` trains it ([`hf_dp.workflows.study`],
+[`~hf_dp.workflows.study_settings.SFT_SETTINGS`]): `DPSFTTrainer` on SmolLM2-135M-Instruct (LoRA on the queries
+and values of the top 4 layers) learns Shakespeare roles' replies, users = speaking roles, with user-level DP
+(ULS, G = 1, adaptive clipping) at `--target_epsilon` (default 8) for 60 steps. Before training, `--canaries` canary
+users are added, each by a fair coin; each canary has `--rows_per_canary` conversations (at most G) in the real
+rows' prompt/completion format, the study's system prompt, a user message of random words and a reply of random
+words. After training each canary is scored by how much its reply's loss dropped from the untouched model to the
+trained one (the reply's tokens only, tokenized as DPSFTTrainer tokenizes them), and the guesses give an ε lower
+bound at the run's δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits the
+classification study's ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
 
 Writes:
 
 - `<results_dir>/audit.json`: the audit ([`~hf_dp.audit.AuditReport.to_dict`]) beside the proven ε, the audited
-  model's test accuracy and the public-only (zero-shot) baseline's on the same test rows (canaries removed), the
-  settings and the timings;
+  model's test metric (completion perplexity, or accuracy) and the public-only baseline's on the same test rows
+  (canaries removed), the settings and the timings;
 - `<results_dir>/models/audit/`: the audited model, its privacy card with the "Empirical audit" section, and
   `_audit/` (the canaries with their coins, and the report), which `hf-dp publish` and `push_to_hub` never
   upload.
 
-The audited model trained on the canaries: it is a check of the implementation, not the model to release (the
-card says so). Expect a lower bound far below ε; one above ε means a bug. Measured (256 canaries, ULS at ε = 8,
-100 steps, black-box score): lower bound 0.00 (67 of 128 guesses right; 256 canaries could show at most 3.09 at
-δ = 8.1e-5, 95 %), proven ε 8.00; 4.6 min on one thread of a 2-core machine busy with other work (training is
-nearly all of it). At this scale the audit sees nothing even with the noise cut 100-fold: each canary is sampled
-about 5 times, its clipped gradient a 64th of an update; the tests (tiny models, many visits per canary) show it
-catching such a break. `--quick` runs the same pipeline on a tiny subset in well under a minute (for tests; its
-numbers mean nothing).
+The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
+says so). Expect a lower bound far below ε; one above ε means a bug. The chat task has not been measured at its
+default yet. Measured before for the classification task (256 canaries, 100 steps, the first round's settings):
+lower bound 0.00, 67 of 128 guesses right, proven ε 8.00, 4.6 minutes. Why so little power, and what would give more
+(`--max_steps`): `docs/audit.md`. `--quick` runs the same pipeline on a tiny subset (for tests; its numbers mean
+nothing).
 
 Example:
 
 ```bash
-hf-dp audit                                   # 256 canaries, ULS at ε = 8, 100 steps (≈ 5 min on 2 CPU cores)
-hf-dp audit --target_epsilon 1 --canaries 512 --results_dir results
+hf-dp audit                                   # the chat run: 256 canaries, ULS at ε = 8, 60 steps
+hf-dp audit --max_steps 240 --results_dir results   # each canary visited ~4 times instead of ~1
+hf-dp audit --task classification             # the MiniLM study's run, 100 steps
 python -m hf_dp.workflows.audit_demo --quick --results_dir /tmp/audit
 ```
 """
