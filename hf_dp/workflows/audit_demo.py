@@ -21,11 +21,13 @@ Writes:
   upload.
 
 The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
-says so). Expect a lower bound far below ε; one above ε means a bug. The chat task has not been measured at its
-default yet. Measured before for the classification task (256 canaries, 100 steps, the first round's settings):
-lower bound 0.00, 67 of 128 guesses right, proven ε 8.00, 4.6 minutes. Why so little power, and what would give more
-(`--max_steps`): `docs/audit.md`. `--quick` runs the same pipeline on a tiny subset (for tests; its numbers mean
-nothing).
+says so). Expect a lower bound far below ε; one above ε means a bug. Measured once at the default (256 canaries, ULS
+at ε = 8, 60 steps, black-box score, `nice -n 10` on a 2-core machine at load average 5 to 18): lower bound 0.00
+(f-DP bound 0.00; 3 of 5 guesses right; 256 canaries could show at most 2.93 at δ = 0.00011, 95 %), proven ε 7.99;
+79 minutes of wall time, 11.5 of CPU time. Measured before for the classification task (256 canaries, 100 steps, the
+first round's settings): lower bound 0.00, 67 of 128 guesses right, proven ε 8.00, 4.6 minutes. Why so little power,
+and what would give more (`--max_steps`): `docs/audit.md`. `--quick` runs the same pipeline on a tiny subset (for
+tests; its numbers mean nothing).
 
 Example:
 
