@@ -92,9 +92,10 @@ _MODULE_COMMANDS = {
                 "Hub is reachable before uploading anything."),
     "audit": ("workflows.audit_demo", "AuditArguments",
               "empirical privacy audit: an ε lower bound from canary users beside the proven ε",
-              "One-run privacy audit (Steinke, Nasr & Jagielski 2023) of the demo's ULS run on the embedded MiniLM: "
-              "canary users added by fair coins, trained at --target_epsilon, scored; prints the ε lower bound beside "
-              "the accountant's ε and writes --results_dir/audit.json."),
+              "One-run privacy audit (Steinke, Nasr & Jagielski 2023) of the demo's ULS run (the chat study's "
+              "DPSFTTrainer run on SmolLM2; --task classification: the MiniLM study's): canary users added by fair "
+              "coins, trained at --target_epsilon, scored; prints the ε lower bound beside the accountant's ε and "
+              "writes --results_dir/audit.json."),
 }
 
 

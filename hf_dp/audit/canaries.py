@@ -1,9 +1,13 @@
 """Canary users for a one-run audit: rows nobody else could have written, included by a coin.
 
-Each canary is a *user* (the privacy unit) with k rows. A row is a fresh random marker
+Each canary is a *user* (the privacy unit) with k rows. A text row is a fresh random marker
 ("hf-dp-canary-<16 hex digits>") followed by random words from a fixed list, so it cannot collide
 with real data, and the only way a model can tell an included canary from an excluded one is by
-having trained on it. Each canary's inclusion is an independent fair coin, as the estimators
+having trained on it. A conversation row (`prompt_column` set: chat SFT data in TRL's prompt/completion
+format) is a user message of a few random words, after the data's system prompt if any, and an
+assistant reply of random words: 16 words drawn from 64 (96 bits) make every row unique without the
+marker, whose 23 tokens would not fit the short conversations chat runs train on; the reply is what
+SFT learns, so membership shows in its loss. Each canary's inclusion is an independent fair coin, as the estimators
 assume. The coins are the audit's secret: `training_rows()` hands out rows without them, and
 `Canaries.save` writes them to a file of their own, apart from the training data.
 """
@@ -50,6 +54,8 @@ class Canaries:
         text_column: Column holding the text.
         label_column: Column holding the label, or None.
         num_labels: Number of label classes, or None.
+        prompt_column: Column holding the prompt messages of conversation rows (the text column then holds the
+            reply, `[{"role": "assistant", "content": ...}]`), or None for text rows.
     """
 
     user_ids: tuple[str, ...]
@@ -60,6 +66,7 @@ class Canaries:
     text_column: str = "text"
     label_column: str | None = None
     num_labels: int | None = None
+    prompt_column: str | None = None
 
     def __len__(self) -> int:
         return len(self.user_ids)
@@ -67,7 +74,8 @@ class Canaries:
     @property
     def columns(self) -> list[str]:
         """The columns of a canary row."""
-        return [self.user_id_column, self.text_column] + ([self.label_column] if self.label_column else [])
+        optional = [c for c in (self.prompt_column, self.label_column) if c]
+        return [self.user_id_column, self.text_column] + optional
 
     def rows_of(self, i: int) -> list[dict]:
         """Rows of canary i, included or not (scoring needs every canary).
@@ -97,6 +105,7 @@ class Canaries:
             "text_column": self.text_column,
             "label_column": self.label_column,
             "num_labels": self.num_labels,
+            "prompt_column": self.prompt_column,
             "user_ids": list(self.user_ids),
             "rows": [list(rows) for rows in self.rows],
             "included": [bool(b) for b in self.included],
@@ -130,6 +139,7 @@ class Canaries:
             text_column=record["text_column"],
             label_column=record["label_column"],
             num_labels=record["num_labels"],
+            prompt_column=record.get("prompt_column"),
         )
 
 
@@ -143,6 +153,9 @@ def make_canaries(
     label_column: str | None = None,
     num_labels: int | None = None,
     words_per_row: int = 12,
+    prompt_column: str | None = None,
+    system_prompt: str | None = None,
+    prompt_words: int = 4,
 ) -> Canaries:
     """Draw m canary users with k rows each, and an independent fair coin for each.
 
@@ -159,7 +172,11 @@ def make_canaries(
         text_column: Name of the text column.
         label_column: Name of the label column, or None for unlabeled (language modeling) data.
         num_labels: Number of classes; required with `label_column`.
-        words_per_row: Random words after the marker in each row.
+        words_per_row: Random words after the marker in each row (in the reply of a conversation row).
+        prompt_column: Name of the prompt column for conversation rows (TRL's prompt/completion format: the
+            text column holds the reply message); None for text rows.
+        system_prompt: A system message put first in each conversation row's prompt, as the real rows have.
+        prompt_words: Random words of a conversation row's user message.
 
     Returns:
         The `Canaries`.
@@ -173,6 +190,12 @@ def make_canaries(
         raise ValueError(f"rows_per_canary must be an int >= 1 (got {rows_per_canary!r}).")
     if not isinstance(words_per_row, int) or words_per_row < 1:
         raise ValueError(f"words_per_row must be an int >= 1 (got {words_per_row!r}).")
+    if prompt_column is not None and (not isinstance(prompt_words, int) or prompt_words < 1):
+        raise ValueError(f"prompt_words must be an int >= 1 (got {prompt_words!r}).")
+    if system_prompt is not None and prompt_column is None:
+        raise ValueError("system_prompt is for conversation rows: pass prompt_column too (or no system_prompt).")
+    if prompt_column is not None and prompt_column in (user_id_column, text_column, label_column):
+        raise ValueError(f"prompt_column={prompt_column!r} must differ from the user, text and label columns.")
     if (label_column is None) != (num_labels is None):
         raise ValueError("label_column and num_labels go together; pass both (classification) or neither.")
     if num_labels is not None and (not isinstance(num_labels, int) or num_labels < 2):
@@ -182,13 +205,22 @@ def make_canaries(
     included = rng.integers(0, 2, size=num_canaries).astype(bool)
     width = max(4, len(str(num_canaries - 1)))
     user_ids = tuple(canary_user_id(i, width) for i in range(num_canaries))
+    system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+
+    def words(n: int) -> str:
+        return " ".join(_WORDS[j] for j in rng.integers(0, len(_WORDS), size=n))
+
     rows = []
     for user_id in user_ids:
         user_rows = []
         for _ in range(rows_per_canary):
-            marker = rng.bytes(8).hex()
-            words = " ".join(_WORDS[j] for j in rng.integers(0, len(_WORDS), size=words_per_row))
-            row = {user_id_column: user_id, text_column: f"{_MARKER}{marker} {words}"}
+            if prompt_column is None:
+                marker = rng.bytes(8).hex()
+                row = {user_id_column: user_id, text_column: f"{_MARKER}{marker} {words(words_per_row)}"}
+            else:
+                prompt = [dict(m) for m in system] + [{"role": "user", "content": words(prompt_words)}]
+                row = {user_id_column: user_id, prompt_column: prompt,
+                       text_column: [{"role": "assistant", "content": words(words_per_row)}]}
             if label_column is not None:
                 row[label_column] = int(rng.integers(0, num_labels))
             user_rows.append(row)
@@ -202,6 +234,7 @@ def make_canaries(
         text_column=text_column,
         label_column=label_column,
         num_labels=num_labels,
+        prompt_column=prompt_column,
     )
 
 

@@ -9,7 +9,9 @@
    training data (the trainer never sees the coins) and out of every upload (`_*` is skipped by `hf-dp publish`
    and by `Trainer.push_to_hub`);
 3. it records the start: each canary row's loss under the initial, public-only model (black-box score, the
-   default) or the trainable parameters θ_0 (white-box score);
+   default) or the trainable parameters θ_0 (white-box score). For chat SFT (`prompt_column`) canaries are
+   prompt/completion conversations like the real rows and the loss is their reply's; a trainer that tokenizes its
+   own data (`DPSFTTrainer`) gets raw rows, and `score_tokenize` tokenizes the canaries for scoring as it does;
 4. it trains once, scores every canary ([`loss_scores`] or [`gradient_alignment_scores`]), and turns the
    guesses into lower bounds on ε at the run's δ: Steinke et al.'s (no assumption) and Mahloujifar et al.'s
    f-DP one (assuming a Gaussian trade-off curve, as DP-SGD has approximately);
@@ -366,6 +368,10 @@ def audit_training(
     score: str = "auto",
     record_dir: str | Path | None = None,
     progress: bool = False,
+    prompt_column: str | None = None,
+    system_prompt: str | None = None,
+    score_tokenize: Callable[[Any], Any] | None = None,
+    score_collator: Callable[[list[dict]], dict] | None = None,
 ) -> AuditReport:
     """Insert canary users, train once, score them, and bound ε from below (Steinke, Nasr & Jagielski 2023).
 
@@ -380,7 +386,8 @@ def audit_training(
             [`~transformers.Trainer`] works; one without `privacy_report` (not DP) needs `delta`.
         train_dataset: The real training rows as a `datasets.Dataset` with exactly the columns `user_id_column`
             (strings), `text_column` and optionally one label column (class indices; its `ClassLabel` or largest
-            value gives the classes), before tokenization.
+            value gives the classes), or, for chat SFT, `prompt_column` (then `text_column` is the completion),
+            before tokenization.
         canaries: Number of canary users m (hundreds give a useful audit).
         rows_per_canary: Rows per canary k: 1 for example-level runs (which audit single rows); at most the
             contribution bound G for user-level runs (G audits the bound's worst case).
@@ -395,6 +402,15 @@ def audit_training(
         score: `"black-box"`, `"white-box"` or `"auto"` (black box, [`choose_score`] says why).
         record_dir: Where the canary record and the report go. Default: `trainer.args.output_dir/_audit`.
         progress: Progress bars for the scoring.
+        prompt_column: For prompt/completion conversations (TRL's conversational format, e.g. `"prompt"`, with
+            `text_column="completion"`): canaries are conversations too, a random user message and a random reply
+            ([`make_canaries`]), and are scored on the reply's tokens only.
+        system_prompt: The system message the real conversations start with, put first in each canary's prompt.
+        score_tokenize: Maps the canaries' raw rows to the scored features (`input_ids` and `labels`, -100 where
+            no loss is taken), row for row, when they differ from `tokenize`'s: a trainer that prepares its own
+            dataset (`DPSFTTrainer`: `tokenize=None`) needs the rows tokenized as it tokenizes them. Default:
+            `tokenize`.
+        score_collator: Batches the scored features. Default: `trainer.data_collator`.
 
     Returns:
         [`AuditReport`], also written to `record_dir/report.json`; the canaries and coins are in
@@ -413,17 +429,18 @@ def audit_training(
         raise ValueError(f"delta={delta!r}: must be in [0, 1); leave it unset for the run's δ.")
     if score not in SCORES:
         raise ValueError(f"score={score!r}: use one of {SCORES}.")
-    label_column, num_labels = _label_column(train_dataset, user_id_column, text_column)
+    label_column, num_labels = _label_column(train_dataset, user_id_column, text_column, prompt_column)
     canary_set = make_canaries(
         canaries, rows_per_canary, seed=secrets.randbits(63) if seed is None else int(seed),
         user_id_column=user_id_column, text_column=text_column, label_column=label_column, num_labels=num_labels,
+        prompt_column=prompt_column, system_prompt=system_prompt,
     )
     prepare = tokenize or (lambda dataset: dataset)
     training_rows = prepare(insert(train_dataset, canary_set))
     every_canary = datasets.Dataset.from_list(
         [row for i in range(len(canary_set)) for row in canary_set.rows_of(i)], features=train_dataset.features
     )
-    canary_rows = _scoring_rows(prepare(every_canary), canary_set, user_id_column, text_column)
+    canary_rows = _scoring_rows((score_tokenize or prepare)(every_canary), canary_set)
 
     trainer = make_trainer(training_rows)
     trainer_column = getattr(trainer.args, "user_id_column", user_id_column)
@@ -444,7 +461,7 @@ def audit_training(
         folder.mkdir(parents=True, exist_ok=True)
         canary_set.save(folder / CANARIES_FILE)
 
-    model, collator = trainer.model, trainer.data_collator
+    model, collator = trainer.model, score_collator or trainer.data_collator
     flat_rows = [row for rows in canary_rows for row in rows]
     if kind == "black-box":
         base_losses = per_row_losses(model, flat_rows, collator)
@@ -475,18 +492,22 @@ def audit_training(
 # ---- helpers ---------------------------------------------------------------------------------------------
 
 
-def _label_column(dataset, user_id_column: str, text_column: str) -> tuple[str | None, int | None]:
-    """The label column (the one column besides user and text) and its number of classes, or (None, None)."""
+def _label_column(dataset, user_id_column: str, text_column: str,
+                  prompt_column: str | None = None) -> tuple[str | None, int | None]:
+    """The label column (the one column besides user, text and prompt) and its number of classes, or (None, None)."""
     import datasets
 
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
-    for column in (user_id_column, text_column):
-        if column not in columns:
-            raise ValueError(f"train_dataset has no column {column!r} (columns: {columns}); pass user_id_column= and "
-                             "text_column= naming the user and text columns of the raw rows.")
-    extra = [c for c in columns if c not in (user_id_column, text_column)]
+    for column in (user_id_column, text_column, prompt_column):
+        if column is not None and column not in columns:
+            raise ValueError(f"train_dataset has no column {column!r} (columns: {columns}); pass user_id_column=, "
+                             "text_column= (and prompt_column= for conversations) naming the columns of the raw rows.")
+    extra = [c for c in columns if c not in (user_id_column, text_column, prompt_column)]
+    if extra and prompt_column is not None:
+        raise ValueError(f"train_dataset has columns {extra} besides user, prompt and completion: select those three "
+                         "for a chat audit.")
     if not extra:
         return None, None
     if len(extra) > 1:
@@ -515,13 +536,15 @@ def _check_rows_per_canary(rows_per_canary: int, privacy: Mapping | None) -> Non
                          f"would drop canary rows that the audit scores; pass rows_per_canary <= {bound}.")
 
 
-def _scoring_rows(features, canary_set: Canaries, user_id_column: str, text_column: str) -> list[list[dict]]:
-    """Each canary's tokenized rows as the data collator takes them (no user, text or other string columns)."""
+def _scoring_rows(features, canary_set: Canaries) -> list[list[dict]]:
+    """Each canary's tokenized rows as the data collator takes them (no user, text, prompt or other string
+    columns)."""
     expected = len(canary_set) * len(canary_set.rows[0])
     if len(features) != expected:
-        raise ValueError(f"tokenize turned {expected} canary rows into {len(features)}: it must map rows one to one "
-                         "(no filtering, no packing).")
-    drop = [c for c in features.column_names if c in (user_id_column, text_column)
+        raise ValueError(f"tokenize (or score_tokenize) turned {expected} canary rows into {len(features)}: it must "
+                         "map rows one to one (no filtering, no packing, a max_length that leaves every row a target).")
+    raw = (canary_set.user_id_column, canary_set.text_column, canary_set.prompt_column)
+    drop = [c for c in features.column_names if c in raw
             or getattr(features.features[c], "dtype", None) in ("string", "large_string")]
     features = features.remove_columns(drop)
     rows = [features[i] for i in range(len(features))]

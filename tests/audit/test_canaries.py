@@ -120,3 +120,99 @@ def test_insert_names_the_mismatched_column():
 def test_is_canary_user():
     assert is_canary_user("__hf_dp_canary_0012__")
     assert not is_canary_user("user12") and not is_canary_user(12) and not is_canary_user("__hf_dp_canary_x__")
+
+
+# ---- conversation canaries (chat SFT: TRL's prompt/completion rows) ----------------------------------------
+
+
+SYSTEM = "You are a character in a play by Shakespeare."
+
+
+def _chat_rows(n=200):
+    """Real prompt/completion rows as `to_prompt_completion` makes them (system prompt first)."""
+    rng = np.random.default_rng(0)
+    words = "thou art more lovely and temperate rough winds do shake the darling buds of may".split()
+    users, prompts, completions = [], [], []
+    for _ in range(n):
+        users.append(f"PLAY::ROLE{rng.integers(0, 40)}")
+        prompts.append([{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": " ".join(rng.choice(words, size=6))}])
+        completions.append([{"role": "assistant", "content": " ".join(rng.choice(words, size=10))}])
+    return datasets.Dataset.from_dict({"user_id": users, "prompt": prompts, "completion": completions})
+
+
+def _conversation_canaries(m=100, k=1, seed=2):
+    return make_canaries(m, k, seed=seed, text_column="completion", prompt_column="prompt", system_prompt=SYSTEM)
+
+
+def test_conversation_canaries_are_prompt_completion_rows_like_the_real_ones():
+    canaries = _conversation_canaries(m=50, k=2)
+    assert canaries.columns == ["user_id", "completion", "prompt"]
+    assert len(set(canaries.user_ids)) == 50 and all(is_canary_user(u) for u in canaries.user_ids)
+    for i in range(50):
+        for row in canaries.rows_of(i):
+            assert row["user_id"] == canaries.user_ids[i]
+            system, user = row["prompt"]
+            assert system == {"role": "system", "content": SYSTEM} and user["role"] == "user"
+            assert len(user["content"].split()) == 4
+            (reply,) = row["completion"]
+            assert reply["role"] == "assistant" and len(reply["content"].split()) == 12
+    replies = [row["completion"][0]["content"] for i in range(50) for row in canaries.rows_of(i)]
+    assert len(set(replies)) == 100  # 12 of 64 words: 72 bits per reply
+    # The coins are the same as text canaries' of the same seed: the row format draws after them.
+    np.testing.assert_array_equal(canaries.included, make_canaries(50, 2, seed=2).included)
+    assert make_canaries(3, 1, seed=0, prompt_column="prompt").rows_of(0)[0]["prompt"][0]["role"] == "user"
+
+
+def test_conversation_canaries_never_collide_with_real_rows_and_insert_cleanly():
+    real = _chat_rows()
+    canaries = _conversation_canaries()
+    real_texts = {m["content"] for column in ("prompt", "completion") for row in real[column] for m in row
+                  if m["role"] != "system"}
+    canary_texts = {m["content"] for i in range(100) for row in canaries.rows_of(i)
+                    for m in row["prompt"][1:] + row["completion"]}
+    assert not real_texts & canary_texts
+    assert not any(is_canary_user(u) for u in real["user_id"])
+    mixed = insert(real, canaries)
+    assert mixed.features == real.features and len(mixed) == len(real) + int(canaries.included.sum())
+    inserted = mixed.select(range(len(real), len(mixed)))
+    assert inserted["completion"] == [row["completion"] for row in canaries.training_rows()]
+    assert len(remove_canaries(mixed)) == len(real)
+
+
+def test_conversation_canaries_save_and_load_with_their_coins(tmp_path):
+    canaries = _conversation_canaries(m=20, k=1, seed=7)
+    canaries.save(tmp_path / "c.json")
+    again = Canaries.load(tmp_path / "c.json")
+    assert again.prompt_column == "prompt" and again.text_column == "completion"
+    np.testing.assert_array_equal(again.included, canaries.included)
+    assert again.rows_of(3) == canaries.rows_of(3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(system_prompt="x"), "system_prompt is for conversation rows"),
+    (dict(prompt_column="prompt", prompt_words=0), "prompt_words must be an int >= 1"),
+    (dict(prompt_column="text"), "prompt_column='text' must differ"),
+])
+def test_conversation_canary_settings_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_canaries(4, 1, seed=0, **kwargs)
+
+
+@pytest.mark.slow
+def test_conversation_canaries_fit_the_chat_study_rows_whole():
+    """With SmolLM2's chat template and the study's system prompt, a canary's reply is never cut by max_length 64:
+    the audit scores the whole reply, as training saw it."""
+    from transformers import AutoTokenizer
+
+    from hf_dp.workflows.pretrained import smollm2_path
+    from hf_dp.workflows.study_settings import SFT_SETTINGS
+    from hf_dp.workflows.tasks.chat_sft import tokenize_prompt_completion
+
+    canaries = _conversation_canaries(m=200)
+    rows = datasets.Dataset.from_list([row for i in range(200) for row in canaries.rows_of(i)])
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    max_length = SFT_SETTINGS["config"]["max_length"]
+    whole = tokenize_prompt_completion(rows, tokenizer, max_length=None)
+    assert max(len(ids) for ids in whole["input_ids"]) <= max_length
+    assert tokenize_prompt_completion(rows, tokenizer, max_length=max_length)["labels"] == whole["labels"]

@@ -355,6 +355,19 @@ def test_extra_columns_are_refused():
         audit_training(_never_called, rows, tokenize=_tokenize)
 
 
+def test_chat_audit_needs_prompt_and_completion_only():
+    chat = datasets.Dataset.from_dict({
+        "user_id": ["a", "b"],
+        "prompt": [[{"role": "user", "content": "hi"}]] * 2,
+        "completion": [[{"role": "assistant", "content": "hello"}]] * 2,
+    })
+    with pytest.raises(ValueError, match="no column 'question'"):
+        audit_training(_never_called, chat, text_column="completion", prompt_column="question")
+    with pytest.raises(ValueError, match=r"columns \['play'\] besides user, prompt and completion"):
+        audit_training(_never_called, chat.add_column("play", ["x", "y"]), text_column="completion",
+                       prompt_column="prompt")
+
+
 def test_refusals_that_need_the_trainer(tmp_path):
     def dp(**overrides):
         return lambda rows: DPTrainer(model=_tiny_lm(), args=_args(tmp_path, max_steps=2, **overrides),

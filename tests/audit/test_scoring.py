@@ -66,3 +66,37 @@ def test_classification_rows_match_model_loss():
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     with pytest.raises(ValueError, match="no 'labels'"):
         per_row_losses(model, rows, lambda b: {"input_ids": _pad(b)[0]}, batch_size=2)
+
+
+def test_chat_rows_are_scored_on_their_completion_tokens_only():
+    """The SFT scoring path (rows tokenized as DPSFTTrainer tokenizes them, CausalLMCollator) takes each row's loss
+    over its reply tokens only: the prompt, system message and padding are never targets."""
+    import datasets
+    import torch.nn.functional as F
+
+    from hf_dp.workflows.tasks.chat_sft import tokenize_prompt_completion
+    from hf_dp.workflows.tasks.language_modeling import CausalLMCollator
+    from tests.workflows.test_chat_sft import chat_tokenizer, tiny_chat_model
+
+    tokenizer, model = chat_tokenizer(), tiny_chat_model().eval()
+    rows = datasets.Dataset.from_dict({
+        "prompt": [[{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w4 w5"}],
+                   [{"role": "user", "content": "w6"}]],
+        "completion": [[{"role": "assistant", "content": "w7 w8"}], [{"role": "assistant", "content": "w9 w10 w11"}]],
+    })
+    features = tokenize_prompt_completion(rows, tokenizer, max_length=None)
+    collator = CausalLMCollator(tokenizer.pad_token_id)
+    losses = per_row_losses(model, list(features), collator)
+    for row, loss in zip(features, losses):
+        ids = torch.tensor([row["input_ids"]])
+        targets = torch.tensor(row["labels"][1:])
+        reply = targets != -100
+        # reply tokens: "w7 w8 <|end|>" after "<|assistant|>" (the template's generation prompt)
+        assert tokenizer.decode(targets[reply]).split()[-1] == "<|end|>" and int(reply.sum()) >= 3
+        assert int((~reply).sum()) > 0  # the prompt is there, and masked
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]
+        expected = F.cross_entropy(logits[reply], targets[reply])
+        everything = F.cross_entropy(logits, torch.tensor(row["input_ids"][1:]))
+        assert loss == pytest.approx(float(expected), rel=1e-5)
+        assert abs(loss - float(everything)) > 1e-3  # so the prompt's tokens would have changed it

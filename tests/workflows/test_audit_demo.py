@@ -1,4 +1,5 @@
-"""`hf-dp audit`: its flags, and a --quick run end to end (MiniLM + Shakespeare, tiny subset)."""
+"""`hf-dp audit`: its flags, and --quick runs end to end: the chat task on a tiny chat Llama (fast) and on SmolLM2
+with Shakespeare conversations (slow), the classification task on MiniLM (slow)."""
 from __future__ import annotations
 
 import json
@@ -46,8 +47,8 @@ def test_quick_audit_writes_audit_json_card_section_and_a_private_record(tmp_pat
     from hf_dp.audit import Canaries, is_canary_user
     from hf_dp.hub import IGNORE_PATTERNS
 
-    assert audit_demo.main(["--quick", "--results_dir", str(tmp_path), "--no_progress", "--canary_seed", "1",
-                            "--noise_seed", "2"]) == 0
+    assert audit_demo.main(["--task", "classification", "--quick", "--results_dir", str(tmp_path), "--no_progress",
+                            "--canary_seed", "1", "--noise_seed", "2"]) == 0
     result = json.loads((tmp_path / "audit.json").read_text())
     audit = result["audit"]
     assert audit["canaries"] == 16 and audit["rows_per_canary"] == 1 and audit["confidence"] == 0.95
@@ -92,6 +93,95 @@ def test_run_audit_refuses_bad_numbers_before_loading_anything(tmp_path, monkeyp
 
     monkeypatch.setattr(classification, "load_classification_data", never)
     with pytest.raises(ValueError) as error:
-        audit_demo.run_audit(results_dir=str(tmp_path / "results"), progress=False, **kwargs)
+        audit_demo.run_audit(task="classification", results_dir=str(tmp_path / "results"), progress=False, **kwargs)
     assert str(error.value).startswith(match)
     assert list(tmp_path.iterdir()) == []  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rows_per_canary=2), "--rows_per_canary 2: the audited run keeps at most G = 1 row per user"),
+    (dict(task="causal_lm"), "--task 'causal_lm': use one of sft, classification"),
+])
+def test_sft_audit_refuses_bad_input_before_loading_anything(tmp_path, monkeypatch, kwargs, match):
+    import hf_dp.workflows.tasks.chat_sft as chat_sft
+
+    def never(*args, **kwargs):
+        raise AssertionError("data was loaded before the arguments were checked")
+
+    monkeypatch.setattr(chat_sft, "load_chat_data", never)
+    with pytest.raises(ValueError) as error:
+        audit_demo.run_audit(results_dir=str(tmp_path / "results"), progress=False, **kwargs)
+    assert str(error.value).startswith(match)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- the chat task (the default) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_settings(tmp_path_factory):
+    """The chat study's settings on a tiny chat Llama (saved with its tokenizer and chat template) and JSONL
+    train/test conversations whose users differ."""
+    from tests.workflows.test_chat_sft import chat_tokenizer, conversations, tiny_chat_model
+
+    folder = tmp_path_factory.mktemp("tiny-chat-audit")
+    tiny_chat_model().save_pretrained(folder / "model")
+    chat_tokenizer().save_pretrained(folder / "model")
+    conversations([f"u{i}" for i in range(24)]).to_json(folder / "train.jsonl")
+    conversations([f"t{i}" for i in range(6)], seed=1).to_json(folder / "test.jsonl")
+    return dict(
+        config=dict(model_name_or_path=str(folder / "model"), dataset=str(folder / "train.jsonl"),
+                    eval_dataset=str(folder / "test.jsonl"), max_length=32, use_lora=True, lora_r=2, lora_alpha=4,
+                    lora_target_modules=["q_proj", "v_proj"], eval_batch_size=16, system_prompt="w1 w2"),
+        dp=dict(expected_batch_size=4, contribution_bound=1, max_steps=2, learning_rate=1e-2, max_grad_norm=0.5,
+                per_device_train_batch_size=8, max_loss=10.0, gradient_checkpointing=False),
+        adaptive=dict(adaptive_clipping=True, target_unclipped_quantile=0.5, clipping_learning_rate=0.2,
+                      clipping_count_noise=None),
+    )
+
+
+def _check_sft_audit(tmp_path, result, *, canaries: int, train_users: int):
+    from hf_dp.audit import Canaries, is_canary_user
+    from hf_dp.hub import IGNORE_PATTERNS
+
+    audit = result["audit"]
+    assert result["audited_task"] == "sft" and result["metric_name"] == "completion perplexity"
+    assert audit["canaries"] == canaries and audit["rows_per_canary"] == 1 and audit["score"] == "black-box"
+    assert 0 <= audit["epsilon_lower_bound"] <= audit["epsilon_ceiling"]
+    assert 0 < result["epsilon"] <= 8.0 and audit["epsilon_upper_bound"] == result["epsilon"]
+    assert audit["delta"] == result["delta"] == result["privacy"]["delta"]
+    assert result["privacy"]["adaptive_clipping"] and result["privacy"]["contribution_bound"] == 1
+    assert result["eval_result"] > 1 and result["baseline_result"] > 1  # perplexities
+    assert result["num_train_users"] == train_users  # real roles only: canaries are never counted
+    record = Canaries.load(tmp_path / result["audit_record"])
+    assert len(record) == canaries and all(is_canary_user(u) for u in record.user_ids)
+    assert record.prompt_column == "prompt" and record.text_column == "completion"
+    assert list(audit["guesses"]) and sum(audit["guesses"]) <= canaries
+    model_dir = tmp_path / result["model_dir"]
+    card = (model_dir / "README.md").read_text()
+    assert "## Empirical audit" in card and "this model's own training run" in card
+    files = [str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file()]
+    uploaded = list(filter_repo_objects(files, ignore_patterns=IGNORE_PATTERNS))
+    assert "README.md" in uploaded and not any("_audit" in name or "canar" in name for name in uploaded)
+
+
+def test_quick_sft_audit_on_a_tiny_chat_model(tmp_path, tiny_chat_settings, capsys):
+    logged = []
+    result = audit_demo.run_audit(quick=True, results_dir=str(tmp_path), progress=False, canary_seed=1,
+                                  noise_seed=2, settings=tiny_chat_settings, log=logged.append)
+    _check_sft_audit(tmp_path, result, canaries=16, train_users=24)
+    assert json.loads((tmp_path / "audit.json").read_text())["audit"] == result["audit"]
+    assert result["settings"]["training"]["max_steps"] == 2  # --quick keeps the settings' steps
+    assert any("[3/4]" in line and "16 canary users" in line for line in logged)
+    table = audit_demo.format_result(result)
+    assert "test completion perplexity (public-only baseline)" in table and "ceiling of m = 16" in table
+
+
+@pytest.mark.slow
+def test_quick_sft_audit_on_smollm2_writes_audit_json_and_card(tmp_path, capsys):
+    assert audit_demo.main(["--quick", "--results_dir", str(tmp_path), "--no_progress", "--canary_seed", "1",
+                            "--noise_seed", "2"]) == 0
+    result = json.loads((tmp_path / "audit.json").read_text())
+    _check_sft_audit(tmp_path, result, canaries=16, train_users=48)
+    out = capsys.readouterr().out
+    assert "ε audited (lower bound, Steinke et al.)" in out and "completion perplexity" in out

@@ -65,6 +65,8 @@ __all__ = [
     "ChatSFTConfig",
     "completion_perplexity",
     "load_chat_data",
+    "lora_config",
+    "prepare_chat_tokenizer",
     "run_chat_baseline",
     "run_chat_sft",
     "to_prompt_completion",
@@ -281,7 +283,7 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
     check_user_id_column(config, training_args)
     mechanism = mechanism_of_arguments(training_args)
     data = data if data is not None else load_chat_data(config)
-    tokenizer = _chat_tokenizer(tokenizer, config)
+    tokenizer = prepare_chat_tokenizer(tokenizer, config)
     if model is None:
         from transformers import AutoModelForCausalLM
 
@@ -302,7 +304,7 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
     columns = ["prompt", "completion"] + ([config.user_id_column] if mechanism != "non-private" else [])
     set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     trainer = _sft_trainer(model, training_args, data.train.select_columns(columns), tokenizer, card,
-                           peft_config=_lora_config(config), callbacks=callbacks)
+                           peft_config=lora_config(config), callbacks=callbacks)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -333,7 +335,7 @@ def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data
     with `config.max_length` and SFTConfig's default truncation tokenizes them.
     """
     data = data if data is not None else load_chat_data(config)
-    tokenizer = _chat_tokenizer(tokenizer, config)
+    tokenizer = prepare_chat_tokenizer(tokenizer, config)
     if model is None:
         from transformers import AutoModelForCausalLM
 
@@ -358,7 +360,8 @@ def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data
     return result
 
 
-def _chat_tokenizer(tokenizer, config: ChatSFTConfig):
+def prepare_chat_tokenizer(tokenizer, config: ChatSFTConfig):
+    """`tokenizer` (or the config's, loaded) checked for a chat template, its pad token set (EOS if none)."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -375,7 +378,8 @@ def _chat_tokenizer(tokenizer, config: ChatSFTConfig):
     return tokenizer
 
 
-def _lora_config(config: ChatSFTConfig):
+def lora_config(config: ChatSFTConfig):
+    """The run's `peft.LoraConfig` (None without `use_lora`)."""
     if not config.use_lora:
         return None
     from peft import LoraConfig
