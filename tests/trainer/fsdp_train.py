@@ -1,7 +1,8 @@
 """Trains a tiny causal LM with DP under FSDP2 (or one plain process) and saves its weights and per-rank bytes.
 
 Usage: accelerate launch --config_file recipes/configs/fsdp.yaml --num_processes 2 tests/trainer/fsdp_train.py
-OUT.pt SAMPLING [lora]; or `python tests/trainer/fsdp_train.py OUT.pt SAMPLING [lora]` for one plain process.
+OUT.pt SAMPLING [full|lora|checkpointing]; or `python tests/trainer/fsdp_train.py OUT.pt SAMPLING VARIANT` for one
+plain process. `checkpointing`: full fine-tuning with gradient_checkpointing=True (non-reentrant).
 On CPU, accelerate 1.15 drops an FSDP config silently (it turns FSDP on for GPU-type devices only): `fsdp_on_cpu`
 sets the distributed type as accelerate does on a GPU, and the run records that its parameters really were
 sharded DTensors during training.
@@ -12,6 +13,7 @@ import sys
 
 import torch
 from transformers import TrainerCallback
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.workflows.runs import finish_processes
@@ -64,6 +66,8 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full") -> None:
         learning_rate=5e-2, target_epsilon=8.0, noise_seed=4321,
         **(dict(privacy_unit="example") if sampling == "example" else dict(sampling=sampling, contribution_bound=3)),
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        **(dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+           if variant == "checkpointing" else {}),
     )
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer = DPTrainer(model=model, args=args, train_dataset=user_dataset(seed=5, causal_lm=True),
@@ -76,6 +80,8 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full") -> None:
         torch.save({"state": {k: v.detach().cpu() for k, v in state.items()},
                     "world_size": trainer.accelerator.num_processes, "fsdp": trainer.is_fsdp_enabled,
                     "initial": initial, "sharded": measure.sharded, "bytes": measure.bytes,
+                    "checkpointing": [getattr(layer, "gradient_checkpointing", False) for layer in
+                                      trainer.model.modules() if isinstance(layer, LlamaDecoderLayer)],
                     "epsilon": trainer.privacy_report()["epsilon"]}, out_path)
     finish_processes()
 

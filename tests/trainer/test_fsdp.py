@@ -30,7 +30,8 @@ def launch(out: Path, num_processes: int, sampling: str, variant: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling, variant", [("els", "full"), ("uls", "lora"), ("example", "full")])
+@pytest.mark.parametrize("sampling, variant", [("els", "full"), ("uls", "lora"), ("example", "full"),
+                                               ("uls", "checkpointing")])
 def test_two_sharded_processes_reproduce_one(tmp_path, sampling, variant):
     single = launch(tmp_path / "one.pt", 1, sampling, variant)
     sharded = launch(tmp_path / "two.pt", 2, sampling, variant)
@@ -38,6 +39,8 @@ def test_two_sharded_processes_reproduce_one(tmp_path, sampling, variant):
     assert (sharded["world_size"], sharded["fsdp"]) == (2, True)
     assert sharded["sharded"] == [True] * 3  # every parameter a DTensor at every optimizer step: not DDP
     assert sharded["epsilon"] == single["epsilon"]
+    # gradient_checkpointing=True (non-reentrant) really checkpoints the (one) decoder layer, in both runs
+    assert sharded["checkpointing"] == single["checkpointing"] == [variant == "checkpointing"]
     # Per rank, parameters + gradients + optimizer state: half of one process (rows split as torch.chunk does).
     ratios = [two / one for two, one in zip(sharded["bytes"], single["bytes"])]
     assert all(0.5 <= ratio < 0.52 for ratio in ratios), ratios
