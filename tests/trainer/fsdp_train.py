@@ -86,5 +86,32 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full") -> None:
     finish_processes()
 
 
+def refusals(out_path: str) -> None:
+    """One rank under FSDP2 (`fsdp=True` in the arguments): what building, then training, says for checkpoints,
+    mixed precision and resuming, and for none of them (then it builds, sharded, and refuses only the resume)."""
+    fsdp_on_cpu()
+    cases = {"save_strategy": dict(save_strategy="steps"), "jit": dict(enable_jit_checkpoint=True),
+             "bf16": dict(bf16=True), "none": {}}
+    outcome = {}
+    for case, extra in cases.items():
+        args = DPTrainingArguments(
+            output_dir=out_path + ".run", max_steps=1, expected_batch_size=8, per_device_train_batch_size=3,
+            target_epsilon=8.0, sampling="uls", contribution_bound=3, report_to=[], use_cpu=True, disable_tqdm=True,
+            fsdp=True, fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+            **{"save_strategy": "no", **extra})
+        try:
+            trainer = DPTrainer(model=tiny_llama(seed=3), args=args, train_dataset=user_dataset(seed=5, causal_lm=True),
+                                data_collator=pad_collator)
+            outcome[case] = f"built, fsdp {trainer.is_fsdp_enabled}"
+            trainer.train(resume_from_checkpoint=out_path + ".nowhere")
+        except ValueError as error:
+            outcome[case] = outcome.get(case, "") + f" | {error}"
+    torch.save(outcome, out_path)
+    finish_processes()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[2:3] == ["refusals"]:
+        refusals(sys.argv[1])
+    else:
+        main(*sys.argv[1:])
