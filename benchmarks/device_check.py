@@ -1,4 +1,4 @@
-"""What a DP step costs against Trainer's, on one GPU: one prepared run of at most 5 minutes on an H200.
+"""What a DP step costs against Trainer's, on one GPU, plain and under FSDP2: one prepared run on an H200.
 
 On the GPU machine, from the repository root:
 
@@ -14,7 +14,14 @@ q/k/v/o_proj. Data: users of exactly 2 rows of 256 random tokens (labels = input
 
 - `trainer`: `transformers.Trainer`, 16 rows a step, one forward/backward pass a step;
 - `dp`: `hf_dp.DPTrainer`, user-level sampling (ULS), G = 2 rows a user, 8 users (16 rows) expected a step, ε = 8,
-  C = 1, micro-batches of 64 rows, so that a step is one pass (checked: `passes_per_step`).
+  C = 1, micro-batches of 64 rows, so that a step is one pass (checked: `passes_per_step`);
+- `fsdp` (on CUDA; `--fsdp on` on the CPU, `off` to leave it out): `dp` under FSDP2 (`fully_shard` per decoder
+  layer) in its own process, rank 0 of a one-rank process group, `bf16=False` (weights in `--dtype` already;
+  DPTrainer refuses FSDP2's mixed precision). `fsdp_vs_dp` in `ratios` compares it with `dp` (step, memory, ε,
+  weights). Each such process has `--worker-timeout` (150 s on CUDA); after one times out the others are skipped.
+
+Time: 8 plain runs plus 4 FSDP2 processes (each some 10 s of start-up, then the same steps); estimated at 5 to 7
+minutes on an H200, not measured yet.
 
 Each run: 5 warm-up steps, `--steps` (20) timed steps, then, on CUDA only and outside the timing, 2 steps counting
 syncs and 2 profiled steps. Figures of each run (`runs[config][finetune][trainer]` in the JSON):
@@ -49,7 +56,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -209,10 +219,21 @@ def make_dp_trainer(model, dataset, common: dict, probe, args) -> Trainer:
                              callbacks=[probe])
 
 
-# Trainer kinds, the baseline first. Another (e.g. DPTrainer under world-size-1 FSDP2) is one more builder here:
-# it gets a verdict against the baseline like "dp".
-MODES = {"trainer": make_trainer, "dp": make_dp_trainer}
+FSDP2 = {"fsdp": True, "fsdp_config": {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                       "reshard_after_forward": True}}  # recipes/configs/fsdp.yaml's settings
+
+
+def make_fsdp_trainer(model, dataset, common: dict, probe, args) -> Trainer:
+    """The "dp" trainer under FSDP2 (fully_shard through accelerate, a unit per decoder layer) in one process.
+    `bf16=False`: DPTrainer refuses FSDP2's mixed precision; the weights are in `--dtype` already."""
+    return make_dp_trainer(model, dataset, {**common, **FSDP2, "bf16": False}, probe, args)
+
+
+# Trainer kinds, the baseline first; each gets a verdict against the baseline. "fsdp" runs in its own process
+# (`in_own_process`), where accelerate starts a one-rank process group and shards the model.
+MODES = {"trainer": make_trainer, "dp": make_dp_trainer, "fsdp": make_fsdp_trainer}
 BASELINE = "trainer"
+IN_OWN_PROCESS = {"fsdp"}
 
 
 def covered_seconds(intervals_us: list) -> float:
@@ -367,7 +388,85 @@ def train_once(mode: str, config: dict, finetune: str, dataset: Dataset, args, o
         report = trainer.privacy_report()
         result.update(epsilon=report["epsilon"], delta=report["delta"], noise_multiplier=report["noise_multiplier"],
                       dp_steps=report["steps"])
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in trained]  # FSDP2: gathered
+    result.update(fsdp=trainer.is_fsdp_enabled, world_size=trainer.accelerator.num_processes,
+                  sharded=all(hasattr(p, "full_tensor") for p in trained),  # DTensors: really sharded
+                  weights_sum=sum(float(p.detach().double().sum()) for p in whole),  # the runs compare by these
+                  weights_sum_of_squares=sum(float(p.detach().double().square().sum()) for p in whole))
     return result  # the trainer and model go with this frame; the next run's free_memory collects them
+
+
+def fsdp_on_cpu() -> None:
+    """The CPU smoke run only: accelerate 1.15 turns an FSDP plugin into FSDP on GPU-type devices only, so set the
+    distributed type as it does on a GPU (as tests/trainer/fsdp_train.py does for its gloo processes)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+
+    def init(self, *init_args, fsdp_plugin=None, **kwargs):
+        original(self, *init_args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = init
+
+
+def in_own_process(mode: str, config_name: str, finetune: str, args) -> dict:
+    """`train_once(mode, ...)` in a fresh process, rank 0 of a one-rank process group (the variables torchrun sets):
+    accelerate shards the model there (FSDP2), and this process's runs stay plain. Its figures come back as JSON."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    sizes = [item for key in SIZES for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, config_name, finetune,
+                   "--device", args.device, "--dtype", args.dtype, *sizes, "--out", str(out)]
+        try:
+            done = subprocess.run(command + (["--quick"] if args.quick else []), env=env, capture_output=True,
+                                  text=True, timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            args.worker_timed_out = True  # the later ones are skipped: a hang must not eat the device budget
+            raise
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the {mode} process exited with {done.returncode}: {done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def worker(args) -> None:
+    """The body of `in_own_process`: one run, its figures written to `--out`."""
+    mode, config_name, finetune = args.worker
+    if not args.device.startswith("cuda"):
+        fsdp_on_cpu()
+    config = model_config(config_name, args.quick)
+    with tempfile.TemporaryDirectory() as output_dir:
+        result = train_once(mode, config, finetune, user_rows(config["vocab_size"], args.users, args.seq_len), args,
+                            output_dir)
+    Path(args.out).write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def compare_sharded(plain: dict, sharded: dict) -> tuple[dict, str]:
+    """The FSDP2 run against the plain DP run: step time and memory ratios, and whether it did the same steps."""
+    if "error" in plain or "error" in sharded:
+        return {}, "ERROR (see the run's error)"
+    ratios = {"step": sharded["median_step_s"] / plain["median_step_s"], "memory": None,
+              "epsilon_equal": sharded["epsilon"] == plain["epsilon"],
+              "weights_relative_difference": abs(sharded["weights_sum_of_squares"] - plain["weights_sum_of_squares"])
+              / plain["weights_sum_of_squares"]}
+    if plain["peak_step_memory_bytes"] and sharded["peak_step_memory_bytes"] is not None:
+        ratios["memory"] = sharded["peak_step_memory_bytes"] / plain["peak_step_memory_bytes"]
+        ratios["step_start_memory"] = sharded["step_start_memory_bytes"] / plain["step_start_memory_bytes"]
+    memory = "n/a" if ratios["memory"] is None else f"x{ratios['memory']:.2f}"
+    return ratios, (f"step x{ratios['step']:.2f}, peak step memory {memory}, ε "
+                    f"{'equal' if ratios['epsilon_equal'] else 'DIFFERS'}, weights (sum of squares) differ by "
+                    f"{ratios['weights_relative_difference']:.1e} relative")
 
 
 def describe(result: dict) -> str:
@@ -432,8 +531,15 @@ def parse_args(argv):
     for name, value in SIZES.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                             help=f"default {value} ({QUICK_SIZES[name]} with --quick)")
+    parser.add_argument("--fsdp", default="auto", choices=["auto", "on", "off"],
+                        help="the one-process FSDP2 runs: auto = on CUDA only (on the CPU they need a shim)")
+    parser.add_argument("--worker-timeout", type=int, default=None, help="seconds (default 150 on CUDA, 1800 on CPU)")
+    parser.add_argument("--worker", nargs=3, metavar=("MODE", "CONFIG", "FINETUNE"), help=argparse.SUPPRESS)
     parser.add_argument("--out", default="device_check.json")
     args = parser.parse_args(argv)
+    args.fsdp = args.fsdp == "on" or (args.fsdp == "auto" and args.device.startswith("cuda"))
+    if args.worker_timeout is None:
+        args.worker_timeout = 150 if args.device.startswith("cuda") else 1800
     for name, value in (QUICK_SIZES if args.quick else SIZES).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -447,6 +553,9 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    modes = [mode for mode in MODES if mode != "fsdp" or args.fsdp]
     began = time.perf_counter()
     cuda = args.device.startswith("cuda")
     name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -475,22 +584,31 @@ def main(argv=None) -> dict:
             dataset = user_rows(config["vocab_size"], args.users, args.seq_len)
             for finetune in args.finetune:
                 runs = report["runs"].setdefault(config_name, {}).setdefault(finetune, {})
-                for mode in MODES:
+                for mode in modes:
                     label = f"{config_name} {finetune} {mode}"
                     print(f"{label}: training", flush=True)
                     try:
-                        runs[mode] = train_once(mode, config, finetune, dataset, args, output_dir)
+                        if mode in IN_OWN_PROCESS and getattr(args, "worker_timed_out", False):
+                            raise RuntimeError(f"skipped: an earlier {mode} process ran out of time")
+                        if mode in IN_OWN_PROCESS:
+                            free_memory(cuda)  # the plain runs' cached blocks, before the other process allocates
+                            runs[mode] = in_own_process(mode, config_name, finetune, args)
+                        else:
+                            runs[mode] = train_once(mode, config, finetune, dataset, args, output_dir)
                         print(f"{label}: {describe(runs[mode])}", flush=True)
                     except Exception as error:  # noqa: BLE001 - one failing run must not lose the others
                         traceback.print_exc()
                         runs[mode] = {"error": f"{type(error).__name__}: {error}"}
-                for mode in MODES:
+                ratios_of = report["ratios"].setdefault(config_name, {}).setdefault(finetune, {})
+                for mode in modes:
                     if mode != BASELINE:
                         label = f"{config_name} {finetune}" + ("" if mode == "dp" else f" {mode}")
-                        ratios, line = verdict(label, runs[BASELINE], runs[mode])
-                        report["ratios"].setdefault(config_name, {}).setdefault(finetune, {})[mode] = ratios
+                        ratios_of[mode], line = verdict(label, runs[BASELINE], runs[mode])
                         report["verdicts"].append(line)
                         print(line, flush=True)
+                if "fsdp" in runs:
+                    ratios_of["fsdp_vs_dp"], line = compare_sharded(runs["dp"], runs["fsdp"])
+                    print(f"{config_name} {finetune} FSDP2 (1 process) vs plain DP: {line}", flush=True)
                 Path(args.out).write_text(json.dumps(report, indent=2))  # partial results survive a later failure
     report["elapsed_s"] = time.perf_counter() - began
     print(f"# verdicts ({report['elapsed_s']:.0f} s in all):", *report["verdicts"], sep="\n", flush=True)

@@ -337,8 +337,8 @@ class DPTrainingArguments(TrainingArguments):
                 "cross-entropy for clipping; set it to 0."
             )
         if self.deepspeed:
-            problems.append("deepspeed: its engine owns the backward pass and the gradient reduction, which DP training "
-                            "replaces; shard with FSDP2 instead (accelerate launch --config_file "
+            problems.append("deepspeed: its engine owns the backward pass and the gradient reduction, which DP "
+                            "training replaces; shard with FSDP2 instead (accelerate launch --config_file "
                             "recipes/configs/fsdp.yaml).")
         if self.fsdp and int((self.fsdp_config or {}).get("version", 2)) != 2:
             problems.append("fsdp_config version 1: DP training supports FSDP2 only (fully_shard); set "

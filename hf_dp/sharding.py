@@ -20,6 +20,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 FSDP2_CONFIG = "recipes/configs/fsdp.yaml"
+# torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single (the same call), which older torch lacks
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def is_sharded(tensor) -> bool:
@@ -28,8 +30,9 @@ def is_sharded(tensor) -> bool:
 
 
 def check_supported(trainer) -> None:
-    """Refuse, with one line each, the sharded setups DP training cannot run exactly: DeepSpeed, FSDP1, FSDP's own
-    activation checkpointing, offloading, and loading the weights on the main process only."""
+    """Refuse, with one line each, the sharded setups DP training cannot run exactly or that are not tested:
+    DeepSpeed, FSDP1, FSDP's own activation checkpointing, offloading, loading the weights on the main process
+    only, mixed precision, and checkpoints."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError(f"DeepSpeed: its engine owns the backward pass and the gradient reduction, which DP training "
                          f"replaces; shard with FSDP2 instead (accelerate launch --config_file {FSDP2_CONFIG}).")
@@ -49,6 +52,22 @@ def check_supported(trainer) -> None:
     if getattr(plugin, "cpu_ram_efficient_loading", False):
         raise ValueError("fsdp_cpu_ram_efficient_loading: the other ranks hold empty weights until sharding, and DP "
                          "training checks the model (batch independence, clipping) before that; set it to false.")
+    if str(getattr(trainer.accelerator, "mixed_precision", "no")) != "no":
+        raise ValueError(f"mixed_precision {trainer.accelerator.mixed_precision} under FSDP2: DP training is not "
+                         "tested with FSDP2's MixedPrecisionPolicy (its casts and bf16 reductions); set "
+                         "mixed_precision: no (and bf16=False, fp16=False).")
+    save_strategy = getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)
+    if save_strategy != "no" or trainer.args.enable_jit_checkpoint:
+        raise ValueError("checkpoints under FSDP2: saving and resuming sharded DP runs (model, optimizer and "
+                         "privacy ledger) is not supported yet; set save_strategy='no' and "
+                         "enable_jit_checkpoint=False, and save the model after training.")
+
+
+def check_resume(trainer, resume_from_checkpoint) -> None:
+    """Resuming under FSDP2 is refused, as saving is ([`check_supported`])."""
+    if resume_from_checkpoint and getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError("resume_from_checkpoint under FSDP2: resuming sharded DP runs (model, optimizer and privacy "
+                         "ledger) is not supported yet; train without sharding to checkpoint and resume.")
 
 
 def check_sharded(params) -> None:
@@ -73,7 +92,7 @@ def add_to_shard(param: DTensor, full: torch.Tensor) -> None:
     if per_rank * world != rows:
         full = torch.cat([full, full.new_zeros((per_rank * world - rows, *full.shape[1:]))])
     out = full.new_empty((per_rank, *full.shape[1:]))
-    dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
+    _reduce_scatter(out, full.contiguous(), group=group)
     out = out[: param.to_local().shape[0]]
     if param.grad is None:
         param.grad = DTensor.from_local(out.contiguous(), param.device_mesh, param.placements, run_check=False,

@@ -188,9 +188,10 @@ class DPTrainerMixin(PrivacyReporting):
             sums = step.clip_units(self, model, inputs.micro_batches, max_grad_norm=max_grad_norm,
                                    expected_batch_size=plan.expected_batch_size, causal_lm=self._causal_lm)
         step.check_some_gradient(params, inputs.micro_batches)
-        step.aggregate(params, self._parameter_names(params), sums, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
-                       seed=self._seed, step=inputs.step, expected_batch_size=plan.expected_batch_size,
-                       distributed=self.accelerator.num_processes > 1, secure_noise=self.args.secure_noise)
+        step.aggregate(params, self._parameter_names(params), sums, noise_multiplier=plan.noise_multiplier,
+                       max_grad_norm=max_grad_norm, seed=self._seed, step=inputs.step,
+                       expected_batch_size=plan.expected_batch_size, distributed=self.accelerator.num_processes > 1,
+                       secure_noise=self.args.secure_noise)
         if self.args.enable_jit_checkpoint:  # only a just-in-time save lands between here and the update
             self._state_before_step = self._privacy_state()
         if not self.budget.record_step():
@@ -273,6 +274,7 @@ class DPTrainerMixin(PrivacyReporting):
             ValueError: the checkpoint has no ledger, or one that is edited or does not match.
         """
         with checkpoint.output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
+            sharding.check_resume(self, resume_from_checkpoint)  # refused under FSDP2, as saving is
             if resume_from_checkpoint is True:  # the newest checkpoint whose privacy state verifies
                 resume_from_checkpoint, skipped = checkpoint.newest_complete_checkpoint(self.args.output_dir)
                 for reason in skipped:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -10,16 +10,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from transformers.trainer_utils import SaveStrategy
 
 from hf_dp import sharding
 
 
-def _trainer(**plugin):
+def _trainer(mixed_precision="no", save_strategy=SaveStrategy.NO, enable_jit_checkpoint=False, **plugin):
     settings = dict(fsdp_version=2, activation_checkpointing=False, cpu_offload=OffloadPolicy(),
                     cpu_ram_efficient_loading=False)
     settings.update(plugin)
     return SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True,
-                           accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(**settings))))
+                           args=SimpleNamespace(save_strategy=save_strategy,
+                                                enable_jit_checkpoint=enable_jit_checkpoint),
+                           accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(**settings)),
+                                                       mixed_precision=mixed_precision))
 
 
 @pytest.mark.parametrize("plugin, message", [
@@ -27,12 +31,25 @@ def _trainer(**plugin):
     ({"activation_checkpointing": True}, "gradient_checkpointing=True"),
     ({"cpu_offload": CPUOffloadPolicy()}, "fsdp_offload_params: false"),
     ({"cpu_ram_efficient_loading": True}, "fsdp_cpu_ram_efficient_loading"),
+    ({"mixed_precision": "bf16"}, "mixed_precision: no"),  # not tested under FSDP2: refused, not claimed
+    ({"save_strategy": SaveStrategy.STEPS}, "save_strategy='no'"),  # no sharded checkpoints: the ledger is not lost
+    ({"save_strategy": "epoch"}, "save_strategy='no'"),
+    ({"enable_jit_checkpoint": True}, "enable_jit_checkpoint=False"),
 ])
 def test_sharded_setups_that_would_not_clip_exactly_are_refused_in_one_line(plugin, message):
     sharding.check_supported(_trainer())  # FSDP2 as recipes/configs/fsdp.yaml sets it
     with pytest.raises(ValueError, match=message) as error:
         sharding.check_supported(_trainer(**plugin))
     assert "\n" not in str(error.value)
+
+
+def test_resuming_is_refused_under_fsdp2_only():
+    sharding.check_resume(_trainer(), None)
+    sharding.check_resume(SimpleNamespace(is_fsdp_enabled=False), "out/checkpoint-2")  # plain runs resume
+    for resume in ("out/checkpoint-2", True):
+        with pytest.raises(ValueError, match="resume_from_checkpoint under FSDP2") as error:
+            sharding.check_resume(_trainer(), resume)
+        assert "\n" not in str(error.value)
 
 
 def test_deepspeed_is_refused_with_a_pointer_to_fsdp2():
