@@ -284,13 +284,7 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
     mechanism = mechanism_of_arguments(training_args)
     data = data if data is not None else load_chat_data(config)
     tokenizer = prepare_chat_tokenizer(tokenizer, config)
-    if model is None:
-        from transformers import AutoModelForCausalLM
-
-        if config.model_name_or_path is None:
-            raise ValueError("Chat SFT runs need --model_name_or_path (a local path or a Hub id).")
-        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
-    base_model = config.model_name_or_path or getattr(model.config, "_name_or_path", None) or type(model).__name__
+    model, base_model = _chat_model(model, config)
     model = model.to(training_args.device)  # the baseline on the device the run trains on
     test = tokenize_prompt_completion(data.test, tokenizer, max_length=training_args.max_length,
                                       truncation_mode=training_args.truncation_mode)
@@ -336,12 +330,7 @@ def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data
     """
     data = data if data is not None else load_chat_data(config)
     tokenizer = prepare_chat_tokenizer(tokenizer, config)
-    if model is None:
-        from transformers import AutoModelForCausalLM
-
-        if config.model_name_or_path is None:
-            raise ValueError("Chat SFT runs need --model_name_or_path (a local path or a Hub id).")
-        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+    model, base_model = _chat_model(model, config)
     test = tokenize_prompt_completion(data.test, tokenizer, max_length=config.max_length)
     start = time.perf_counter()
     metric = completion_perplexity(model, test, pad_token_id=tokenizer.pad_token_id,
@@ -350,7 +339,7 @@ def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data
         "run": config.run, "mechanism": "public-only", "target_epsilon": None, "epsilon": 0.0, "delta": 0.0,
         "privacy": None, "metric_name": METRIC_NAME, "eval_result": metric, "baseline_result": metric,
         "model_dir": None,
-        "base_model": config.model_name_or_path or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+        "base_model": base_model,
         "task": TASK, "train_seconds": 0.0, "eval_seconds": time.perf_counter() - start,
         "eval_nll": math.log(metric), "baseline_nll": math.log(metric), "num_eval_examples": len(test),
         "num_eval_tokens": completion_tokens(test),
@@ -358,6 +347,17 @@ def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data
     }
     save_result(result, config.results_dir)
     return result
+
+
+def _chat_model(model, config: ChatSFTConfig):
+    """(`model`, or `config.model_name_or_path` loaded when `model` is None; the base model's name for the card)."""
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        if config.model_name_or_path is None:
+            raise ValueError("Chat SFT runs need --model_name_or_path (a local path or a Hub id).")
+        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+    return model, config.model_name_or_path or getattr(model.config, "_name_or_path", None) or type(model).__name__
 
 
 def prepare_chat_tokenizer(tokenizer, config: ChatSFTConfig):
