@@ -46,6 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf_dp, imported where a trainer is built
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # noise_check, beside this script
 
 SKIP = 2  # warm-up steps left out of the counts and times
 USERS, ROWS_PER_USER, ROWS_PER_STEP, VOCAB = 512, 2, 16, 256
@@ -226,7 +227,8 @@ def build_trainer(kind: str, layers: int, steps: int, args, out_dir: str):
     else:
         mechanism = {"uls": {}, "els": {"sampling": "els"}, "example": {"privacy_unit": "example"}}[args.mechanism]
         targs = DPTrainingArguments(
-            target_epsilon=8.0, contribution_bound=ROWS_PER_USER, max_grad_norm=1.0, adaptive_clipping=args.adaptive,
+            target_epsilon=8.0, contribution_bound=ROWS_PER_USER if args.mechanism != "example" else None,
+            max_grad_norm=1.0, adaptive_clipping=args.adaptive,
             expected_batch_size=ROWS_PER_STEP // ROWS_PER_USER if args.mechanism == "uls" else ROWS_PER_STEP,
             per_device_train_batch_size=64, noise_seed=0, **mechanism, **common)  # 64 rows: one pass per step
         trainer = PassCountingDPTrainer(model=model, args=targs, train_dataset=data, data_collator=collate)
@@ -250,7 +252,14 @@ def measure(kind: str, layers: int, args) -> dict:
             trainer.add_callback(timer)
             trainer.train()
     per_step = {name: n / steps for name, n in counter.ops.most_common()}
-    return {
+    noise = {}
+    if kind == "dp":  # the step's noise alone, beside the path it replaced and the CUDA engine's ops
+        from noise_check import time_params
+
+        cost = time_params([p for p in trainer.model.parameters() if p.requires_grad], torch.device("cpu"))
+        noise = {"noise_ms": cost["new_ms"], "noise_old_ms": cost["old_ms"], "noise_ops": cost["new_ops"],
+                 "noise_old_ops": cost["old_ops"], "noise_device_engine_ops": cost["device_engine_ops"]}
+    return {**noise,
         "layers": layers, "trainer": kind, "steps": steps, "syncs": sum(counter.syncs.values()) / steps,
         "ops": sum(counter.ops.values()) / steps, "views": sum(counter.views.values()) / steps,
         "host_ms": 1e3 * statistics.median(timer.times) if timer.times else None,
@@ -293,6 +302,11 @@ def main(argv=None) -> dict:
         host_ms, cpu_ms = ("-", "-") if r["host_ms"] is None else (f"{r['host_ms']:.1f}", f"{r['host_cpu_ms']:.1f}")
         print(f"{r['layers']:>6} {r['trainer']:>7} {r['syncs']:>10.1f} {per_layer:>9} {r['ops']:>9.0f} {ratio:>6} "
               f"{r['views']:>7.0f} {r['mm']:>7.0f} {host_ms:>8} {cpu_ms:>7} {r['passes']:>6.2f}")
+    print("\nNoise alone, per DP step (CPU, one thread): new path (old path); aten ops (old; CUDA engine's)")
+    for r in rows:
+        if r["trainer"] == "dp":
+            print(f"  {r['layers']:>3} layers: {r['noise_ms']:.2f} ms ({r['noise_old_ms']:.2f} ms); {r['noise_ops']} "
+                  f"ops ({r['noise_old_ops']}; {r['noise_device_engine_ops']})")
     for row in rows[-2:]:
         print(f"\nTop sync sources, {row['trainer']}, {row['layers']} layers (per step):")
         for source in row["sync_sources"][: args.top]:

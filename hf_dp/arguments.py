@@ -100,9 +100,10 @@ class DPTrainingArguments(TrainingArguments):
             Seeds the Poisson sampling and the noise. For tests only: a known seed voids the guarantee for
             anyone who knows it. Default: fresh OS entropy, never written to disk.
         secure_noise (`bool`, *optional*, defaults to `False`):
-            Draw the Gaussian noise from a cryptographic generator (SHAKE-256 keyed by the seed) instead of torch's
-            statistical one (Philox / Mersenne Twister). Same distribution and ε; slower on large models (the
-            draws are made on the host). No effect on ε.
+            Draw the uniform bits of the Gaussian noise from a cryptographic generator (SHAKE-256 keyed by the whole
+            secret) instead of the statistical Philox (numpy's on the CPU, torch ops on a CUDA device). The same
+            Box–Muller sampler turns either into normals (draws reach 14.85σ), so ε and δ are the same; slower on
+            large models (the bits are made on the host).
 
         > Logging
 
@@ -219,8 +220,8 @@ class DPTrainingArguments(TrainingArguments):
     )
     secure_noise: bool = field(
         default=False,
-        metadata={"help": "Draw the noise from a cryptographic generator (SHAKE-256) instead of torch's statistical "
-                          "one; slower on large models. No effect on ε."},
+        metadata={"help": "Draw the noise's bits from a cryptographic generator (SHAKE-256) instead of Philox; "
+                          "slower on large models. The same sampler and reach: no effect on ε or δ."},
     )
     private_logging: bool = field(
         default=True,
@@ -258,6 +259,10 @@ class DPTrainingArguments(TrainingArguments):
         problems = []
         if self.fp16:
             problems.append(_FP16)
+        if getattr(self, "neftune_noise_alpha", None) is not None:
+            problems.append(f"neftune_noise_alpha={self.neftune_noise_alpha!r}: NEFTune scales its embedding noise by "
+                            "the batch's padded length, so one user's rows change every other user's forward pass "
+                            "(and its noise is not accounted); unset it for DP training.")
         if self.privacy_unit not in PRIVACY_UNITS:
             problems.append(f"privacy_unit={self.privacy_unit!r}: use one of {PRIVACY_UNITS}.")
         if not (isinstance(self.user_id_column, str) and self.user_id_column):
@@ -299,9 +304,10 @@ class DPTrainingArguments(TrainingArguments):
         if _compiles(self):
             problems.append(_TORCH_COMPILE)
         seed = self.noise_seed
-        if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed >= 0):
-            problems.append(f"noise_seed={self.noise_seed!r}: use a non-negative integer, or leave it unset "
-                            "(fresh OS entropy).")
+        if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+                                     and 0 <= seed < 2**512):
+            problems.append(f"noise_seed={self.noise_seed!r}: use an integer in [0, 2**512), or leave it unset "
+                            "(a fresh 256-bit secret from OS entropy).")
         if not _positive_finite(self.logging_noise_ratio):
             problems.append(f"logging_noise_ratio={self.logging_noise_ratio!r}: must be a finite number > 0.")
         if not _positive_finite(self.max_loss):

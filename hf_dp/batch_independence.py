@@ -3,12 +3,19 @@
 DP-SGD bounds each unit's influence by clipping that unit's own gradient. A layer that mixes the
 examples of a batch (BatchNorm in train mode, a layer subtracting the batch mean) lets one user move
 every other example's loss, so the clipped sum moves by more than C and the noise no longer covers it.
+So does a forward pass that depends on the batch's padded length (NEFTune scales its embedding noise by
+it): the longest row of a micro-batch, someone else's, then changes every row's output.
+
+The trainer probes the model twice: at construction, and on the model as it trains (after the base
+trainer has attached its own hooks, in its `train`), so that a hook attached late is probed too.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 # In train mode these use, or record in their running statistics, statistics of the whole batch.
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)  # BatchNorm1d/2d/3d, SyncBatchNorm, lazy variants
@@ -37,7 +44,9 @@ def check_batch_independence(model: nn.Module, features: dict | None = None) -> 
                 "replace it with GroupNorm or LayerNorm (frozen or not) before DP training."
             )
     if features:
-        _probe(model, {k: v for k, v in features.items() if k != "labels"})
+        inputs = {k: v for k, v in features.items() if k != "labels"}
+        _probe(model, inputs)
+        _padding_probe(model, inputs)
 
 
 def _probe(model: nn.Module, features: dict) -> None:
@@ -82,6 +91,85 @@ def _probe(model: nn.Module, features: dict) -> None:
             f"this {type(model).__name__} mixes examples (e.g. batch statistics), which breaks DP-SGD's per-unit "
             "sensitivity bound. Replace such layers with per-example ones (GroupNorm, LayerNorm) before DP training."
         )
+
+
+# Dropout draws a mask the size of the batch, so a wider batch draws other masks: off for the padding probe.
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+
+
+class _WithoutDropout(TorchFunctionMode):
+    """Dropout (functional, modules and attention's `dropout_p`) as the identity; everything else unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+def _padding_probe(model: nn.Module, features: dict, extra: int = 8) -> None:
+    """The rows again with `extra` more padding positions (attention mask 0) must give the same outputs where
+    the mask is 1, in train mode with dropout off: nothing may depend on the batch's padded length."""
+    mask = features.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or "position_ids" in features:
+        return  # without a mask (or with packed positions) padding is not neutral: nothing to compare
+    rows, width = mask.shape
+    pad_id = _pad_id(model, features.get("input_ids"), mask)
+    padded = {}
+    for key, value in features.items():
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (rows, width):
+            fill = pad_id if key == "input_ids" else 0
+            value = torch.cat([value, value.new_full((rows, extra, *value.shape[2:]), fill)], dim=1)
+        padded[key] = value
+    was_training = model.training
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _WithoutDropout():
+            state = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+            original = _output(model(**features))
+            torch.set_rng_state(state[0])
+            if cuda:
+                torch.cuda.set_rng_state_all(state[1])
+            wider = _output(model(**padded))
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    if original is None or wider is None:
+        return
+    if original.dim() >= 2 and original.shape[1] == width and wider.shape[1] == width + extra:
+        wider = wider[:, :width]
+        keep = mask.bool().reshape(rows, width, *([1] * (original.dim() - 2)))
+        original, wider = original * keep, wider * keep
+    if original.shape != wider.shape:
+        return
+    tolerance = 1e-4 if original.dtype in (torch.float32, torch.float64) else 2e-2
+    moved = (original.float() - wider.float()).abs().max().item()
+    if moved > tolerance * (1.0 + original.float().abs().max().item()):
+        raise ValueError(
+            f"Padding the same rows to a longer batch moved their outputs (by up to {moved:.3g}): this "
+            f"{type(model).__name__}'s forward pass depends on the batch's padded length or draws noise other than "
+            "dropout (e.g. NEFTune's embedding noise, neftune_noise_alpha), so one user's rows change every other "
+            "user's; DP-SGD's per-unit sensitivity bound no longer holds. Remove that hook or setting."
+        )
+
+
+def _pad_id(model: nn.Module, input_ids, mask) -> int:
+    """The token the batch pads with (read off its padding), else the model's `pad_token_id`, else 0."""
+    if torch.is_tensor(input_ids) and input_ids.shape == mask.shape and not bool(mask.all()):
+        return int(input_ids[mask == 0][0])
+    config = getattr(getattr(model, "base_model", model), "config", None) or getattr(model, "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) else 0
 
 
 def _output(output) -> torch.Tensor | None:

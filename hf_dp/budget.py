@@ -56,6 +56,14 @@ class PrivacyBudget:
             return self.accountant.epsilon(self.plan.delta)
         return self.accountant.pure_dp_epsilon  # before the first step: the choice of G, if any
 
+    def delta(self) -> float:
+        """The stated δ: the plan's (the accountant's) plus what the noise sampler's finite support adds so far."""
+        return self.plan.delta + self.sampler_delta()
+
+    def sampler_delta(self) -> float:
+        """What the noise sampler's finite support adds to δ over the steps taken (at the ε spent)."""
+        return self.plan.sampler_delta(self.epsilon(), self.accountant.steps)
+
     def epsilon_bounds(self) -> tuple[float, float, float]:
         """(lower, estimate, upper) ε so far."""
         if self.accountant.steps:

@@ -55,9 +55,9 @@ _fmt_sig = functools.partial(format_significant, missing=_NOT_REPORTED)
 
 # The report's keys, in the order the `privacy:` block lists them.
 REPORT_KEYS = (
-    "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "epsilon_lower", "epsilon_estimate",
-    "target_epsilon", "epsilon_group_privacy", "noise_multiplier", "logging_noise_multiplier",
-    "max_loss", "effective_noise_multiplier", "sample_rate",
+    "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "delta_accountant", "delta_floating_point",
+    "noise_reach", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy", "noise_multiplier",
+    "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "initial_max_grad_norm",
     "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "num_users",
     "num_examples", "accountant", "mechanism_description", "noise_seed", "noise_source",
@@ -72,8 +72,9 @@ _REQUIRED_KEYS = (
 )
 # Report fields that must be numbers when present (a string here would reach a format code).
 _NUMERIC_KEYS = (
-    "epsilon", "delta", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy",
-    "noise_multiplier", "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
+    "epsilon", "delta", "delta_accountant", "delta_floating_point", "noise_reach", "epsilon_lower",
+    "epsilon_estimate", "target_epsilon", "epsilon_group_privacy", "noise_multiplier", "logging_noise_multiplier",
+    "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "contribution_bound", "contribution_bound_epsilon",
     "num_users", "num_examples", *_ADAPTIVE_KEYS,
 )
@@ -282,8 +283,11 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
         items.append(
             "**The noise generator.** The noise seed came from OS entropy and is stored nowhere; the "
             "Gaussian draws came from " + str(report.get("noise_source") or "a generator seeded from it") + ". "
-            "The analysis assumes ideal Gaussian sampling: the generator's statistical quality, floating-point "
-            "effects and side channels such as training time are not modelled."
+            + _sampler_sentence(report)
+            + "The generator's statistical quality, the rounding inside each draw (float64) and in the clipped sums "
+            "(the gradients' dtype), "
+            "and side channels such as training time are not modelled (docs/guarantee.md, \"Noise in floating "
+            "point\")."
         )
     else:
         items.append(
@@ -293,6 +297,16 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
         )
     items.extend(extra)
     return items
+
+
+def _sampler_sentence(report: Mapping[str, Any]) -> str:
+    """What the sampler's finite support adds to δ, as the card's not-covered item says it."""
+    added = report.get("delta_floating_point")
+    if added is None:
+        return ("This report does not say what the sampler's finite support adds to δ, so δ assumes ideal Gaussian "
+                "sampling. ")
+    return (f"Its draws reach {_fmt(report.get('noise_reach'), '.2f')} standard deviations; what lies beyond, "
+            f"δ = {_fmt_sig(added, 2, up=True)}, is included in the stated δ. ")
 
 
 def render_privacy_card(
@@ -441,6 +455,10 @@ def render_privacy_card(
         mechanism_description="" if entry is None else (privacy.get("mechanism_description") or entry.description),
         eps=_fmt_up(privacy.get("epsilon"), 2),
         delta=_fmt_sig(privacy.get("delta"), 3, up=True),
+        delta_floating_point=privacy.get("delta_floating_point"),
+        delta_accountant_md=_fmt_sig(privacy.get("delta_accountant"), 3, up=True),
+        delta_floating_point_md=_fmt_sig(privacy.get("delta_floating_point"), 2, up=True),
+        noise_reach_md=_fmt(privacy.get("noise_reach"), ".2f"),
         eps_lower=privacy.get("epsilon_lower"),
         eps_estimate=privacy.get("epsilon_estimate"),
         eps_lower_md=_fmt_down(privacy.get("epsilon_lower"), 3),

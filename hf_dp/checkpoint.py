@@ -26,6 +26,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import accounting
+from .accounting.floating_point import NOISE_REACH, TAIL_PER_DRAW
 from .arguments import DPTrainingArguments
 from .card import LEDGER_FILE
 from .clipping.adaptive import QuantileTracker
@@ -43,7 +44,10 @@ def ledger_record(plan: PrivacyPlan, args: DPTrainingArguments, accountant: acco
     """The ledger: what `hf-dp publish` recomputes ε from (accountant state, δ, privacy unit, mechanism, sampling)."""
     return {"format": 1, "delta": plan.delta, "privacy_unit": args.privacy_unit, "mechanism": plan.mechanism,
             "sampling": args.sampling if args.privacy_unit == "user" else None,
-            "accountant": accountant.state_dict()}
+            "accountant": accountant.state_dict(),
+            # what the noise sampler's finite support adds to δ: steps × draws_per_step draws of this tail each
+            "noise": {"draws_per_step": plan.noise_draws_per_step, "tail_per_draw": TAIL_PER_DRAW,
+                      "reach": NOISE_REACH}}
 
 
 def write_checkpoint(folder: str, *, ledger: dict, fingerprint: dict, data_secret: str,

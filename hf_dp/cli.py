@@ -176,11 +176,15 @@ class PlanRunArguments:
         default=None,
         metadata={"help": "σ_b, the noise std of adaptive clipping's count, in units. Default: expected_batch_size / "
                           "20, as DPTrainer (only with --adaptive_clipping)"})
+    trainable_parameters: int = field(
+        default=10**11,
+        metadata={"help": "the model's trainable parameters (values noised each step), for what the noise "
+                          "sampler's finite support adds to δ. Default: 1e11, above any model fine-tuned today"})
 
     def __post_init__(self):
         check_numbers(self, {"examples_per_step": "float>0", "steps": "int>=1", "target_epsilon": "float>0",
                              "target_delta": "(0,1)", "noise_multiplier": "float>0", "contribution_bound": "int>=1",
-                             "clipping_count_noise": "float>0"})
+                             "clipping_count_noise": "float>0", "trainable_parameters": "int>=1"})
 
 
 def _read_examples_per_user(path: str, column: str) -> list[int]:
@@ -237,7 +241,7 @@ def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
         **population, examples_per_step=run.examples_per_step, steps=run.steps, target_epsilon=run.target_epsilon,
         target_delta=run.target_delta, noise_multiplier=run.noise_multiplier,
         contribution_bound=run.contribution_bound, adaptive_clipping=run.adaptive_clipping,
-        clipping_count_noise=run.clipping_count_noise,
+        clipping_count_noise=run.clipping_count_noise, trainable_parameters=run.trainable_parameters,
     )
     print(format_plan(rows, source=source, **population))
     return 0
@@ -259,7 +263,7 @@ def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source:
         "",
     ]
     sigma_fixed = first["fixed_noise_multiplier"]
-    header = ["mechanism", "privacy_unit", "G", "sample rate q", "expected_batch_size", "δ",
+    header = ["mechanism", "privacy_unit", "G", "sample rate q", "expected_batch_size", "δ (+ sampler)",
               f"σ for ε={first['target_epsilon']:g}", "noise std"]
     if sigma_fixed is not None:
         header.append(f"ε at σ={sigma_fixed:g}")
@@ -267,7 +271,8 @@ def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source:
     for row in rows:
         cells = [row["label"], row["privacy_unit"], _fmt(row["contribution_bound"], "d"),
                  _fmt(row["sample_rate"], ".4g"), f"{row['expected_batch_size']:.4g} {row['sampled_unit']}",
-                 _fmt(row["delta"], ".2g"), _fmt(row["noise_multiplier"], ".4g"), _fmt(row["noise_std"], ".3g")]
+                 f"{_fmt(row['delta'], '.2g')} + {_fmt(row['sampler_delta'], '.1g')}",
+                 _fmt(row["noise_multiplier"], ".4g"), _fmt(row["noise_std"], ".3g")]
         if sigma_fixed is not None:
             cells.append(_fmt(row["epsilon_at_fixed_noise"], ".4g"))
         table.append(cells)
@@ -283,6 +288,8 @@ def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source:
     lines.append("noise std: σ / expected_batch_size, the std of the noise in the averaged update in units of the "
                  "clipping norm C (lower is better at equal compute).")
     lines.append("ε is prv-accountant's upper bound over both adjacency directions (add and remove).")
+    lines.append("δ (+ sampler): the accountant's δ, plus what the noise sampler's finite support adds (its draws "
+                 "reach 14.85σ), for --trainable_parameters values noised per step; DPTrainer states the sum.")
     if any(row.get("count_noise") is not None for row in rows):
         lines.append("adaptive clipping: σ (and a fixed --noise_multiplier) is the gradient noise multiplier DPTrainer "
                      "uses; the accountant composes it with the count's noise σ_b as σ_eff = (σ⁻² + (2σ_b)⁻²)^(-1/2).")

@@ -215,6 +215,7 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
         if ledger_delta is None or not 0 < ledger_delta < 1:
             raise ValueError(f"its delta {ledger['delta']!r} is not in (0, 1)")
         accounted = accountant.epsilon(ledger_delta)
+        ledger_delta += _sampler_delta(ledger, accounted, ledger_delta, accountant.steps)
         ledger_mechanism = _ledger_mechanism(ledger)
     except (ValueError, KeyError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -245,6 +246,20 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
             raise PrivacyCardError(f"{readme}: its text states ({text_epsilon or 'ε'}, {text_delta or 'δ'}), less "
                                    f"than the ledger's (ε = {accounted:.6g}, δ = {ledger_delta:g}). Regenerate "
                                    f"the card: {_HOW_TO_CARD}.")
+
+
+def _sampler_delta(ledger: Mapping, epsilon: float, delta: float, steps: int) -> float:
+    """What the ledger's noise sampler adds to δ over its steps; a ledger without a sampler is refused."""
+    from .accounting.floating_point import sampler_delta
+
+    noise = ledger.get("noise")
+    if not isinstance(noise, Mapping) or _number(noise.get("draws_per_step")) is None:
+        raise ValueError("it records no noise sampler (ledgers written before hf_dp's noise reached 14σ): its δ "
+                         "assumed ideal Gaussian noise, which the noise drawn then did not match; train again")
+    tail = _number(noise.get("tail_per_draw"))
+    if tail is None or not 0 < tail < 1:
+        raise ValueError(f"its noise tail_per_draw {noise.get('tail_per_draw')!r} is not in (0, 1)")
+    return sampler_delta(epsilon=epsilon, delta=delta, draws=steps * noise["draws_per_step"], tail_per_draw=tail)
 
 
 def _at_least(shown: str, bound: float) -> bool:

@@ -1,97 +1,265 @@
-"""Gaussian noise, drawn once per logical batch, the same whatever the number of processes or the sharding.
+"""Gaussian noise that matches the proof: keyed by the full secret, reaching 14σ, added once per logical batch.
 
-Every rank adds the noise *after* the clipped sums are summed over ranks, so the model sees noise of variance
-σ²C² whatever the world size. Each parameter's gradient is noised in chunks of `NOISE_CHUNK` elements: element k
-of the parameter named `name` gets the (k mod NOISE_CHUNK)-th value of chunk k // NOISE_CHUNK, whose generator
-is seeded by a keyed hash of (seed, step, name, chunk) alone. So an element's noise depends only on the run's
-secret seed, the step, its parameter and its index: a rank holding a shard (FSDP2) draws only the chunks its rows
-touch, and 1, 2 or N processes, DDP or FSDP, add the same noise. A step launches one draw per chunk.
+Three choices make the floating-point noise the Gaussian mechanism the accountant assumes (docs/guarantee.md,
+"Noise in floating point", derives what is left):
+
+- **Keys.** Every draw is a pure function of (secret, step, stream, parameter, element): a keyed BLAKE2b of the
+  run's secret (256 bits from OS entropy, or `noise_seed`) and (step, stream) keys a counter-based generator whose
+  counter is (element, parameter). Nothing truncates the key on the way, distinct (step, parameter, element)
+  never share a draw, and a rank holding a shard (FSDP2) draws its own elements only: 1, 2 or N processes add
+  the same noise. On the host (CPU) the generator is numpy's Philox4x64-10 (128-bit key); on a CUDA device,
+  Philox4x32-10 computed with torch integer ops on the device (64-bit key per step); with `secure_noise`, the
+  cryptographic SHAKE-256 keyed by the whole secret.
+- **Tails.** A Box–Muller pair (R·cos θ, R·sin θ) has R = sqrt(−2 ln u₁) from a 159-bit uniform u₁ ≥ 2⁻¹⁵⁹ and θ
+  from a 53-bit one, in float64: its law is the Gaussian pair conditioned on R ≤ 14.85, each pair leaving out
+  2⁻¹⁵⁹ of the Gaussian's mass, which [`~hf_dp.accounting.floating_point.sampler_delta`] adds to δ. On the host both
+  coordinates are used (elements 2k and 2k + 1 of a parameter); on a CUDA device each element takes the first
+  coordinate of a pair of its own.
+- **One rounding.** The noise is scaled in float64, added to the gradient in float64, and the sum is rounded once:
+  to a multiple of 2⁻²⁴·std, then to the gradient's dtype. Released values are never on a grid finer than the
+  noise can reach, so no value is reachable with a user and unreachable without them (what adding float32 noise
+  to a float32 sum allows: the sum's low bits then depend on the other summand's).
+
+The noise of a step is drawn in blocks of at most `BLOCK` elements spanning all parameters, so a step launches a
+few ops for the noise whatever the number of parameters.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
+import struct
 
 import numpy as np
 import torch
 
+from .accounting.floating_point import NOISE_REACH, TAIL_BITS
 from .sharding import local_elements
 from .transfer import to_device
 
-_NOISE_STREAM = 1
-_LOGGING_STREAM = 2
-NOISE_CHUNK = 1 << 20  # elements per generator: 4 MiB of float32 noise at a time
+__all__ = ["fresh_seed", "noise_source", "standard_normal", "add_noise", "add_scalar_noise", "SECRET_BITS",
+           "BLOCK", "DEVICE_BLOCK", "QUANTUM"]
+
+SECRET_BITS = 256  # a fresh secret's width
+BLOCK = 1 << 20  # elements drawn at a time on the host (their float64 noise and generator words: about 40 MiB)
+DEVICE_BLOCK = 1 << 23  # on a CUDA device: about 2 GiB of integer temporaries, and ~100 kernels a block
+QUANTUM = 2.0**-24  # released values are multiples of QUANTUM·std before the cast to the gradient's dtype
+_NOISE_STREAM, _LOGGING_STREAM = 1, 2
+_SECURE_CHUNK = 1 << 16  # elements per SHAKE-256 output stream (a shard reads only the chunks it holds)
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # Philox4x32-10's multipliers and key increments (Salmon et al. 2011)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
 
 def fresh_seed() -> int:
-    """A seed from OS entropy: the default, so nobody can reconstruct (and subtract) the noise."""
-    return secrets.randbits(63)
+    """A 256-bit secret from OS entropy: the default, so nobody can reconstruct (and subtract) the noise."""
+    return secrets.randbits(SECRET_BITS)
 
 
-def chunk_seed(seed: int, step: int, name: str, chunk: int) -> int:
-    """The generator seed of chunk `chunk` of parameter `name`'s noise at step `step`: BLAKE2b keyed by the seed."""
-    message = f"{step} {_NOISE_STREAM} {name} {chunk}".encode()
-    digest = hashlib.blake2b(message, key=str(seed).encode()[:64], digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def noise_source(secure: bool) -> str:
+def noise_source(secure: bool, device_type: str = "cpu") -> str:
     """What the noise is drawn from, precisely (for the report and the card)."""
+    sampler = (f"Box-Muller in float64 from a 159-bit and a 53-bit uniform (draws reach {NOISE_REACH:.2f} standard "
+               "deviations), added in float64 and rounded once")
     if secure:
-        return ("cryptographic: SHAKE-256 keyed by a 63-bit seed from OS entropy, 53-bit uniforms, Box-Muller in "
-                "float64, rounded to float32")
-    return ("torch's generator (Philox on CUDA, Mersenne Twister on CPU), seeded per chunk from a 63-bit seed drawn "
-            "from OS entropy: statistically, not cryptographically, strong")
+        return f"cryptographic: SHAKE-256 keyed by the run's secret (OS entropy), {sampler}"
+    generator = ("Philox4x32-10 in torch ops on the CUDA device, keyed per step (64 bits) by BLAKE2b of the run's "
+                 "secret" if device_type == "cuda" else
+                 "numpy's Philox4x64-10, keyed per step (128 bits) by BLAKE2b of the run's secret")
+    return (f"{generator} (256 bits from OS entropy), counter = (element, parameter); {sampler}: statistically, "
+            "not cryptographically, strong")
 
 
-def secure_normal(seed: int, step: int, stream: int, chunk, size: int) -> np.ndarray:
-    """`size` standard normals from a cryptographic generator keyed by (seed, step, stream, chunk): SHAKE-256's
-    output read as 53-bit uniforms, Box-Muller in float64 (tails to ~8.6σ). Deterministic, so every rank (or
-    shard) draws the same values for the same key."""
-    key = f"hf_dp noise {seed} {step} {stream} {chunk}".encode()
-    words = np.frombuffer(hashlib.shake_256(key).digest(16 * size), dtype="<u8").reshape(2, size)
-    u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0**53  # (0, 1]: log is finite
-    u2 = (words[1] >> np.uint64(11)).astype(np.float64) / 2.0**53
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+def _secret_bytes(seed: int) -> bytes:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**512:
+        raise ValueError(f"noise seed {seed!r}: the secret must be an integer in [0, 2**512).")
+    return seed.to_bytes(64, "little")
+
+
+def _stream_key(seed: int, step: int, stream: int, size: int, purpose: bytes) -> bytes:
+    """`size` bytes of key for one (step, stream): BLAKE2b keyed by the whole secret."""
+    return hashlib.blake2b(struct.pack("<QQ", step, stream) + purpose, key=_secret_bytes(seed),
+                           digest_size=size, person=b"hf_dp noise").digest()
+
+
+# ---- uniform words: four 53-bit integers per draw, (u₁'s three words, high first; θ) -------------------------
+# On the host a block of words gives a Box–Muller pair, both coordinates used: element e of a parameter is
+# coordinate e mod 2 of pair ⌊e/2⌋. On a CUDA device each element has its own two Philox4x32 blocks.
+
+def _pairs(segments):
+    """Per segment (parameter, first element, count): (parameter, first pair, pairs), covering its elements."""
+    return [(index, first // 2, (first + count - 1) // 2 - first // 2 + 1) for index, first, count in segments]
+
+
+def _host_words(seed: int, step: int, stream: int, segments) -> list[np.ndarray]:
+    """Per segment, `(pairs, 4)` words from numpy's Philox4x64-10: pair k of parameter j is the block at counter
+    k + j·2⁶⁴ (numpy generates from counter + 1)."""
+    key = np.frombuffer(_stream_key(seed, step, stream, 16, b"philox4x64"), dtype="<u8")
+    words = []
+    for index, first, count in _pairs(segments):
+        counter = ((index << 64) + first - 1) % 2**256
+        words.append(np.random.Philox(key=key, counter=counter).random_raw(4 * count).reshape(count, 4) >> 11)
+    return words
+
+
+def _secure_words(seed: int, step: int, stream: int, segments) -> list[np.ndarray]:
+    """Per segment, `(pairs, 4)` words from SHAKE-256 keyed by the whole secret, one output stream per (parameter,
+    chunk of `_SECURE_CHUNK` pairs); a prefix of a stream is the same whatever length is read, so shards agree."""
+    secret = _secret_bytes(seed)
+    words = []
+    for index, first, count in _pairs(segments):
+        pieces = []
+        for chunk in range(first // _SECURE_CHUNK, (first + count - 1) // _SECURE_CHUNK + 1):
+            start = chunk * _SECURE_CHUNK
+            lo, hi = max(first, start), min(first + count, start + _SECURE_CHUNK)
+            message = b"hf_dp secure noise" + secret + struct.pack("<QQQQ", step, stream, index, chunk)
+            raw = np.frombuffer(hashlib.shake_256(message).digest(32 * (hi - start)), dtype="<u8").reshape(-1, 4)
+            pieces.append(raw[lo - start:] >> np.uint64(11))
+        words.append(np.concatenate(pieces))
+    return words
+
+
+def _host_normals(words: list[np.ndarray], segments) -> np.ndarray:
+    """The segments' elements, in order, from their pairs' words: both coordinates of each pair."""
+    normals = []
+    for pair_words, (_, first, count) in zip(words, segments):
+        radius, angle = _radius_and_angle(pair_words.T, np, np.float64)
+        pairs = np.stack([radius * np.cos(angle), radius * np.sin(angle)], axis=1).reshape(-1)
+        skip = first % 2
+        normals.append(pairs[skip: skip + count])
+    return np.concatenate(normals)
+
+
+def _device_words(seed: int, step: int, stream: int, segments, device) -> torch.Tensor:
+    """`(4, n)` int64 words computed on `device` by Philox4x32-10 in torch integer ops: element e of parameter j
+    takes two blocks, at counters (e mod 2³², ⌊e/2³²⌋ + 2³¹·half, j, 0), half ∈ {0, 1}; each word is 53 bits of
+    two 32-bit outputs."""
+    key = _stream_key(seed, step, stream, 8, b"philox4x32")
+    k0, k1 = struct.unpack("<II", key)
+    counts = [count for _, _, count in segments]
+    n = sum(counts)
+    offsets = np.cumsum([0] + counts[:-1])
+    table = to_device(torch.tensor([[first - offset for (_, first, _), offset in zip(segments, offsets)],
+                                    [index for index, _, _ in segments]], dtype=torch.int64), device)
+    counts_on_device = to_device(torch.tensor(counts, dtype=torch.int64), device)
+    element = torch.arange(n, device=device) + table[0].repeat_interleave(counts_on_device, output_size=n)
+    parameter = table[1].repeat_interleave(counts_on_device, output_size=n)
+    high = element >> 32
+    counter = torch.stack([
+        (element & _MASK32).repeat(2), torch.cat([high, high | (1 << 31)]), parameter.repeat(2),
+        torch.zeros(2 * n, dtype=torch.int64, device=device)])
+    c0, c1, c2, c3 = _philox4x32(counter, k0, k1)
+    high, low = torch.stack([c0, c2]).reshape(2, 2, n), torch.stack([c1, c3]).reshape(2, 2, n)  # (word, half, n)
+    return ((high << 21) | (low >> 11)).transpose(0, 1).reshape(4, n)
+
+
+def _philox4x32(counter: torch.Tensor, k0: int, k1: int, rounds: int = 10):
+    """Philox4x32-`rounds` of a `(4, n)` int64 tensor of 32-bit counters under key (k0, k1): the four output
+    words (each `(n,)`, values in [0, 2³²)). Products of two 32-bit words fit in int64's 64 bits (wrapping)."""
+    round_keys = [[(k0 + r * _PHILOX_W[0]) & _MASK32, (k1 + r * _PHILOX_W[1]) & _MASK32] for r in range(rounds)]
+    constants = to_device(torch.tensor([list(_PHILOX_M), *round_keys], dtype=torch.int64), counter.device)
+    constants = constants.unsqueeze(-1)  # (1 + rounds, 2, 1): the multipliers, then each round's key
+    left, right = counter[[0, 2]], counter[[1, 3]]  # (c0, c2) are multiplied; (c1, c3) are mixed in
+    for r in range(rounds):
+        product = left * constants[0]
+        high, low = (product >> 32) & _MASK32, product & _MASK32
+        left, right = high.flip(0) ^ right ^ constants[1 + r], low.flip(0)
+    return left[0], right[0], left[1], right[1]
+
+
+def _radius_and_angle(words, xp, float64):
+    """(R, θ) from `(4, n)` 53-bit words: u₁ = (w₀·2¹⁰⁶ + w₁·2⁵³ + w₂ + 1)·2⁻¹⁵⁹ ∈ [2⁻¹⁵⁹, 1] gives
+    R = sqrt(−2 ln u₁) ≤ sqrt(318 ln 2), and θ = 2π·w₃·2⁻⁵³, in float64 (`xp` is numpy or torch)."""
+    high, middle, low, angle = (xp.asarray(word, dtype=float64) for word in words)
+    radius = xp.sqrt(-2.0 * xp.log((high * 2.0**106 + middle * 2.0**53 + (low + 1.0)) * 2.0**-(3 * 53)))
+    return radius, angle * (2.0 * math.pi * 2.0**-53)
+
+
+def _box_muller(words: torch.Tensor) -> torch.Tensor:
+    """One standard normal per column of `(4, n)` words on a device, R·cos θ (the pair's first coordinate), as
+    `_radius_and_angle` computes R and θ, in 10 ops: u₁ as one product of the words with their scales."""
+    words = words.to(torch.float64)
+    scales = torch.tensor([[2.0**-53, 2.0**-106, 2.0**-159]], dtype=torch.float64, device=words.device)
+    uniform = torch.mm(scales, words[:3]).add_(2.0**-159).clamp_(max=1.0)  # (1, n) in [2⁻¹⁵⁹, 1] after rounding
+    radius = uniform.log_().mul_(-2.0).sqrt_()
+    return radius.mul_(words[3:].mul_(2.0 * math.pi * 2.0**-53).cos_()).reshape(-1)
+
+
+assert 3 * 53 == TAIL_BITS  # the reach the accountant's δ_fp assumes
+
+
+def standard_normal(seed: int, step: int, segments, *, device="cpu", secure: bool = False,
+                    stream: int = _NOISE_STREAM) -> torch.Tensor:
+    """Float64 standard normals on `device` for `segments` [(parameter index, first element, count)], concatenated:
+    the draws of those elements whatever else is drawn with them."""
+    device = torch.device(device)
+    if secure or device.type != "cuda":
+        words = (_secure_words if secure else _host_words)(seed, step, stream, segments)
+        return to_device(torch.from_numpy(_host_normals(words, segments)), device)
+    return _box_muller(_device_words(seed, step, stream, segments, device))
 
 
 def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step: int, scale: float = 1.0,
               secure: bool = False, names=None) -> None:
-    """Add N(0, (σ·C·scale)²) to every `p.grad`, drawn in float32 on the gradients' device. `names`, the
-    parameters' names (the same on every rank and under every wrapper), key their noise; without them a
-    parameter is named by its position in `params`.
+    """Add N(0, (σ·C·scale)²) to every `p.grad`, summed in float64 and rounded once (see the module docstring).
 
-    A sharded gradient (an FSDP2 DTensor) gets the noise of its own elements only, drawn chunk by chunk (memory
-    of one chunk beyond the shard). `max_grad_norm` C may be a 0-dim tensor on the device (adaptive clipping): the
-    standard deviation then never leaves the device. `scale` is the normalisation the clipped sums already carry
-    (1 / expected batch size). `secure` draws each chunk from [`secure_normal`] on the host instead of torch's
-    generator (slower: about a second per 10⁸ elements on one CPU core).
+    `names`, the parameters' names (the same on every rank and under every wrapper), number the parameters in their
+    sorted order, so the noise of a parameter does not depend on the order of `params`; without them a parameter is
+    numbered by its position. A sharded gradient (an FSDP2 DTensor) gets the noise of its own elements only.
+    `max_grad_norm` C may be a 0-dim tensor on the device (adaptive clipping): the standard deviation then never
+    leaves the device. `scale` is the normalisation the clipped sums already carry (1 / expected batch size).
+    `secure` draws from SHAKE-256 on the host (slower: about a second per 10⁷ elements on one CPU core).
     """
-    std = noise_multiplier * scale * max_grad_norm
     params = list(params)
     names = [str(index) for index in range(len(params))] if names is None else list(names)
-    for param, name in zip(params, names, strict=True):
-        flat, first, total = local_elements(_contiguous_grad(param))
-        last = first + flat.numel()
-        for chunk in range(first // NOISE_CHUNK, -(-last // NOISE_CHUNK)):
-            start = chunk * NOISE_CHUNK
-            size = min(NOISE_CHUNK, total - start)  # fixed by the parameter: the same draws on every rank
-            noise = _draw(seed, step, name, chunk, size, flat.device, secure)
-            lo, hi = max(first, start), min(last, start + size)
-            piece = noise[lo - start : hi - start]
-            if isinstance(std, torch.Tensor):
-                flat[lo - first : hi - first].add_(piece.mul_(std))
-            else:
-                flat[lo - first : hi - first].add_(piece, alpha=float(std))
+    number = {name: index for index, name in enumerate(sorted(names))}
+    if len(number) != len(params):
+        raise ValueError("add_noise: two parameters share a name, so their noise would be the same.")
+    std = noise_multiplier * scale * max_grad_norm
+    if isinstance(std, torch.Tensor):
+        std = std.to(torch.float64)
+    elif not std > 0:
+        raise ValueError(f"add_noise: the noise's standard deviation σ·C·scale = {std!r} must be positive.")
+    pieces = []  # (parameter number, first element, this rank's flat elements)
+    for param, name in zip(params, names):
+        flat, first, _ = local_elements(_contiguous_grad(param))
+        size = _block_size(flat.device, secure)
+        pieces += [(number[name], first + start, flat[start : start + size])
+                   for start in range(0, flat.numel(), size)]
+    for block in _blocks(pieces, secure):
+        segments = [(index, first, flat.numel()) for index, first, flat in block]
+        grads = [flat for _, _, flat in block]
+        noise = standard_normal(seed, step, segments, device=grads[0].device, secure=secure)
+        _add_rounded(grads, noise, std)
 
 
-def _draw(seed: int, step: int, name: str, chunk: int, size: int, device, secure: bool) -> torch.Tensor:
-    if secure:
-        draws = secure_normal(seed, step, _NOISE_STREAM, f"{name} {chunk}", size).astype(np.float32)
-        return to_device(torch.from_numpy(draws), device)
-    generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, step, name, chunk))
-    return torch.randn(size, generator=generator, device=device, dtype=torch.float32)
+def _block_size(device, secure: bool) -> int:
+    return DEVICE_BLOCK if device.type == "cuda" and not secure else BLOCK
+
+
+def _blocks(pieces, secure: bool):
+    """Consecutive pieces on one device, at most a block's elements together."""
+    block, size = [], 0
+    for piece in pieces:
+        count, device = piece[2].numel(), piece[2].device
+        if block and (size + count > _block_size(device, secure) or device != block[0][2].device):
+            yield block
+            block, size = [], 0
+        block.append(piece)
+        size += count
+    if block:
+        yield block
+
+
+def _add_rounded(grads: list, noise: torch.Tensor, std) -> None:
+    """grads ← round(grads + std·noise) (float64 `noise`, one flat tensor over `grads`): a multiple of QUANTUM·std,
+    then the gradients' dtype. Six ops whatever the number of gradients."""
+    quantum = std * QUANTUM
+    noise.mul_(std)
+    sums = noise.split([grad.numel() for grad in grads])
+    torch._foreach_add_(sums, grads)
+    noise.div_(quantum).round_().mul_(quantum)
+    torch._foreach_copy_(grads, sums)
 
 
 def _contiguous_grad(param) -> torch.Tensor:
@@ -101,18 +269,17 @@ def _contiguous_grad(param) -> torch.Tensor:
 
 
 def add_scalar_noise(values, stds, *, seed: int, step: int, secure: bool = False):
-    """Each of `values` plus N(0, std²), drawn in float64 from (seed, step): the same on every rank.
+    """Each of `values` plus N(0, std²), rounded to a multiple of QUANTUM·std, in float64: the same on every rank.
 
     Used for the logged sums (loss, clipped units), on a stream of their own: the gradient noise is unchanged.
     `values` a 1-D tensor: the noise (drawn on the host) is added on its device, without reading it back, and a
     float64 tensor is returned; a list of numbers gives a list of floats.
     """
-    if secure:
-        noise = [float(z) * std for z, std in zip(secure_normal(seed, step, _LOGGING_STREAM, 0, len(stds)), stds)]
-    else:
-        rng = np.random.default_rng(np.random.SeedSequence([seed, step, _LOGGING_STREAM]))
-        noise = [float(rng.normal(0.0, std)) for std in stds]
+    stds = np.asarray(stds, dtype=np.float64)
+    segments = [(0, 0, len(stds))]
+    words = (_secure_words if secure else _host_words)(seed, step, _LOGGING_STREAM, segments)
+    noise, quantum = _host_normals(words, segments) * stds, stds * QUANTUM
     if isinstance(values, torch.Tensor):
-        draws = to_device(torch.tensor(noise, dtype=torch.float64), values.device)
-        return values[: len(noise)].to(torch.float64) + draws
-    return [float(value) + draw for value, draw in zip(values, noise)]
+        noise, quantum = to_device(torch.from_numpy(np.stack([noise, quantum])), values.device)  # one copy
+        return ((values[: len(stds)].to(torch.float64) + noise) / quantum).round_().mul_(quantum)
+    return [float(value) for value in np.round((np.asarray(values, dtype=np.float64) + noise) / quantum) * quantum]

@@ -12,6 +12,10 @@ it sets the next C. Scaled by their noise they are one Gaussian release whose no
 For ELS a user with k sampled examples moves each sum by at most k times its sensitivity, so the
 mixture-of-Gaussians accountant applies with that σ_eff too. The gradient noise of a step clipped at C_t is σ·C_t,
 so ε does not depend on the C reached.
+
+Every step draws one noise value per trainable parameter and per released scalar (`noise_draws_per_step`): the
+stated δ adds what the sampler's finite support leaves ([`~hf_dp.accounting.floating_point.sampler_delta`]), and
+a plan where that exceeds 1% of δ is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 from . import accounting
 from .arguments import DPTrainingArguments
 from .accounting.adaptive_noise import effective_noise_multiplier, gradient_noise_multiplier
+from .accounting.floating_point import check_sampler_delta, sampler_delta
 from .clipping.adaptive import AdaptiveClipping
 from .contribution import bound_epsilon
 from .data import UserPartition
@@ -48,6 +53,7 @@ class PrivacyPlan:
     effective_noise_multiplier: float | None = None  # σ_eff the accountant composes
     adaptive_clipping: AdaptiveClipping | None = None  # C tracks a quantile from C_0 = max_grad_norm; None: fixed C
     count_noise: float | None = None  # σ_b of the adaptive count, in units; None for a fixed C
+    noise_draws_per_step: int | None = None  # Gaussian draws per step (trainable parameters + released scalars)
 
     @property
     def group_size(self) -> int:
@@ -62,6 +68,13 @@ class PrivacyPlan:
     @property
     def private_logging(self) -> bool:
         return self.logging_noise_multiplier is not None
+
+    def sampler_delta(self, epsilon: float, steps: int) -> float:
+        """δ the noise sampler's finite support adds after `steps` steps at total ε `epsilon` (0 with no step)."""
+        if self.noise_draws_per_step is None:
+            raise ValueError("This PrivacyPlan does not say how many noise values a step draws "
+                             "(noise_draws_per_step), so the δ its noise adds cannot be stated.")
+        return sampler_delta(epsilon=epsilon, delta=self.delta, draws=steps * self.noise_draws_per_step)
 
     def fingerprint(self, args: DPTrainingArguments) -> dict:
         """Everything a resumed run must share with the checkpoint for the ledger to stay true."""
@@ -85,13 +98,14 @@ class PrivacyPlan:
         }
 
 
-def plan_privacy(args: DPTrainingArguments, partition: UserPartition) -> PrivacyPlan:
-    """The plan for these arguments and this partition; sets `args.max_steps` to the planned steps.
+def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_elements: int) -> PrivacyPlan:
+    """The plan for these arguments and this partition, noising `noised_elements` gradient values per step (the
+    trainable parameters); sets `args.max_steps` to the planned steps.
 
     Raises:
         ValueError: fewer than 2 privacy units, an expected batch above the units, δ ≥ 1/units, a budget no noise
-            meets, a first step that alone exceeds `target_epsilon`, or an adaptive count noise that alone would
-            spend the budget.
+            meets, a first step that alone exceeds `target_epsilon`, an adaptive count noise that alone would
+            spend the budget, or a noise sampler whose finite support would add more than 1% of δ.
     """
     mechanism = args.mechanism
     num_units = partition.num_users if mechanism == "uls" else partition.num_examples
@@ -137,10 +151,16 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition) -> Privacy
         sigma = _gradient_noise(effective, ratio, count_noise, args)
     else:
         _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_size, spent_on_bound)
+    # The released scalars: the loss sum and the clipped count (private logging, fixed C); adaptive clipping's count.
+    scalars = (2 if ratio else 0) if count_noise is None else 1 + (1 if ratio else 0)
+    draws = int(noised_elements) + scalars
+    planned_epsilon = args.target_epsilon if args.target_epsilon is not None else spent_on_bound + accounting.epsilon(
+        sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta, group_size=group_size)
+    check_sampler_delta(epsilon=planned_epsilon, delta=delta, draws=steps * draws)
     return PrivacyPlan(mechanism, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta,
                        partition.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
                        effective_noise_multiplier=float(effective), adaptive_clipping=adaptive,
-                       count_noise=count_noise)
+                       count_noise=count_noise, noise_draws_per_step=draws)
 
 
 def adaptive_clipping(args: DPTrainingArguments) -> AdaptiveClipping | None:

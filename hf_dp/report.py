@@ -13,6 +13,7 @@ from .budget import PrivacyBudget
 from .card import round_count
 from .contribution import bound_choice
 from .hub import ensure_hub_reachable
+from .accounting.floating_point import NOISE_REACH
 from .noise import noise_source
 from .vocabulary import MECHANISMS
 
@@ -20,7 +21,7 @@ ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency di
 
 
 def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping_norm: float, num_users: int,
-                   num_examples: int) -> dict:
+                   num_examples: int, device_type: str = "cpu") -> dict:
     """The guarantee earned so far, in the project's vocabulary (what the card and the app show).
 
     `mechanism` is the key of [`~hf_dp.vocabulary.MECHANISMS`] (`"uls"`, `"els"` or `"example"`) and
@@ -32,6 +33,9 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
     continued run would clip at; a post-processing of the noised counts, covered by ε), with
     `initial_max_grad_norm` the C it started from and `target_unclipped_quantile`, `clipping_learning_rate`
     and `clipping_count_noise` (σ_b) its settings; for a fixed C those four are `None`.
+
+    `delta` is the stated δ: the accountant's (`delta_accountant`, the plan's target) plus what the noise sampler's
+    finite support adds (`delta_floating_point`, for draws that reach `noise_reach` standard deviations).
     """
     plan, accountant = budget.plan, budget.accountant
     adaptive = plan.adaptive_clipping
@@ -42,7 +46,10 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "epsilon": upper,
         "epsilon_lower": lower,
         "epsilon_estimate": estimate,
-        "delta": plan.delta,
+        "delta": budget.delta(),
+        "delta_accountant": plan.delta,
+        "delta_floating_point": budget.sampler_delta(),
+        "noise_reach": NOISE_REACH,
         "target_epsilon": args.target_epsilon,
         "privacy_unit": args.privacy_unit,
         "mechanism": plan.mechanism,
@@ -71,7 +78,7 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mechanism == "els" else ""),
         "epsilon_group_privacy": None,
         "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
-        "noise_source": noise_source(args.secure_noise),
+        "noise_source": noise_source(args.secure_noise, device_type),
     }
     if plan.mechanism == "els" and steps:
         report["epsilon_group_privacy"] = accounting.group_privacy_epsilon(
@@ -139,7 +146,8 @@ class PrivacyReporting:
         canary_users, canary_rows = self.canary_counts
         return privacy_report(self.budget, self.args, clipping_norm=self.clipping_norm,
                               num_users=self.partition.num_users - canary_users,
-                              num_examples=self.partition.num_examples - canary_rows)
+                              num_examples=self.partition.num_examples - canary_rows,
+                              device_type=self.args.device.type)
 
     def privacy_ledger(self) -> dict:
         """The ledger `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism

@@ -93,11 +93,11 @@ class DPTrainerMixin(PrivacyReporting):
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
         probe = compatibility.probe_batch(self, self.partition.dataset)
         check_batch_independence(self.model, probe)
+        self._probe = probe  # probed again on the model as it trains (the base trainer attaches hooks in train())
         compatibility.check_loss_func(self, probe)
         self.clipper = GhostClipper(self.model)
         compatibility.verify_clipping(self, probe, causal_lm=self._causal_lm)
-        self.budget = PrivacyBudget(plan_privacy(self.args, self.partition), self.args.target_epsilon,
-                                    contribution.bound_epsilon(self.args))
+        self.budget = PrivacyBudget(self._plan(), self.args.target_epsilon, contribution.bound_epsilon(self.args))
         self.quantile_tracker = self._new_quantile_tracker()  # adaptive clipping's running C; None for a fixed C
         self.privacy_card_kwargs = dict(privacy_card_kwargs or {})
         self._seed = self._shared_seed()
@@ -119,6 +119,11 @@ class DPTrainerMixin(PrivacyReporting):
         partition = getattr(self, "partition", None)  # before it (a base that prepares the data): one row per unit
         rows_per_unit = (partition.contribution_bound or 1) if partition is not None and args.mechanism == "uls" else 1
         return poisson_capacity(args.expected_batch_size, rows_per_unit, world_size=max(1, args.world_size))
+
+    def _plan(self) -> PrivacyPlan:
+        """The privacy plan of these arguments and this partition; every trainable value is noised each step."""
+        noised = sum(param.numel() for param in self.model.parameters() if param.requires_grad)
+        return plan_privacy(self.args, self.partition, noised_elements=noised)
 
     @property
     def privacy_plan(self) -> PrivacyPlan:
@@ -175,6 +180,9 @@ class DPTrainerMixin(PrivacyReporting):
         host: the released sums are read only when a log line needs them.
         """
         plan = self.privacy_plan
+        if self._probe is not None:  # the first step: the model as it trains, with every hook Trainer.train attached
+            check_batch_independence(model, self._probe)
+            self._probe = None
         model.train()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
         if self.is_fsdp_enabled and not self._sharded_clipping:  # accelerate has sharded the model by now
@@ -241,7 +249,7 @@ class DPTrainerMixin(PrivacyReporting):
         of the count released every step, so they are logged with or without private logging."""
         plan = self.privacy_plan
         if "loss" in logs:
-            logs.update({"dp/epsilon": self.current_epsilon(), "dp/delta": plan.delta,
+            logs.update({"dp/epsilon": self.current_epsilon(), "dp/delta": self.budget.delta(),
                          "dp/noise_multiplier": plan.noise_multiplier, "dp/sample_rate": plan.sample_rate})
             if self.quantile_tracker is not None:
                 logs["dp/max_grad_norm"] = self.quantile_tracker.norm
@@ -306,7 +314,8 @@ class DPTrainerMixin(PrivacyReporting):
         """Write the ledger and the resume state of the model's current weights into a checkpoint folder.
 
         A save between a step's releases and its optimizer update (a just-in-time save) writes the state before
-        that step: the weights saved have not taken it, and a resumed run redraws the same sample and noise.
+        that step: the weights saved have not taken it, and a resumed run takes it again (with the same sample and
+        noise only under a fixed `noise_seed`: a fresh secret is never saved).
         """
         ledger, tracker = self._privacy_state()
         if self.budget.steps == self.state.global_step + 1 and self._state_before_step is not None:
@@ -326,7 +335,7 @@ class DPTrainerMixin(PrivacyReporting):
             self._partition_users(self.args)
             self.train_dataset = self.partition.dataset
             self.args.max_steps = self._requested_max_steps  # the plan sets it again
-            self.budget.replan(plan_privacy(self.args, self.partition))
+            self.budget.replan(self._plan())
             self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed, self.args.secure_noise)
         tracker = checkpoint.check_saved_run(saved, self.privacy_plan, self.args)
         self.budget.restore(saved.accountant)

@@ -121,7 +121,8 @@ def privacy_ledger(report: dict) -> dict:
                     group_size=report["contribution_bound"] if report["mechanism"] == "els" else 1,
                     steps=report["steps"])
     return {"format": 1, "delta": report["delta"], "privacy_unit": report["privacy_unit"],
-            "sampling": report["sampling"], "mechanism": report["mechanism"], "accountant": accountant.state_dict()}
+            "sampling": report["sampling"], "mechanism": report["mechanism"], "accountant": accountant.state_dict(),
+            "noise": {"draws_per_step": 10**4, "tail_per_draw": 2.0**-159, "reach": 14.8466}}
 
 
 def _result(run: str, mechanism: str, *, eval_result: float, epsilon, target, model_dir, base_path: str,

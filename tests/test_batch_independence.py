@@ -59,3 +59,37 @@ def test_the_probe_catches_a_parameter_free_batch_mean_and_passes_per_example_la
     check_batch_independence(PooledClassifier(nn.LayerNorm(8)), _features())
     check_batch_independence(PooledClassifier(ChannelFirst(nn.InstanceNorm1d(1))), _features())  # no running stats
     check_batch_independence(PooledClassifier(MeanCentering()), _features(rows=1))  # one row: nothing to compare
+
+
+# ---- a forward pass that depends on the batch's padded length is refused ------------------------------------------
+
+
+def _neftune_like(model: nn.Module, alpha: float = 5.0):
+    """NEFTune's embedding hook (transformers.integrations.neftune): in train mode, uniform noise of magnitude
+    alpha / sqrt(L·d), L the batch's padded length."""
+    def hook(module, args, output):
+        if module.training:
+            magnitude = alpha / (output.shape[1] * output.shape[2]) ** 0.5
+            output = output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
+        return output
+
+    return model.get_input_embeddings().register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("arch, head", [("llama", "causal_lm"), ("bert", "seq_cls")])
+def test_the_padding_probe_catches_noise_scaled_by_the_padded_length(arch, head):
+    model = tiny_model(arch, head)
+    features = model_inputs(tiny_batch(head=head))
+    check_batch_independence(model, features)
+    handle = _neftune_like(model)
+    with pytest.raises(ValueError, match="padded length"):
+        check_batch_independence(model, features)
+    handle.remove()
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("arch, head", [("gpt2", "causal_lm"), ("llama", "causal_lm"), ("bert", "seq_cls"),
+                                        ("qwen2", "seq_cls")])
+def test_the_padding_probe_passes_per_example_models_with_dropout_either_padding_side(arch, head, padding_side):
+    model = with_dropout(arch) if arch in ("bert", "gpt2") else tiny_model(arch, head)
+    check_batch_independence(model, model_inputs(tiny_batch(head=head, padding_side=padding_side)))

@@ -13,6 +13,7 @@ from hf_dp.card import LEDGER_FILE
 from hf_dp.checkpoint import (LOCK_FILE, RESUME_FILE, check_saved_run, digest, ledger_record, output_dir_lock,
                               read_checkpoint, same, write_checkpoint)
 from hf_dp.clipping.adaptive import QuantileTracker
+from hf_dp.accounting.floating_point import NOISE_REACH
 from hf_dp.privacy_plan import plan_privacy
 from trainer_fixtures import make_args, user_partition
 
@@ -26,7 +27,7 @@ def saved_run(folder, args, steps=3, global_step=None, tracker=None):
         json.dump({"global_step": steps if global_step is None else global_step}, f)
     with open(os.path.join(folder, "optimizer.pt"), "wb") as f:  # Trainer's optimizer state (its content unread)
         f.write(b"")
-    plan = plan_privacy(args, PARTITION)
+    plan = plan_privacy(args, PARTITION, noised_elements=1000)
     accountant = accounting.PrivacyAccountant()
     accountant.step(sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps)
     write_checkpoint(str(folder), ledger=ledger_record(plan, args, accountant), fingerprint=plan.fingerprint(args),
@@ -53,7 +54,8 @@ def test_what_is_written_is_read_back_and_matches_the_run(tmp_path, args):
     plan, accountant = saved_run(folder, args)
     ledger = json.loads((folder / LEDGER_FILE).read_text())
     assert ledger == {"format": 1, "delta": plan.delta, "privacy_unit": "user", "mechanism": "uls",
-                      "sampling": "uls", "accountant": accountant.state_dict()}
+                      "sampling": "uls", "accountant": accountant.state_dict(),
+                      "noise": {"draws_per_step": 1000 + 2, "tail_per_draw": 2.0**-159, "reach": NOISE_REACH}}
     assert "data_secret" not in ledger  # the ledger is published beside the card; the secret never is
     saved = read_checkpoint(str(folder))
     assert saved.accountant.history == accountant.history and saved.data_secret == "0123abcd"
@@ -127,7 +129,7 @@ def test_a_checkpoint_of_another_configuration_or_plan_is_refused(tmp_path, args
     other = make_args(tmp_path, max_steps=10, contribution_bound=3, max_grad_norm=0.5)
     message = r"different privacy configuration \(max_grad_norm: checkpoint 1.0 vs now 0.5\)"
     with pytest.raises(ValueError, match=message):
-        check_saved_run(saved, plan_privacy(other, PARTITION), other)
+        check_saved_run(saved, plan_privacy(other, PARTITION, noised_elements=1000), other)
     saved.accountant.step(sample_rate=plan.sample_rate, noise_multiplier=2 * plan.effective_noise_multiplier)
     with pytest.raises(ValueError, match="segment 1 has .* not this run's"):
         check_saved_run(saved, plan, args)

@@ -331,3 +331,20 @@ def test_publish_refuses_a_ledger_that_spent_more_than_the_card_says(card_dir):
     (card_dir / LEDGER_FILE).write_text(json.dumps(greedy))
     with pytest.raises(PrivacyCardError, match="understated"):
         check_privacy_card(card_dir)
+
+
+def test_publish_refuses_a_ledger_that_does_not_say_what_its_noise_left_out_of_delta(card_dir):
+    """A ledger written before the noise reached 14σ stated δ for ideal Gaussian noise: refused, not republished."""
+    ledger = json.loads((card_dir / LEDGER_FILE).read_text())
+    del ledger["noise"]
+    (card_dir / LEDGER_FILE).write_text(json.dumps(ledger))
+    with pytest.raises(PrivacyCardError, match="records no noise sampler"):
+        check_privacy_card(card_dir)
+
+
+def test_publish_checks_the_cards_delta_against_the_ledgers_sampler_term(card_dir):
+    ledger = json.loads((card_dir / LEDGER_FILE).read_text())
+    ledger["noise"]["draws_per_step"] = 10**44  # so many draws that the sampler's term is larger than δ itself
+    (card_dir / LEDGER_FILE).write_text(json.dumps(ledger))
+    with pytest.raises(PrivacyCardError, match="δ = 1e-05 but its ledger"):
+        check_privacy_card(card_dir)

@@ -19,7 +19,7 @@ KEPT = [min(n, 3) for n in ROWS]
 def plan_for(tmp_path, **overrides) -> tuple[PrivacyPlan, object]:
     settings = dict(max_steps=20, expected_batch_size=10, target_epsilon=4.0, contribution_bound=3)
     args = make_args(tmp_path, **{**settings, **overrides})
-    return plan_privacy(args, user_partition(KEPT, contribution_bound=3)), args
+    return plan_privacy(args, user_partition(KEPT, contribution_bound=3), noised_elements=1000), args
 
 
 def spent(plan, steps=None) -> float:
@@ -92,7 +92,15 @@ def test_an_auto_bound_leaves_dp_sgd_the_rest_of_the_target(tmp_path):
 def test_plans_no_noise_can_make_private_are_refused(tmp_path, rows, overrides, message):
     args = make_args(tmp_path, **{"max_steps": 20, "expected_batch_size": 1, "contribution_bound": 3, **overrides})
     with pytest.raises(ValueError, match=message):
-        plan_privacy(args, user_partition(rows, contribution_bound=3))
+        plan_privacy(args, user_partition(rows, contribution_bound=3), noised_elements=1000)
+
+
+def test_a_plan_whose_noise_sampler_adds_more_than_one_percent_of_delta_is_refused(tmp_path):
+    plan, _ = plan_for(tmp_path)
+    assert plan.noise_draws_per_step == 1000 + 2  # the parameters, the logged loss and clipped count
+    args = make_args(tmp_path, max_steps=20, expected_batch_size=10, target_epsilon=4.0, contribution_bound=3)
+    with pytest.raises(ValueError, match="finite support .* more than 1% of δ.*fewer steps or fewer parameters"):
+        plan_privacy(args, user_partition(KEPT, contribution_bound=3), noised_elements=10**44)
 
 
 def test_a_given_noise_that_outlasts_the_target_warns_that_training_stops_early(tmp_path, caplog):

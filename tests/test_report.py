@@ -18,7 +18,7 @@ PARTITION = user_partition([1, 2, 3, 4] * 25, contribution_bound=3)  # 100 users
 
 def report_after(tmp_path, steps=3, bound_epsilon=0.0, **overrides):
     args = make_args(tmp_path, max_steps=10, **{"contribution_bound": 3, **overrides})
-    budget = PrivacyBudget(plan_privacy(args, PARTITION), args.target_epsilon, bound_epsilon)
+    budget = PrivacyBudget(plan_privacy(args, PARTITION, noised_elements=1000), args.target_epsilon, bound_epsilon)
     for _ in range(steps):
         budget.record_step()
     return privacy_report(budget, args, clipping_norm=0.7, num_users=1234, num_examples=56789), budget
@@ -39,6 +39,17 @@ def test_the_report_states_the_ledgers_epsilon_and_the_plan(tmp_path):
     assert report["epsilon_group_privacy"] is None and report["contribution_bound_epsilon"] == 0
     assert report["contribution_bound_choice"].startswith("given")
     assert report["noise_seed"] == "fixed seed for testing: 1234"
+
+
+def test_the_stated_delta_adds_what_the_noise_samplers_finite_support_leaves(tmp_path):
+    from hf_dp.accounting.floating_point import NOISE_REACH, sampler_delta
+
+    report, budget = report_after(tmp_path)
+    draws = 3 * (1000 + 2)  # 3 steps of 1000 noised parameters and the two logged sums
+    added = sampler_delta(epsilon=report["epsilon"], delta=budget.plan.delta, draws=draws)
+    assert report["delta_floating_point"] == added > 0 and report["noise_reach"] == NOISE_REACH > 12
+    assert report["delta"] == report["delta_accountant"] + added and report["delta_accountant"] == budget.plan.delta
+    assert report_after(tmp_path, steps=0)[0]["delta_floating_point"] == 0
 
 
 def test_the_choice_of_g_is_part_of_epsilon_and_not_of_training(tmp_path):

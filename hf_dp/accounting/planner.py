@@ -43,6 +43,7 @@ from hf_dp.accounting.adaptive_noise import (
     gradient_noise_multiplier,
     resolve_count_noise,
 )
+from hf_dp.accounting.floating_point import sampler_delta
 from hf_dp.vocabulary import MECHANISMS
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 DEFAULT_TARGET_EPSILON = 8.0
+DEFAULT_TRAINABLE_PARAMETERS = 10**11  # values noised per step when the model is not given: an upper bound
 # Public candidates for a privately chosen contribution bound G (never a value read from the data).
 CONTRIBUTION_BOUND_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -382,7 +384,8 @@ def _population(users, examples_per_user) -> _Population:
 def plan(*, users: int | None = None, examples_per_user=None, examples_per_step: float = 64,
          steps: int | None = None, target_epsilon: float = DEFAULT_TARGET_EPSILON, target_delta: float | None = None,
          noise_multiplier: float | None = None, contribution_bound: int | None = None,
-         adaptive_clipping: bool = False, clipping_count_noise: float | None = None) -> list[dict]:
+         adaptive_clipping: bool = False, clipping_count_noise: float | None = None,
+         trainable_parameters: int = DEFAULT_TRAINABLE_PARAMETERS) -> list[dict]:
     """Plan a DP fine-tuning run: σ needed for (ε, δ), ε at a fixed σ, G, q, batch and steps per mechanism.
 
     Args:
@@ -411,6 +414,9 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
         clipping_count_noise (`float`, *optional*): σ_b, the count's noise std in units
             (`DPTrainingArguments.clipping_count_noise`); defaults to each row's `expected_batch_size` / 20, as in
             DPTrainer. Only with `adaptive_clipping`.
+        trainable_parameters (`int`, *optional*): the values noised each step, for what the noise sampler's
+            finite support adds to δ (`sampler_delta`, [`~hf_dp.accounting.floating_point.sampler_delta`]);
+            defaults to 10¹¹, more than any model fine-tuned today.
 
     Returns:
         `list[dict]`: one row per mechanism (`"uls"`, `"els"`, `"example"`) with keys `mechanism` (a key of
@@ -421,7 +427,8 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
         `noise_std` (σ / expected_batch_size: the noise in the averaged update, in units of C),
         `effective_noise_multiplier` (the σ_eff the accountant composes: σ itself for a fixed C),
         `count_noise` (adaptive clipping's σ_b, None without it), `fixed_noise_multiplier`,
-        `epsilon_at_fixed_noise`, `examples_used` and `note` (why a value is missing, or a caveat).
+        `epsilon_at_fixed_noise`, `examples_used`, `sampler_delta` (δ the noise's finite support adds at the
+        target ε, which the trainer adds to `delta`) and `note` (why a value is missing, or a caveat).
 
     Raises:
         ValueError: a one-line message saying what to change (ε ≤ 0, δ ≥ 1/users, fewer than 2 users, a sample
@@ -485,8 +492,10 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
         raise ValueError(f"noise_multiplier={sigma_fixed:g}: so little noise that no mechanism's ε can be accounted "
                          "(it is beyond the accountant's range, effectively unbounded); raise --noise_multiplier "
                          "(σ around 0.5-2 is typical) or leave it unset to get the σ each mechanism needs.")
+    draws = steps * (_positive(trainable_parameters, "trainable_parameters") + 2)  # + the logged loss and count
     for row in rows:
         del row["skip"], row["unbounded"]
+        row["sampler_delta"] = sampler_delta(epsilon=target, delta=row["delta"], draws=draws)
     return rows
 
 

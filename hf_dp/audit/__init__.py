@@ -3,7 +3,8 @@
 Canary users are inserted into training by independent fair coins (`make_canaries`, `insert`);
 after the run each canary gets a score (`loss_scores`, `per_row_losses`), and the number of canaries
 a guesser classifies correctly from the scores yields a high-confidence *lower* bound on ε
-(`epsilon_lower_bound`, `fdp_epsilon_lower_bound`). A bound far below the accountant's ε is
+(`epsilon_lower_bound`; `fdp_epsilon_lower_bound` is a diagnostic that assumes a Gaussian trade-off curve, not a
+bound for DP-SGD). A bound far below the accountant's ε is
 expected (the attack is weak); a bound above it means a bug in the training step (sampling, clipping, noise)
 or its accounting.
 

@@ -13,8 +13,9 @@
    prompt/completion conversations like the real rows and the loss is their reply's; a trainer that tokenizes its
    own data (`DPSFTTrainer`) gets raw rows, and `score_tokenize` tokenizes the canaries for scoring as it does;
 4. it trains once, scores every canary ([`loss_scores`] or [`gradient_alignment_scores`]), and turns the
-   guesses into lower bounds on ε at the run's δ: Steinke et al.'s (no assumption) and Mahloujifar et al.'s
-   f-DP one (assuming a Gaussian trade-off curve, as DP-SGD has approximately);
+   guesses into a lower bound on ε at the run's δ: Steinke et al.'s, which assumes nothing about the algorithm
+   (Mahloujifar et al.'s f-DP number, which assumes a Gaussian trade-off curve, is kept in the JSON as a
+   diagnostic only: subsampled DP-SGD does not have one);
 5. it returns an [`AuditReport`] (also saved as `output_dir/_audit/report.json`) whose `card_section()` is the
    model card's "Empirical audit" section.
 
@@ -83,8 +84,11 @@ class AuditReport:
 
     Attributes:
         steinke: Steinke, Nasr & Jagielski's bound (no assumption on the training algorithm): the headline.
-        fdp: Mahloujifar, Melis & Chaudhuri's f-DP bound, valid for algorithms with a Gaussian trade-off curve
-            (DP-SGD approximately); None when δ = 0 (no finite ε for μ-GDP).
+        fdp: Mahloujifar, Melis & Chaudhuri's f-DP bound, valid only for algorithms whose trade-off curve is
+            Gaussian (μ-GDP). Poisson-subsampled DP-SGD's is not, and on ε-DP randomized response it went above the
+            true ε in 20 of 40 runs at ε = 1 and 40 of 40 at ε = 2 (`tests/audit/test_estimator.py`): a diagnostic
+            kept in the JSON, never reported as a bound (the card and the summary report Steinke's alone). None when
+            δ = 0.
         rows_per_canary: Rows of each canary user k.
         score: `"white-box"` or `"black-box"`.
         epsilon_upper_bound: The accountant's ε for the audited run (None: trained without DP).
@@ -181,7 +185,6 @@ class AuditReport:
         unit = {"user": "user", "example": "example (row)"}.get(self.privacy_unit or "", "user")
         upper = "∞ (trained without DP: no guarantee)" if self.epsilon_upper_bound is None \
             else _round_up(self.epsilon_upper_bound)
-        fdp = "not computed (δ = 0)" if self.fdp is None else _round_down(self.fdp.epsilon_lower_bound)
         run = ("this model's own training run (its training data held the included canaries: synthetic users with "
                "random content, nothing about real users)") if audited_model else \
             "a separate training run with this model's configuration and data, plus the canaries"
@@ -201,8 +204,6 @@ class AuditReport:
             "| Audit | Value |",
             "|---|---|",
             f"| Empirical lower bound on ε (Steinke et al. 2023; no assumption) | **{lower}** |",
-            f"| Empirical lower bound on ε, assuming a Gaussian trade-off curve (f-DP; Mahloujifar et al. 2024) | "
-            f"{fdp} |",
             f"| Proven upper bound on ε (the accountant) | {upper} |",
             f"| δ of the bounds | {self.delta:.3g} |",
             f"| Confidence | {_percent(c)} (corrected for the {self.steinke.hypotheses} guess counts tried) |",

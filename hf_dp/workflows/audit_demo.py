@@ -23,7 +23,7 @@ Writes:
 The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
 says so). Expect a lower bound far below ε; one above ε means a bug. Measured once at the default (256 canaries, ULS
 at ε = 8, 60 steps, black-box score, `nice -n 10` on a 2-core machine at load average 5 to 18): lower bound 0.00
-(f-DP bound 0.00; 3 of 5 guesses right; 256 canaries could show at most 2.93 at δ = 0.00011, 95 %), proven ε 7.99;
+(3 of 5 guesses right; 256 canaries could show at most 2.93 at δ = 0.00011, 95 %), proven ε 7.99;
 79 minutes of wall time, 11.5 of CPU time. Measured before for the classification task (256 canaries, 100 steps, the
 first round's settings): lower bound 0.00, 67 of 128 guesses right, proven ε 8.00, 4.6 minutes. Why so little power,
 and what would give more (`--max_steps`): `docs/audit.md`. `--quick` runs the same pipeline on a tiny subset (for
@@ -285,7 +285,6 @@ def _started(done: dict, trainer, training: dict, audit: dict, log):
 def format_result(result: dict) -> str:
     """The audit as a short aligned table."""
     audit = result["audit"]
-    fdp = audit["fdp_epsilon_lower_bound"]
     metric = result.get("metric_name", "accuracy")
     digits = ".4f" if metric == "accuracy" else ".2f"
     def down(value):  # lower bounds are shown rounded down, the proven ε rounded up, as in the card
@@ -294,7 +293,6 @@ def format_result(result: dict) -> str:
     rows = [
         ("ε proven (accountant, upper bound)", f"{math.ceil(result['epsilon'] * 100 - 1e-9) / 100:.2f}"),
         ("ε audited (lower bound, Steinke et al.)", down(audit["epsilon_lower_bound"])),
-        ("ε audited, Gaussian f-DP (lower bound)", "-" if fdp is None else down(fdp)),
         (f"ceiling of m = {audit['canaries']} (every guess right)", down(audit["epsilon_ceiling"])),
         ("correct guesses", f"{audit['correct']} of {sum(audit['guesses'])}"),
         (f"test {metric} (public-only baseline)",

@@ -4,11 +4,12 @@ than C); per-example layers and dropout train."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from tiny_models import with_dropout
-from trainer_fixtures import ChannelFirst, MeanCentering, PooledClassifier, frozen, make_trainer, tiny_llama, \
-    user_dataset
+from trainer_fixtures import ChannelFirst, MeanCentering, PooledClassifier, frozen, make_args, make_trainer, \
+    tiny_llama, user_dataset
 
 
 # ---- batch-mixing layers are refused before any step --------------------------------------------------------------
@@ -42,5 +43,30 @@ def test_per_example_layers_pass(tmp_path):
 
 
 def test_trainer_with_dropout_and_causal_lm_trains(tmp_path):
-    make_trainer(tmp_path, model=with_dropout("bert"), max_steps=1).train()
-    make_trainer(tmp_path / "lm", model=tiny_llama(), dataset=user_dataset(causal_lm=True), max_steps=1).train()
+    for trainer in (make_trainer(tmp_path, model=with_dropout("bert"), max_steps=1),
+                    make_trainer(tmp_path / "lm", model=tiny_llama(), dataset=user_dataset(causal_lm=True),
+                                 max_steps=1)):
+        before = {name: param.detach().clone() for name, param in trainer.model.named_parameters()}
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        assert any(not torch.equal(before[name], param) for name, param in trainer.model.named_parameters())
+
+
+# ---- NEFTune, and any hook the base trainer attaches in train() ---------------------------------------------------
+
+
+def test_neftune_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="neftune_noise_alpha=5: NEFTune scales its embedding noise by the batch's "
+                                         "padded length") as error:
+        make_args(tmp_path, neftune_noise_alpha=5)
+    assert "\n" not in str(error.value)
+
+
+def test_a_hook_the_base_trainer_attaches_in_train_is_probed_before_step_one(tmp_path):
+    """NEFTune set after construction (past the arguments' check): `Trainer.train` attaches its hook, and the probe
+    of the model as it trains refuses it before any step is taken or any ε spent."""
+    trainer = make_trainer(tmp_path, model=tiny_llama(), dataset=user_dataset(causal_lm=True), max_steps=2)
+    trainer.neftune_noise_alpha = 5.0
+    with pytest.raises(ValueError, match="depends on the batch's padded length"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

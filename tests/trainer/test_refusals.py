@@ -19,7 +19,7 @@ from trainer_fixtures import make_args, make_trainer, one_line, pad_collator, ti
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("noise_seed", "abc", r"noise_seed='abc': use a non-negative integer"),
+        ("noise_seed", "abc", r"noise_seed='abc': use an integer in \[0, 2\*\*512\)"),
         ("expected_batch_size", math.nan, r"expected_batch_size=nan: set an integer >= 1"),
         ("target_epsilon", math.inf, r"target_epsilon=inf: ε must be a finite number > 0"),
         ("num_train_epochs", 0, r"num_train_epochs=0 with max_steps=-1: nothing to train; set num_train_epochs > 0"),

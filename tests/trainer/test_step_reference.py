@@ -2,7 +2,9 @@
 
 `reference/step_reference.pt` was recorded with the code before the rework (see
 `reference/make_step_reference.py`): per-unit norms and clipped sums of `GhostClipper.backward`, and the
-noiseless gradients two DPTrainer steps hand to the optimizer, with ε and the clipping norm reached.
+noiseless gradients two DPTrainer steps hand to the optimizer, with ε and the clipping norm reached. The
+adaptive-clipping trainer case was re-recorded when the scalar releases' sampler changed (draws reaching 14.85σ):
+its first step still matches the old recording exactly; its C after a step follows the new noised count.
 """
 from __future__ import annotations
 
