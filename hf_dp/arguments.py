@@ -77,7 +77,7 @@ class DPTrainingArguments(TrainingArguments):
             accountant composes it with the gradient: at a target ε the gradient noise grows, by 0.8 % with the default
             count noise at 64 units per step and σ_eff = 0.8, but by 5 % at 16 units and σ_eff = 0.46 and 24 % at 16
             units and σ_eff = 0.94 (raise `clipping_count_noise` for small batches). Affects accounting; the C
-            reached is in the logs (`dp/max_grad_norm`), the report and the card.
+            reached is in the logs (`dp/clipping_norm`), the report and the card.
         target_unclipped_quantile (`float`, *optional*, defaults to `0.5`):
             γ ∈ (0, 1): the fraction of units whose gradient C should leave unclipped (0.5: C tracks the median
             norm, the paper's choice). Only with `adaptive_clipping`; no effect on ε.
@@ -115,7 +115,7 @@ class DPTrainingArguments(TrainingArguments):
             only ε, δ, σ and q, nothing computed from the data. With `adaptive_clipping` the noised count of
             unclipped units that sets C replaces the clipped-count release (σ_eff = (σ⁻² + (2σ_b)⁻² +
             σ_log⁻²)^(-1/2)); it is released with or without private logging, so `dp/clipped_fraction` and
-            `dp/max_grad_norm` (post-processing of it) are logged either way. Affects accounting.
+            `dp/clipping_norm` (post-processing of it) are logged either way. Affects accounting.
         logging_noise_ratio (`float`, *optional*, defaults to `10.0`):
             r = σ_log / σ. At a target ε the gradient noise grows by a factor √(1 + 2/r²): about 1 % for r = 10.
             Affects accounting.
@@ -355,18 +355,19 @@ class DPTrainingArguments(TrainingArguments):
                 "folders, whose resume state (dp_resume.json) holds the secret that drew G and each user's rows; "
                 "use hub_strategy='every_save' or 'end' (the model and the privacy card only)."
             )
-        if self.privacy_unit == "user" and self.sampling == "els" and self.contribution_bound is None:
-            problems.append("contribution_bound=None with sampling='els': ELS accounts users through the bound G; "
-                            "set contribution_bound to an integer or 'auto'.")
+        mechanism = _mechanism_or_none(self.privacy_unit, self.sampling)
+        if mechanism is not None and mechanism.requires_contribution_bound and self.contribution_bound is None:
+            problems.append(f"contribution_bound=None with sampling={self.sampling!r}: {mechanism.presentation.name} "
+                            "accounts users through the bound G; set contribution_bound to an integer or 'auto'.")
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
-        if self.privacy_unit == "example" and isinstance(self.contribution_bound, int):
+        if mechanism is not None and not mechanism.protects_users and isinstance(self.contribution_bound, int):
             problems.append(f"contribution_bound={self.contribution_bound} with privacy_unit='example': example-level "
                             "DP-SGD keeps every row (a bound would drop rows the report counts as kept); leave "
                             "contribution_bound at 'auto' or None, or use privacy_unit='user'.")
         if not _positive_finite(self.contribution_bound_epsilon):
             problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon!r}: must be a finite "
                             "number > 0.")
-        elif self.contribution_bound == "auto" and self.privacy_unit == "user" \
+        elif self.contribution_bound == "auto" and mechanism is not None and mechanism.protects_users \
                 and _positive_finite(self.target_epsilon) and self.contribution_bound_epsilon >= self.target_epsilon:
             problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon} leaves nothing of "
                             f"target_epsilon={self.target_epsilon} for training: lower it or set contribution_bound.")
@@ -413,6 +414,16 @@ def _is_integer(value) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+
+
+def _mechanism_or_none(privacy_unit, sampling):
+    """The mechanism the two fields select, or `None` when they are invalid (reported on their own)."""
+    from .mechanisms import get_mechanism
+
+    try:
+        return get_mechanism(mechanism_of(privacy_unit, sampling))
+    except ValueError:
+        return None
 
 
 def _parse_contribution_bound(value, problems: list[str]):

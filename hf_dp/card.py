@@ -38,12 +38,12 @@ import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .formatting import format_lower_bound, format_number, format_significant, format_upper_bound
-from .vocabulary import DP_MECHANISMS, EVAL_KEYS, MECHANISMS
+from .mechanisms import get_mechanism
+from .vocabulary import DP_MECHANISMS, EVAL_KEYS, LEDGER_FILE, MECHANISMS  # LEDGER_FILE: the card's companion
 
 __all__ = ["render_privacy_card", "write_privacy_card", "round_count", "LEDGER_FILE", "TEMPLATE_NAME"]
 
 TEMPLATE_NAME = "privacy_card.md"
-LEDGER_FILE = "dp_ledger.json"  # the accountant's state beside the card: `hf-dp publish` recomputes ε from it
 
 # hf_dp.formatting's number formatters, with the card's words for a missing number. Each rounds in the direction
 # that never flatters the guarantee: ε up (`_fmt_up`), lower bounds down, δ and q up, σ down (`_fmt_sig`).
@@ -58,13 +58,13 @@ REPORT_KEYS = (
     "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "delta_accountant", "delta_floating_point",
     "noise_reach", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy", "noise_multiplier",
     "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
-    "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "initial_max_grad_norm",
+    "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "final_max_grad_norm",
     "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "num_users",
     "num_examples", "accountant", "mechanism_description", "noise_seed", "noise_source",
 )
 # Required when `adaptive_clipping` is true: what the card says about how C was chosen.
 _ADAPTIVE_KEYS = (
-    "initial_max_grad_norm", "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise",
+    "final_max_grad_norm", "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise",
 )
 _REQUIRED_KEYS = (
     "epsilon", "delta", "privacy_unit", "mechanism", "noise_multiplier", "sample_rate",
@@ -135,8 +135,8 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
     if sampling != expected_sampling:
         raise ValueError(f"privacy report sampling={sampling!r} does not go with mechanism={key!r}: it must be "
                          f"{expected_sampling!r} (None at the example level, where sampling is unused).")
-    if key == "els" and ordered.get("contribution_bound") is None:
-        raise ValueError("ELS needs contribution_bound (G) in the report: its accounting depends on it.")
+    if get_mechanism(key).requires_contribution_bound and ordered.get("contribution_bound") is None:
+        raise ValueError(f"{key.upper()} needs contribution_bound (G) in the report: its accounting depends on it.")
     if ordered.get("adaptive_clipping"):
         missing = [name for name in _ADAPTIVE_KEYS if ordered.get(name) is None]
         if missing:
@@ -161,7 +161,7 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
         items.append(
             "**The training logs**, which hold ε, δ, σ and q (`dp/epsilon`, `dp/delta`, `dp/noise_multiplier`, "
             "`dp/sample_rate`) and, computed from the noised counts of unclipped units only (see the clipping norm "
-            "below), `dp/clipped_fraction` and `dp/max_grad_norm`: no loss or batch size was logged "
+            "below), `dp/clipped_fraction` and `dp/clipping_norm`: no loss or batch size was logged "
             "(`private_logging=False`)."
         )
     elif report["logging_noise_multiplier"] is None:
@@ -177,7 +177,7 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
             f"[0, {_fmt(report.get('max_loss'), 'g')}] plus Gaussian noise of std σ_log·max_loss, with σ_log = "
             f"{_fmt_sig(report['logging_noise_multiplier'], 4, up=False)} — divided by the expected batch size; "
             "`dp/clipped_fraction` (½ − R/m, R the noised centred count of unclipped units, m the expected batch "
-            "size) and `dp/max_grad_norm` (the tracked C) are computed from the noised counts of the clipping norm "
+            "size) and `dp/clipping_norm` (the tracked C) are computed from the noised counts of the clipping norm "
             "below. `dp/epsilon`, `dp/delta`, `dp/noise_multiplier` and `dp/sample_rate` are the plan's values. The "
             "sampled batch size is never logged."
         )
@@ -201,8 +201,8 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
             "Ramaswamy 2021): every step released the count of sampled units whose gradient norm was at most C, "
             "centred (minus half the units sampled, so that one unit moves it by ½) plus Gaussian noise of std "
             f"σ_b = {_fmt_sig(report.get('clipping_count_noise'), 4, up=False)}, and C — from "
-            f"{_fmt(report.get('initial_max_grad_norm'), '.4g')} at the first step to "
-            f"{_fmt(report.get('max_grad_norm'), '.4g')} after the last — was computed from those noised counts "
+            f"{_fmt(report.get('max_grad_norm'), '.4g')} at the first step to "
+            f"{_fmt(report.get('final_max_grad_norm'), '.4g')} after the last — was computed from those noised counts "
             "only. The accountant composes the counts with the gradient"
             + (" and the logged loss" if logged_loss else "")
             + " as one Gaussian release of noise multiplier σ_eff = (σ⁻² + (2σ_b)⁻²"
@@ -273,7 +273,7 @@ def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
         "data; well-known public text (plays, Wikipedia) may be, which flatters both the "
         "baseline and the DP model.",
     ]
-    if report.get("privacy_unit") == "example":
+    if not get_mechanism(report["mechanism"]).protects_users:
         items.append(
             "**Users with many rows.** The guarantee is per row: a user's whole contribution "
             "is protected only by group privacy, which is weak when they have many rows."
@@ -466,8 +466,10 @@ def render_privacy_card(
         eps_upper_md=_fmt_up(privacy.get("epsilon"), 3),
         target_epsilon=privacy.get("target_epsilon"),
         target_epsilon_md=_fmt(privacy.get("target_epsilon"), "g"),
-        eps_group=_fmt_up(privacy.get("epsilon_group_privacy"), 2),
-        has_eps_group=privacy.get("epsilon_group_privacy") is not None,
+        mechanism_step="" if entry is None else get_mechanism(entry.key).card_step,
+        mechanism_accounting=None if entry is None else get_mechanism(entry.key).card_accounting(
+            _fmt_up(privacy["epsilon_group_privacy"], 2) if privacy.get("epsilon_group_privacy") is not None
+            else None),
         noise_multiplier=_fmt_sig(privacy.get("noise_multiplier"), 4, up=False),
         logging_noise_multiplier=privacy.get("logging_noise_multiplier"),
         logging_noise_multiplier_md=_fmt_sig(privacy.get("logging_noise_multiplier"), 4, up=False),
@@ -480,7 +482,7 @@ def render_privacy_card(
         steps=_fmt(privacy.get("steps"), "d"),
         max_grad_norm=_fmt(privacy.get("max_grad_norm"), ".4g"),
         adaptive=bool(privacy.get("adaptive_clipping")),
-        initial_max_grad_norm=_fmt(privacy.get("initial_max_grad_norm"), ".4g"),
+        final_max_grad_norm=_fmt(privacy.get("final_max_grad_norm"), ".4g"),
         target_unclipped_quantile=_fmt(privacy.get("target_unclipped_quantile"), "g"),
         clipping_learning_rate=_fmt(privacy.get("clipping_learning_rate"), "g"),
         clipping_count_noise=_fmt_sig(privacy.get("clipping_count_noise"), 4, up=False),

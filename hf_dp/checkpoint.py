@@ -28,7 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from . import accounting
 from .accounting.floating_point import NOISE_REACH, TAIL_PER_DRAW
 from .arguments import DPTrainingArguments
-from .card import LEDGER_FILE
+from .vocabulary import LEDGER_FILE
 from .clipping.adaptive import QuantileTracker
 from .privacy_plan import PrivacyPlan
 
@@ -195,10 +195,11 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
     ledger_path = os.path.join(saved.folder, LEDGER_FILE)
     expected = (plan.sample_rate, plan.effective_noise_multiplier, plan.group_size)
     for i, segment in enumerate(saved.accountant.history):
-        found = (segment["sample_rate"], segment["noise_multiplier"], segment["group_size"])
+        found = (segment["sample_rate"], segment["effective_noise_multiplier"], segment["group_size"])
         if not all(same(a, b) for a, b in zip(found, expected)):
-            raise ValueError(f"{ledger_path}: segment {i} has (sample_rate, noise_multiplier, group_size) = {found}, "
-                             f"not this run's {expected}: the ledger does not match the plan; start a new run.")
+            raise ValueError(f"{ledger_path}: segment {i} has (sample_rate, effective_noise_multiplier, group_size) = "
+                             f"{found}, not this run's {expected}: the ledger does not match the plan; start a new run."
+                             )
     _note_later_checkpoints(saved.folder)
     return _saved_tracker(saved, plan)
 

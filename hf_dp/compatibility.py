@@ -118,36 +118,35 @@ def check_per_example(losses, rows: int) -> None:
         )
 
 
-def probe_batch(trainer, dataset) -> dict:
-    """The first training rows collated like a micro-batch, for the batch-independence, loss and clipping probes."""
-    dataset = trainer._remove_unused_columns(dataset, description="training")
-    examples = [dataset[i] for i in range(min(len(dataset), max(2, trainer.args.per_device_train_batch_size), 4))]
-    features = trainer.data_collator(examples)
+def probe_batch(dataset, data_collator, *, rows: int, device) -> dict:
+    """The first training rows (`dataset` with only the model's columns) collated like a micro-batch (at most
+    `rows`, 2 to 4 of them), for the batch-independence, loss and clipping probes."""
+    examples = [dataset[i] for i in range(min(len(dataset), rows, 4))]
+    features = data_collator(examples)
     if packed_example_ids(features) is not None:
         # Packed into one row: the probe perturbs one row and watches the others, so give it one example per
         # row (each collated alone, cut to the shortest).
-        singles = [trainer.data_collator([example]) for example in examples]
+        singles = [data_collator([example]) for example in examples]
         width = min(single["position_ids"].shape[-1] for single in singles)
         features = {key: torch.cat([single[key][:, :width] for single in singles])
                     for key, value in singles[0].items() if torch.is_tensor(value) and value.dim() == 2}
-    return send_to_device(features, trainer.args.device)
+    return send_to_device(features, device)
 
 
-def check_loss_func(trainer, features: dict) -> None:
+def check_loss_func(model, loss_func, data_collator, features: dict) -> None:
     """Refuse a `compute_loss_func` that does not return one loss per example (tried on the probe batch: it only
     decides whether to train, nothing is released)."""
-    if trainer.compute_loss_func is None:
+    if loss_func is None:
         return
-    if isinstance(trainer.data_collator, DataCollatorWithFlattening):
+    if isinstance(data_collator, DataCollatorWithFlattening):
         raise ValueError(LOSS_FUNC_PACKED)
     rows = next(v.shape[0] for v in features.values() if torch.is_tensor(v) and v.dim() > 0)
     inputs = {k: v for k, v in features.items() if k != "labels"}
-    model = trainer.model
     was_training = model.training
     try:
         with torch.no_grad():
             outputs = model(**inputs)
-            losses = trainer.compute_loss_func(outputs, features.get("labels"), num_items_in_batch=None)
+            losses = loss_func(outputs, features.get("labels"), num_items_in_batch=None)
     except Exception as error:
         reason = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"compute_loss_func failed on the first training rows ({type(error).__name__}: "
@@ -158,7 +157,7 @@ def check_loss_func(trainer, features: dict) -> None:
     check_per_example(losses, rows)
 
 
-def verify_clipping(trainer, features: dict, *, causal_lm: bool) -> None:
+def verify_clipping(model, clipper, features: dict, *, loss_func, dataset, causal_lm: bool) -> None:
     """Run the clipper's one-off checks (every gradient covered by a rule, every layer's rows attributed to their
     examples) on the probe rows, before any step: the first training step then needs no second backward pass and no
     kept graph, so it costs the memory of every other step. Only decides whether to train: the gradients are
@@ -167,19 +166,18 @@ def verify_clipping(trainer, features: dict, *, causal_lm: bool) -> None:
     labels = features.get("labels")
     if labels is None:  # the first step says what is missing
         return
-    model = trainer.model
     was_training = model.training
     model.train()
     try:
         outputs = model(**inputs)
         logits = getattr(outputs, "logits", None)
         if torch.is_tensor(logits) and logits.dim() == 2 and not labels.is_floating_point() and logits.shape[-1] > 1:
-            check_class_labels(trainer.partition.dataset, logits.shape[-1])
-        if trainer.compute_loss_func is not None:
-            losses = trainer.compute_loss_func(outputs, labels, num_items_in_batch=None).float()
+            check_class_labels(dataset, logits.shape[-1])
+        if loss_func is not None:
+            losses = loss_func(outputs, labels, num_items_in_batch=None).float()
         else:
             losses = per_example_loss(outputs.logits, labels, causal_lm=causal_lm)
-        trainer.clipper.backward(losses, max_grad_norm=1.0)
+        clipper.backward(losses, max_grad_norm=1.0)
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)

@@ -16,7 +16,8 @@ import numpy as np
 
 from .accounting import planner
 from .arguments import DPTrainingArguments
-from .data import UserPartition, examples_per_user, is_canary_user, keyed_seed, partition_by_user
+from .data import UserPartition, examples_per_user, keyed_seed, partition_by_user
+from .mechanisms import get_mechanism
 
 
 def data_secret(args: DPTrainingArguments) -> str:
@@ -39,18 +40,19 @@ def partition(dataset, args: DPTrainingArguments, secret: str) -> UserPartition:
 
 def bound_epsilon(args: DPTrainingArguments) -> float:
     """ε spent choosing G from the data: `contribution_bound_epsilon` for "auto" at user level, else 0."""
-    auto = args.contribution_bound == "auto" and args.mechanism != "example"
+    auto = args.contribution_bound == "auto" and get_mechanism(args.mechanism).protects_users
     return float(args.contribution_bound_epsilon) if auto else 0.0
 
 
 def contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int | None:
-    """G from the arguments; "auto" is chosen with ε-DP ([`~hf_dp.accounting.planner.private_contribution_bound`]).
-
-    ELS: a DP median of the rows per user, from the public grid. ULS: the noise-prediction heuristic of
-    Charles et al. 2024 run on that DP median (compute budget of `expected_batch_size` users × the median
-    rows), for the run's steps and the ε left to DP-SGD. The draw is keyed by `secret`.
+    """G from the arguments; "auto" is chosen with ε-DP by the mechanism
+    ([`~hf_dp.mechanisms.DPMechanism.choose_contribution_bound`]): ELS takes a DP median of the rows per user, from
+    the public grid; ULS runs the noise-prediction heuristic of Charles et al. 2024 on that DP median (compute budget
+    of `expected_batch_size` users × the median rows), for the run's steps and the ε left to DP-SGD. The draw is
+    keyed by `secret`.
     """
-    if args.contribution_bound is None or (args.mechanism == "example" and args.contribution_bound == "auto"):
+    mechanism = get_mechanism(args.mechanism)
+    if args.contribution_bound is None or (not mechanism.protects_users and args.contribution_bound == "auto"):
         return None  # no bound: every row is kept
     if args.contribution_bound != "auto":
         return int(args.contribution_bound)
@@ -59,9 +61,8 @@ def contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int |
         return None  # partition_by_user raises the clear error
     sample_rate = min(1.0, args.expected_batch_size / len(counts))  # above 1: the plan raises the clear error
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
-    return planner.private_contribution_bound(
-        counts, sampling=args.mechanism, epsilon=args.contribution_bound_epsilon,
-        expected_batch_size=args.expected_batch_size, steps=steps,
+    return mechanism.choose_contribution_bound(
+        counts, epsilon=args.contribution_bound_epsilon, expected_batch_size=args.expected_batch_size, steps=steps,
         target_epsilon=(args.target_epsilon or planner.DEFAULT_TARGET_EPSILON) - bound_epsilon(args),
         delta=args.target_delta, rng=np.random.default_rng(keyed_seed(secret, "contribution_bound", "bound")),
     )
@@ -69,18 +70,20 @@ def contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int |
 
 def bound_choice(args: DPTrainingArguments, mechanism: str, spent: float) -> str:
     """How G was chosen, for the report and the card (`spent`: the ε of its choice)."""
-    if mechanism == "example" or args.contribution_bound is None:
+    if not get_mechanism(mechanism).protects_users or args.contribution_bound is None:
         return "none: every row is kept"
     if not spent:
         return "given (contribution_bound): not read from the data"
-    rule = "the ELS median" if mechanism == "els" else "the ULS noise-prediction heuristic on that median"
+    rule = get_mechanism(mechanism).bound_rule()
     return (f"auto: an ε-DP median of the rows per user (exponential mechanism over the public grid "
             f"{', '.join(map(str, planner.CONTRIBUTION_BOUND_GRID))}; ε = {spent:g}, in the ledger), "
             f"then {rule}")
 
 
-def canary_counts(dataset, user_id_column: str, bound: int | None) -> tuple[int, int]:
-    """(users, kept rows) of audit canaries: trained on like any user (they count in q and δ), never counted in the
-    report's or the card's number of users and examples."""
-    rows = Counter(user for user in dataset[user_id_column] if is_canary_user(user))
+def counts_of(dataset, user_id_column: str, bound: int | None, user_ids) -> tuple[int, int]:
+    """(users, kept rows) of the users `user_ids` in `dataset`: trained on like any user (they count in q and δ),
+    never counted in the report's or the card's number of users and examples (an audit's canaries)."""
+    if not user_ids:
+        return 0, 0
+    rows = Counter(user for user in dataset[user_id_column] if user in user_ids)
     return len(rows), sum(n if bound is None else min(n, bound) for n in rows.values())

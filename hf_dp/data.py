@@ -10,30 +10,12 @@ import hashlib
 import json
 import logging
 import numbers
-import re
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
-
-# Audit canaries ([`hf_dp.audit.canaries`]) train like any other user (they count in q and δ) but are left out of
-# the number of users and examples that the report and the card state. Their ids follow this one convention, kept
-# here so that the core recognises them without importing the audit.
-CANARY_USER_ID_FORMAT = "__hf_dp_canary_{index:0{width}d}__"
-_CANARY_USER_ID = re.compile(r"__hf_dp_canary_\d+__")
-
-
-def canary_user_id(index: int, width: int = 4) -> str:
-    """The id of canary user `index` ("__hf_dp_canary_0007__"), zero-padded to `width` digits."""
-    return CANARY_USER_ID_FORMAT.format(index=index, width=width)
-
-
-def is_canary_user(user_id) -> bool:
-    """Whether a user id is an audit canary's (so evaluation, counts and baselines can skip it)."""
-    return isinstance(user_id, str) and _CANARY_USER_ID.fullmatch(user_id) is not None
-
 
 @dataclass
 class UserPartition:
@@ -65,7 +47,7 @@ class UserPartition:
 
 def examples_per_user(dataset, user_id_column: str) -> np.ndarray:
     """Rows per user (ignoring rows without a user id): what the contribution-bound heuristics read."""
-    _check_user_column(dataset, user_id_column)
+    check_user_column(dataset, user_id_column)
     keys = _as_keys(dataset[user_id_column])
     _check_one_id_type(keys, user_id_column)
     counts = Counter(u for u in keys if u is not None)
@@ -83,7 +65,7 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
         ValueError: the column is missing, its ids mix types (3 and "3" would be two users), or no row with a user
             id remains.
     """
-    _check_user_column(dataset, user_id_column)
+    check_user_column(dataset, user_id_column)
     ids = dataset[user_id_column]
     missing = sum(_is_missing(u) for u in ids)
     if missing:
@@ -150,7 +132,8 @@ def keyed_uniform(secret, user_id, purpose: str) -> float:
     return keyed_seed(secret, user_id, purpose) / 2.0**64
 
 
-def _check_user_column(dataset, user_id_column: str) -> None:
+def check_user_column(dataset, user_id_column: str) -> None:
+    """Refuse a training set DP cannot sample users from: streamed, not a `datasets.Dataset`, or no user column."""
     if _is_iterable_dataset(dataset):
         raise TypeError(
             f"train_dataset is a streamed dataset ({type(dataset).__name__}, an IterableDataset): Poisson sampling "

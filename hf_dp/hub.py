@@ -189,7 +189,7 @@ def _ledger_mechanism(ledger: Mapping) -> str:
 def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
     """Refuse a card whose ε, δ, unit or mechanism is not what its ledger proves (ε recomputed from it)."""
     from .accounting import PrivacyAccountant
-    from .card import LEDGER_FILE
+    from .vocabulary import LEDGER_FILE
     from .vocabulary import DP_MECHANISMS
 
     epsilon = _card_number(readme, privacy, "epsilon", "ε")

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import accounting
-from .arguments import DPTrainingArguments
-from .accounting.adaptive_noise import effective_noise_multiplier, gradient_noise_multiplier
+from .accounting.adaptive_noise import AdaptiveClipping, StepReleases
 from .accounting.floating_point import check_sampler_delta, sampler_delta
-from .clipping.adaptive import AdaptiveClipping
+from .arguments import DPTrainingArguments
 from .contribution import bound_epsilon
 from .data import UserPartition
+from .mechanisms import DPMechanism, get_mechanism
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,14 @@ class PrivacyPlan:
     noise_draws_per_step: int | None = None  # Gaussian draws per step (trainable parameters + released scalars)
 
     @property
+    def dp_mechanism(self) -> DPMechanism:
+        """The mechanism object of `mechanism` ([`~hf_dp.mechanisms`])."""
+        return get_mechanism(self.mechanism)
+
+    @property
     def group_size(self) -> int:
         """The accountant's mixture size: G for ELS (a user moves up to G sampled rows), else 1."""
-        return self.contribution_bound if self.mechanism == "els" else 1
+        return self.dp_mechanism.group_size(self.contribution_bound)
 
     @property
     def expected_batch_size(self) -> float:
@@ -98,19 +103,20 @@ class PrivacyPlan:
         }
 
 
-def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_elements: int) -> PrivacyPlan:
+def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_elements: int,
+                 max_steps: int | None = None) -> PrivacyPlan:
     """The plan for these arguments and this partition, noising `noised_elements` gradient values per step (the
-    trainable parameters); sets `args.max_steps` to the planned steps.
+    trainable parameters), for `max_steps` steps (default `args.max_steps`; ≤ 0: from `num_train_epochs`). The
+    arguments are not changed (the trainer sets `args.max_steps` to `plan.steps`).
 
     Raises:
         ValueError: fewer than 2 privacy units, an expected batch above the units, δ ≥ 1/units, a budget no noise
             meets, a first step that alone exceeds `target_epsilon`, an adaptive count noise that alone would
             spend the budget, or a noise sampler whose finite support would add more than 1% of δ.
     """
-    mechanism = args.mechanism
-    num_units = partition.num_users if mechanism == "uls" else partition.num_examples
-    num_privacy_units = partition.num_examples if mechanism == "example" else partition.num_users
-    unit_name = "users" if args.privacy_unit == "user" else "examples"
+    mechanism = get_mechanism(args.mechanism)
+    num_units, num_privacy_units = mechanism.num_units(partition), mechanism.num_privacy_units(partition)
+    unit_name = "users" if mechanism.protects_users else "examples"
     if num_privacy_units < 2:
         raise ValueError(
             f"The training data has {num_privacy_units} {unit_name[:-1]}: a {args.privacy_unit}-level guarantee "
@@ -120,22 +126,23 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_
     if sample_rate > 1:
         raise ValueError(
             f"expected_batch_size={args.expected_batch_size} exceeds the {num_units} "
-            f"{'users' if mechanism == 'uls' else 'examples'} available: lower --expected_batch_size."
+            f"{'users' if mechanism.samples_users else 'examples'} available: lower --expected_batch_size."
         )
-    steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
-    args.max_steps = steps
+    max_steps = args.max_steps if max_steps is None else max_steps
+    steps = max_steps if max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
     delta = args.target_delta if args.target_delta is not None else 1.0 / (10 * num_privacy_units)
     if delta >= 1.0 / num_privacy_units:
         raise ValueError(
             f"target_delta={delta:g} is not below 1/{num_privacy_units} {unit_name}: such a δ allows "
             f"releasing a whole {args.privacy_unit}'s data. Lower --target_delta (default 1/(10·{unit_name}))."
         )
-    group_size = partition.contribution_bound if mechanism == "els" else 1
+    group_size = mechanism.group_size(partition.contribution_bound)
     ratio = args.logging_noise_ratio if args.private_logging else None
     adaptive = adaptive_clipping(args)
     count_noise = adaptive.count_noise_for(args.expected_batch_size) if adaptive else None
+    releases = StepReleases(ratio, count_noise)
     sigma = args.noise_multiplier
-    effective = None if sigma is None else _effective_noise(sigma, ratio, count_noise)
+    effective = None if sigma is None else releases.effective_noise_multiplier(sigma)
     spent_on_bound = bound_epsilon(args)  # spent choosing G: DP-SGD gets the rest of the target
     if sigma is None:
         try:
@@ -148,7 +155,7 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_
                 f"{error} Planned: {steps} steps at sample rate {sample_rate:.4g}. Raise --target_epsilon, "
                 "or train fewer steps/epochs or with a smaller --expected_batch_size."
             ) from error
-        sigma = _gradient_noise(effective, ratio, count_noise, args)
+        sigma = _gradient_noise(effective, releases, args)
     else:
         _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_size, spent_on_bound)
     # The released scalars: the loss sum and the clipped count (private logging, fixed C); adaptive clipping's count.
@@ -157,7 +164,7 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_
     planned_epsilon = args.target_epsilon if args.target_epsilon is not None else spent_on_bound + accounting.epsilon(
         sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta, group_size=group_size)
     check_sampler_delta(epsilon=planned_epsilon, delta=delta, draws=steps * draws)
-    return PrivacyPlan(mechanism, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta,
+    return PrivacyPlan(mechanism.key, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta,
                        partition.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
                        effective_noise_multiplier=float(effective), adaptive_clipping=adaptive,
                        count_noise=count_noise, noise_draws_per_step=draws)
@@ -201,25 +208,16 @@ def _check_fixed_noise(args, sigma, effective, sample_rate, steps, delta, group_
                        args.target_epsilon)
 
 
-def _effective_noise(sigma: float, ratio: float | None, count_noise: float | None) -> float:
-    """σ_eff for gradient noise multiplier σ (see the module docstring)."""
-    if count_noise is not None:
-        return effective_noise_multiplier(sigma, count_noise, logging_noise_ratio=ratio)
-    return sigma / math.sqrt(1.0 + 2.0 / ratio**2) if ratio else sigma
-
-
-def _gradient_noise(effective: float, ratio: float | None, count_noise: float | None,
-                    args: DPTrainingArguments) -> float:
-    """σ, the gradient noise multiplier that leaves the step at σ_eff (the inverse of `_effective_noise`).
+def _gradient_noise(effective: float, releases: StepReleases, args: DPTrainingArguments) -> float:
+    """σ, the gradient noise multiplier that leaves the step at σ_eff.
 
     Raises:
         ValueError: with adaptive clipping, a count noise σ_b ≤ σ_eff/2 (the count alone would spend the budget).
     """
-    if count_noise is None:
-        return effective * math.sqrt(1.0 + 2.0 / ratio**2) if ratio else effective
     try:
-        return gradient_noise_multiplier(effective, count_noise, logging_noise_ratio=ratio)
+        return releases.gradient_noise_multiplier(effective)
     except ValueError:
+        count_noise = releases.count_noise
         default = " (the default expected_batch_size/20)" if args.clipping_count_noise is None else ""
         raise ValueError(
             f"clipping_count_noise={count_noise:g}{default} is not above σ_eff/2 = {effective / 2:g}, half the "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from . import accounting, checkpoint
+from . import checkpoint
 from .arguments import DPTrainingArguments
 from .budget import PrivacyBudget
 from .card import round_count
@@ -29,10 +29,10 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
     `None` at example level (where it is unused). `num_users` and `num_examples` are rounded to 2 significant
     figures: they are not covered by ε.
 
-    `max_grad_norm` is the clipping norm C: with `adaptive_clipping` the tracked C after the last step (what a
-    continued run would clip at; a post-processing of the noised counts, covered by ε), with
-    `initial_max_grad_norm` the C it started from and `target_unclipped_quantile`, `clipping_learning_rate`
-    and `clipping_count_noise` (σ_b) its settings; for a fixed C those four are `None`.
+    `max_grad_norm` is the argument: the clipping norm C, or with `adaptive_clipping` the C₀ it started from;
+    `final_max_grad_norm` is adaptive clipping's tracked C after the last step (what a continued run would clip at;
+    a post-processing of the noised counts, covered by ε), with `target_unclipped_quantile`,
+    `clipping_learning_rate` and `clipping_count_noise` (σ_b) its settings; for a fixed C those four are `None`.
 
     `delta` is the stated δ: the accountant's (`delta_accountant`, the plan's target) plus what the noise sampler's
     finite support adds (`delta_floating_point`, for draws that reach `noise_reach` standard deviations).
@@ -62,9 +62,9 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "sample_rate": plan.sample_rate,
         "expected_batch_size": args.expected_batch_size,
         "steps": steps,
-        "max_grad_norm": clipping_norm,
+        "max_grad_norm": args.max_grad_norm,
         "adaptive_clipping": adaptive is not None,
-        "initial_max_grad_norm": args.max_grad_norm if adaptive else None,
+        "final_max_grad_norm": clipping_norm if adaptive else None,
         "target_unclipped_quantile": adaptive.target_quantile if adaptive else None,
         "clipping_learning_rate": adaptive.learning_rate if adaptive else None,
         "clipping_count_noise": plan.count_noise,
@@ -75,16 +75,16 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "epsilon_training": upper - accountant.pure_dp_epsilon,
         "num_users": round_count(num_users),
         "num_examples": round_count(num_examples),
-        "accountant": ACCOUNTANT_NAME + ("; mixture-of-Gaussians for ELS" if plan.mechanism == "els" else ""),
+        "accountant": ACCOUNTANT_NAME + plan.dp_mechanism.accountant_note,
         "epsilon_group_privacy": None,
         "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
         "noise_source": noise_source(args.secure_noise, device_type),
     }
-    if plan.mechanism == "els" and steps:
-        report["epsilon_group_privacy"] = accounting.group_privacy_epsilon(
-            sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps,
-            delta=plan.delta, group_size=plan.group_size,
-        ) + accountant.pure_dp_epsilon  # the same releases as `epsilon`, composed loosely
+    loose = plan.dp_mechanism.group_privacy_epsilon(
+        sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps,
+        delta=plan.delta, group_size=plan.group_size) if steps else None
+    if loose is not None:
+        report["epsilon_group_privacy"] = loose + accountant.pure_dp_epsilon  # the same releases, composed loosely
     return report
 
 

@@ -103,7 +103,6 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
     """
 
     known_loss_overrides = (SFTTrainer,)  # its compute_loss is replaced by per-example losses in the DP step
-    prepares_train_dataset = True
 
     def __init__(self, model, args: DPSFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
@@ -122,12 +121,13 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                          preprocess_logits_for_metrics, quantization_config, peft_config, formatting_func,
                          privacy_card_kwargs=privacy_card_kwargs)
 
-    def _partition_users(self, args: DPTrainingArguments) -> None:
-        if args.user_id_column not in self._user_dataset.column_names:
-            raise ValueError(f"SFTTrainer's dataset preparation dropped the user column {args.user_id_column!r} "
+    def _partition_users(self, data_secret: str) -> None:
+        column = self.args.user_id_column
+        if column not in self._user_dataset.column_names:
+            raise ValueError(f"SFTTrainer's dataset preparation dropped the user column {column!r} "
                              f"(columns left: {self._user_dataset.column_names}): with skip_prepare_dataset, keep it "
                              "in the prepared dataset.")
-        super()._partition_users(args)
+        super()._partition_users(data_secret)
 
     def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
         """DPTrainer's card, saying which of SFTTrainer's metrics were dropped."""

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from . import checkpoint, compatibility, contribution, sharding, step
+from . import checkpoint, compatibility, contribution, sharding
 from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity, poisson_capacity
@@ -27,12 +27,14 @@ from .budget import PrivacyBudget
 from .callbacks import PrivacyProgress
 from .clipping import GhostClipper
 from .clipping.adaptive import QuantileTracker
+from .data import check_user_column
 from .losses import PACKED_NEEDS_TOKEN_HEAD, base_model, is_causal_lm
+from .mechanisms import get_mechanism
 from .noise import fresh_seed
 from .privacy_plan import PrivacyPlan, plan_privacy
-from .releases import ScalarReleases
 from .report import PrivacyReporting
 from .sampling import PoissonBatchSampler
+from .step import DPStep, StepSettings
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +47,18 @@ class DPTrainerMixin(PrivacyReporting):
     Takes the base trainer's constructor arguments (`model, args, data_collator, train_dataset, ...`, `args` a
     [`DPTrainingArguments`]) plus `privacy_card_kwargs`; replaces the training step, the training data loader, the
     logs and the model card; refuses what would break the guarantee. See [`DPTrainer`] for the behaviour.
+
+    Construction, in order: the base trainer (which may prepare the data, as SFTTrainer tokenizes it, keeping the user
+    column); the user partition under G ([`_partition_users`]); the checks of the model, the loss and the clipping on
+    the first rows; then the privacy plan, the budget and the [`~hf_dp.step.DPStep`] ([`_plan_step`]). A resumed run
+    whose checkpoint drew G and the rows with another secret repeats the partition and the plan the same way.
     """
 
     # Trainer subclasses whose `compute_loss` override this class knowingly replaces with per-example losses.
     known_loss_overrides: tuple = ()
-    # Whether the base trainer prepares (e.g. tokenizes) `train_dataset` in its constructor, keeping the user column:
-    # the users are then partitioned from its result instead of from the dataset given.
-    prepares_train_dataset: bool = False
+    # Users trained on like any other (they count in q and δ) but left out of the stated numbers of users and
+    # examples: an audit's canaries (`hf_dp.audit` sets it before training).
+    uncounted_user_ids: frozenset = frozenset()
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, *trainer_args,
                  privacy_card_kwargs: dict | None = None, **trainer_kwargs):
@@ -68,22 +75,16 @@ class DPTrainerMixin(PrivacyReporting):
             compatibility.check_eval_users(given["eval_dataset"], train_dataset, args.user_id_column)
         if train_dataset is None:
             raise ValueError("DP training needs a train_dataset with a user column to account privacy.")
-        # The data secret keys G's private draw and each user's rows; saved with checkpoints, never released.
-        self._user_dataset, self._requested_max_steps = train_dataset, args.max_steps
-        self._data_secret = checkpoint.secret_to_resume(args) or contribution.data_secret(args)
-        requested = args.per_device_train_batch_size  # None: a pass holds a whole Poisson sample
+        check_user_column(train_dataset, args.user_id_column)
         if isinstance(model, torch.nn.Module):
             compatibility.check_model_state(model)  # before Trainer moves it
-        if not self.prepares_train_dataset:
-            self._partition_users(args)
-            train_dataset = self.partition.dataset
-        args.per_device_train_batch_size = requested or self._pass_rows(args)  # provisional until partitioned
+        # What the user asked for, before the plan sets them: a resumed run replans from these.
+        self._requested_pass_rows, self._requested_max_steps = args.per_device_train_batch_size, args.max_steps
+        args.per_device_train_batch_size = self._pass_rows(args, partition=None)  # provisional: one row per unit
         super().__init__(model, args, data_collator, train_dataset, *trainer_args, **trainer_kwargs)
-        if self.prepares_train_dataset:  # the base prepared it (the user column kept): partition the result
-            self._user_dataset = self.train_dataset
-            self._partition_users(self.args)
-            self.train_dataset = self.partition.dataset
-            self.args.per_device_train_batch_size = requested or self._pass_rows(self.args)
+        self._user_dataset = self.train_dataset  # as the base trainer prepared it (the user column kept)
+        # The data secret keys G's private draw and each user's rows; saved with checkpoints, never released.
+        self._partition_users(checkpoint.secret_to_resume(self.args) or contribution.data_secret(self.args))
         compatibility.check_model_state(self.model)
         compatibility.check_labels(self.partition.dataset, base_model(self.model))
         sharding.check_supported(self)  # FSDP2 trains sharded; DeepSpeed and FSDP1 are refused
@@ -91,39 +92,58 @@ class DPTrainerMixin(PrivacyReporting):
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
-        probe = compatibility.probe_batch(self, self.partition.dataset)
-        check_batch_independence(self.model, probe)
-        self._probe = probe  # probed again on the model as it trains (the base trainer attaches hooks in train())
-        compatibility.check_loss_func(self, probe)
+        self._probe = compatibility.probe_batch(
+            self._remove_unused_columns(self.partition.dataset, description="training"), self.data_collator,
+            rows=max(2, self.args.per_device_train_batch_size), device=self.args.device)
+        check_batch_independence(self.model, self._probe)  # again at the first step, on the model as it trains
+        compatibility.check_loss_func(self.model, self.compute_loss_func, self.data_collator, self._probe)
         self.clipper = GhostClipper(self.model)
-        compatibility.verify_clipping(self, probe, causal_lm=self._causal_lm)
-        self.budget = PrivacyBudget(self._plan(), self.args.target_epsilon, contribution.bound_epsilon(self.args))
-        self.quantile_tracker = self._new_quantile_tracker()  # adaptive clipping's running C; None for a fixed C
+        compatibility.verify_clipping(self.model, self.clipper, self._probe, loss_func=self.compute_loss_func,
+                                      dataset=self.partition.dataset, causal_lm=self._causal_lm)
         self.privacy_card_kwargs = dict(privacy_card_kwargs or {})
         self._seed = self._shared_seed()
-        self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed, self.args.secure_noise)
         self._state_before_step = None  # (ledger, tracker) before the last step's releases, see save_privacy_state
+        self.budget = None
+        self._plan_step()
         self.add_callback(PrivacyProgress(self))
         logger.info("DP plan: %s", self.privacy_plan)
 
-    # ---- setup ------------------------------------------------------------------------------
+    # ---- setup: one sequence for a fresh run and a resumed one -------------------------------------------------
 
-    def _partition_users(self, args: DPTrainingArguments) -> None:
-        """Group the user dataset's rows by user under G (`self.partition`), and count its audit canaries once."""
-        self.partition = contribution.partition(self._user_dataset, args, self._data_secret)
-        self.canary_counts = contribution.canary_counts(self._user_dataset, args.user_id_column,
-                                                    self.partition.contribution_bound)
+    def _partition_users(self, data_secret: str) -> None:
+        """Group the user dataset's rows by user under G, drawn with `data_secret` (`self.partition`)."""
+        self._data_secret = data_secret
+        self.partition = contribution.partition(self._user_dataset, self.args, data_secret)
+        self.train_dataset = self.partition.dataset
+        self.args.per_device_train_batch_size = self._pass_rows(self.args, self.partition)
 
-    def _pass_rows(self, args: DPTrainingArguments) -> int:
-        """Rows of one pass holding this rank's whole Poisson sample (G rows per user for ULS), from public settings."""
-        partition = getattr(self, "partition", None)  # before it (a base that prepares the data): one row per unit
-        rows_per_unit = (partition.contribution_bound or 1) if partition is not None and args.mechanism == "uls" else 1
-        return poisson_capacity(args.expected_batch_size, rows_per_unit, world_size=max(1, args.world_size))
-
-    def _plan(self) -> PrivacyPlan:
-        """The privacy plan of these arguments and this partition; every trainable value is noised each step."""
+    def _plan_step(self) -> None:
+        """The privacy plan of this partition, the budget (a fresh one, or the run's, replanned), and the DP step."""
         noised = sum(param.numel() for param in self.model.parameters() if param.requires_grad)
-        return plan_privacy(self.args, self.partition, noised_elements=noised)
+        plan = plan_privacy(self.args, self.partition, noised_elements=noised, max_steps=self._requested_max_steps)
+        self.args.max_steps = plan.steps
+        if self.budget is None:
+            self.budget = PrivacyBudget(plan, self.args.target_epsilon, contribution.bound_epsilon(self.args))
+        else:
+            self.budget.replan(plan)
+        adaptive = plan.adaptive_clipping
+        tracker = QuantileTracker.start(adaptive, plan.expected_batch_size) if adaptive is not None else None
+        settings = StepSettings(
+            device=self.args.device, causal_lm=self._causal_lm, max_loss=self.args.max_loss,
+            secure_noise=self.args.secure_noise, distributed=self.accelerator.num_processes > 1,
+            loss_func=self.compute_loss_func, forward_context=self.compute_loss_context_manager,
+            backward_context=self.accelerator.no_sync)
+        self.dp_step = DPStep(self.budget, self.clipper, self._seed, settings, max_grad_norm=self.args.max_grad_norm,
+                              quantile_tracker=tracker)
+
+    def _pass_rows(self, args: DPTrainingArguments, partition) -> int:
+        """Rows of one pass: the requested `per_device_train_batch_size`, else enough for this rank's whole Poisson
+        sample (a unit's rows for ULS; one row per unit before the users are partitioned), from public settings."""
+        if self._requested_pass_rows:
+            return self._requested_pass_rows
+        bound = partition.contribution_bound if partition is not None else None
+        rows_per_unit = get_mechanism(args.mechanism).rows_per_unit(bound)
+        return poisson_capacity(args.expected_batch_size, rows_per_unit, world_size=max(1, args.world_size))
 
     @property
     def privacy_plan(self) -> PrivacyPlan:
@@ -135,14 +155,21 @@ class DPTrainerMixin(PrivacyReporting):
         """The run's [`~hf_dp.accounting.PrivacyAccountant`] (its ledger of releases)."""
         return self.budget.accountant
 
-    def _new_quantile_tracker(self) -> QuantileTracker | None:
-        adaptive = self.privacy_plan.adaptive_clipping
-        return adaptive.tracker(self.args.expected_batch_size) if adaptive is not None else None
+    @property
+    def quantile_tracker(self) -> QuantileTracker | None:
+        """Adaptive clipping's running C; `None` for a fixed C."""
+        return self.dp_step.quantile_tracker
 
     @property
     def clipping_norm(self) -> float:
         """C the next step clips at: the tracked norm with `adaptive_clipping`, else `max_grad_norm`."""
-        return self.quantile_tracker.norm if self.quantile_tracker is not None else self.args.max_grad_norm
+        return self.dp_step.clipping_norm()
+
+    @property
+    def canary_counts(self) -> tuple[int, int]:
+        """(users, kept rows) of `uncounted_user_ids`: trained on, left out of the stated counts."""
+        return contribution.counts_of(self._user_dataset, self.args.user_id_column, self.partition.contribution_bound,
+                                      self.uncounted_user_ids)
 
     def _shared_seed(self) -> int:
         seed = self.args.noise_seed if self.args.noise_seed is not None else fresh_seed()
@@ -158,7 +185,7 @@ class DPTrainerMixin(PrivacyReporting):
         """One item per optimizer step: this rank's share of the step's Poisson sample, in micro-batches."""
         plan = self.privacy_plan
         dataset = self._remove_unused_columns(self.partition.dataset, description="training")
-        batches = LogicalBatches(dataset, unit_rows=self.partition.user_rows if plan.mechanism == "uls" else None,
+        batches = LogicalBatches(dataset, unit_rows=plan.dp_mechanism.unit_rows(self.partition),
                                  data_collator=self.data_collator,
                                  micro_batch_size=self.args.per_device_train_batch_size,
                                  align_passes=self.is_fsdp_enabled)
@@ -173,41 +200,31 @@ class DPTrainerMixin(PrivacyReporting):
     # ---- one DP step ------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """Clip every sampled unit, add noise once, normalise by the expected batch size.
+        """One DP step ([`~hf_dp.step.DPStep.run`]): clip every sampled unit, add noise once, record it, release.
 
         Returns the noised mean loss (see `private_logging`): the clipped unit losses' sum plus noise, divided by
         the expected batch size; 0 without private logging (then no loss is logged). Nothing is read back to the
         host: the released sums are read only when a log line needs them.
         """
-        plan = self.privacy_plan
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if self.is_fsdp_enabled and not self._sharded_clipping:  # accelerate has sharded the model by now
+            sharding.check_sharded(params)  # (before any forward: FSDP2 swaps in whole parameters while one runs)
+            self.clipper.shard(sharding.add_to_shard)
+            self._sharded_clipping = True
         if self._probe is not None:  # the first step: the model as it trains, with every hook Trainer.train attached
             check_batch_independence(model, self._probe)
             self._probe = None
         model.train()
-        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-        if self.is_fsdp_enabled and not self._sharded_clipping:  # accelerate has sharded the model by now
-            sharding.check_sharded(params)
-            self.clipper.shard(sharding.add_to_shard)
-            self._sharded_clipping = True
-        # C_t: fixed, or adaptive clipping's tracked norm (from earlier releases only), as a device tensor
-        max_grad_norm = self.quantile_tracker.norm_on(self.args.device) if self.quantile_tracker is not None \
-            else self.args.max_grad_norm
-        with self.accelerator.no_sync(model):  # clipped sums are all-reduced once, in aggregate
-            sums = step.clip_units(self, model, inputs.micro_batches, max_grad_norm=max_grad_norm,
-                                   expected_batch_size=plan.expected_batch_size, causal_lm=self._causal_lm)
-        step.check_some_gradient(params, inputs.micro_batches)
-        step.aggregate(params, self._parameter_names(params), sums, noise_multiplier=plan.noise_multiplier,
-                       max_grad_norm=max_grad_norm, seed=self._seed, step=inputs.step,
-                       expected_batch_size=plan.expected_batch_size, distributed=self.accelerator.num_processes > 1,
-                       secure_noise=self.args.secure_noise)
-        if self.args.enable_jit_checkpoint:  # only a just-in-time save lands between here and the update
-            self._state_before_step = self._privacy_state()
-        if not self.budget.record_step():
+        keep_state = self._keep_state_before_step if self.args.enable_jit_checkpoint else None
+        loss, keep_going = self.dp_step.run(model, params, self._parameter_names(params), inputs,
+                                            before_record=keep_state)
+        if not keep_going:
             self.control.should_training_stop = True
-        loss_sum = self.releases.release(sums, inputs.step, self.quantile_tracker)
-        if loss_sum is None:  # nothing computed from the data is logged
-            return torch.zeros((), dtype=torch.float32, device=self.args.device)
-        return (loss_sum / plan.expected_batch_size).to(torch.float32)
+        return loss
+
+    def _keep_state_before_step(self) -> None:
+        """Only a just-in-time save lands between the noise and the update: it saves the state before this step."""
+        self._state_before_step = self._privacy_state()
 
     def _parameter_names(self, params) -> list[str]:
         """The parameters' names in the model, the same on every rank, sharded or not: they key the noise."""
@@ -245,17 +262,17 @@ class DPTrainerMixin(PrivacyReporting):
         """Adds ε, δ, σ and q to training logs. `loss` and `dp/clipped_fraction` are the noised releases of
         `training_step` (covered by ε); without private logging no loss is logged at all.
 
-        With adaptive clipping, `dp/max_grad_norm` (the next step's C) and `dp/clipped_fraction` are post-processing
+        With adaptive clipping, `dp/clipping_norm` (the next step's C) and `dp/clipped_fraction` are post-processing
         of the count released every step, so they are logged with or without private logging."""
         plan = self.privacy_plan
         if "loss" in logs:
             logs.update({"dp/epsilon": self.current_epsilon(), "dp/delta": self.budget.delta(),
                          "dp/noise_multiplier": plan.noise_multiplier, "dp/sample_rate": plan.sample_rate})
             if self.quantile_tracker is not None:
-                logs["dp/max_grad_norm"] = self.quantile_tracker.norm
+                logs["dp/clipping_norm"] = self.quantile_tracker.norm
             if not plan.private_logging:
                 del logs["loss"]
-            clipped_fraction = self.releases.take_clipped_fraction()
+            clipped_fraction = self.dp_step.releases.take_clipped_fraction()
             if clipped_fraction is not None:  # steps with a released count: private logging, or adaptive clipping
                 logs["dp/clipped_fraction"] = clipped_fraction
         if not plan.private_logging:
@@ -328,15 +345,11 @@ class DPTrainerMixin(PrivacyReporting):
         saved = checkpoint.read_checkpoint(folder)
         discarded_draw = 0.0
         if saved.data_secret is not None and saved.data_secret != self._data_secret:
-            # Redo G's draw and the row choice with the checkpoint's secret, so they match the checkpoint's. The
-            # draw made at construction read the data too: its ε stays in the ledger.
+            # Redo G's draw and the row choice with the checkpoint's secret, so they match the checkpoint's (the
+            # same sequence as at construction). The draw made at construction read the data too: its ε stays.
             discarded_draw = self.budget.bound_epsilon
-            self._data_secret = saved.data_secret
-            self._partition_users(self.args)
-            self.train_dataset = self.partition.dataset
-            self.args.max_steps = self._requested_max_steps  # the plan sets it again
-            self.budget.replan(self._plan())
-            self.releases = ScalarReleases(self.privacy_plan, self.args.max_loss, self._seed, self.args.secure_noise)
+            self._partition_users(saved.data_secret)
+            self._plan_step()
         tracker = checkpoint.check_saved_run(saved, self.privacy_plan, self.args)
         self.budget.restore(saved.accountant)
         if discarded_draw:
@@ -344,7 +357,7 @@ class DPTrainerMixin(PrivacyReporting):
                                            discarded_draw)
             logger.warning("contribution_bound='auto' was drawn at construction, then replaced by the checkpoint's: "
                            "ε=%g more in the ledger (set args.resume_from_checkpoint to draw once).", discarded_draw)
-        self.quantile_tracker = tracker
+        self.dp_step.quantile_tracker = tracker
 
 
 class DPTrainer(DPTrainerMixin, Trainer):

@@ -95,6 +95,8 @@ DP_MECHANISMS = ("uls", "els", "example")
 
 # Evaluation figures, one name each in card arguments, card YAML, result JSON and the app.
 EVAL_KEYS = ("eval_result", "baseline_result", "non_private_result", "metric_name")
+# The accountant's state beside every card and in every checkpoint: `hf-dp publish` recomputes ε from it.
+LEDGER_FILE = "dp_ledger.json"
 # Evaluation metrics where lower is better (the rest: higher is better).
 LOWER_IS_BETTER = ("perplexity", "completion perplexity")
 

@@ -87,9 +87,9 @@ ADAPTIVE_REPORT = dict(
     ULS_REPORT,
     noise_multiplier=0.8141,  # σ_Δ: σ_eff = 0.80449 split with σ_b = 3.44 = 68.8/20 and r = 10
     logging_noise_multiplier=8.141,
-    max_grad_norm=0.02137,
+    max_grad_norm=1.0,
     adaptive_clipping=True,
-    initial_max_grad_norm=1.0,
+    final_max_grad_norm=0.02137,
     target_unclipped_quantile=0.5,
     clipping_learning_rate=0.2,
     clipping_count_noise=3.44,
@@ -191,7 +191,7 @@ def test_adaptive_card_states_that_c_was_chosen_privately():
     assert "σ_eff = (σ⁻² + (2σ_b)⁻² + σ_log⁻²)^(-1/2) = 0.8044" in text
     assert "as C is here: adaptive clipping" in text
     assert "and clipped count σ_log" not in text  # the adaptive count replaces the logged clipped count
-    fixed = render_privacy_card(dict(ULS_REPORT, adaptive_clipping=False, initial_max_grad_norm=None,
+    fixed = render_privacy_card(dict(ULS_REPORT, adaptive_clipping=False, final_max_grad_norm=None,
                                      target_unclipped_quantile=None, clipping_learning_rate=None,
                                      clipping_count_noise=None), base_model="m").text
     assert fixed == render_privacy_card(ULS_REPORT, base_model="m").text  # a fixed C reads as before
@@ -251,7 +251,7 @@ def test_numpy_values_become_plain_yaml(tmp_path):
         ({"sampling": "els", "mechanism": "els", "contribution_bound": None}, "ELS needs contribution_bound"),
         ({"epsilon": "7.98"}, "epsilon='7.98' must be a number, not str"),
         ({"steps": "300"}, "steps='300' must be a number"),
-        ({"adaptive_clipping": True}, r"adaptive_clipping=True but is missing \['initial_max_grad_norm'"),
+        ({"adaptive_clipping": True}, r"adaptive_clipping=True but is missing \['final_max_grad_norm'"),
         (dict(ADAPTIVE_REPORT, clipping_count_noise="3"), "clipping_count_noise='3' must be a number"),
     ],
 )

@@ -8,7 +8,7 @@ from datasets import Dataset
 
 from hf_dp import DPTrainingArguments
 from hf_dp.accounting import planner
-from hf_dp.contribution import bound_choice, bound_epsilon, canary_counts, contribution_bound, data_secret, partition
+from hf_dp.contribution import bound_choice, bound_epsilon, contribution_bound, counts_of, data_secret, partition
 from trainer_fixtures import make_args, user_dataset
 
 
@@ -79,6 +79,8 @@ def test_audit_canaries_are_trained_on_but_not_counted(tmp_path):
     rows = {"user_id": ["a", "a", "__hf_dp_canary_0__", "__hf_dp_canary_0__", "__hf_dp_canary_0__",
                         "__hf_dp_canary_17__", "b"], "text": list("abcdefg")}
     data = Dataset.from_dict(rows)
-    assert canary_counts(data, "user_id", None) == (2, 4)
-    assert canary_counts(data, "user_id", 2) == (2, 3)  # the rows the bound keeps
-    assert canary_counts(Dataset.from_dict({"user_id": ["a"], "text": ["x"]}), "user_id", 2) == (0, 0)
+    canaries = frozenset({"__hf_dp_canary_0__", "__hf_dp_canary_17__"})
+    assert counts_of(data, "user_id", None, canaries) == (2, 4)
+    assert counts_of(data, "user_id", 2, canaries) == (2, 3)  # the rows the bound keeps
+    assert counts_of(Dataset.from_dict({"user_id": ["a"], "text": ["x"]}), "user_id", 2, canaries) == (0, 0)
+    assert counts_of(data, "user_id", 2, frozenset()) == (0, 0)

@@ -186,3 +186,46 @@ def test_the_private_name_rule_catches(tmp_path, monkeypatch, source, expected):
     monkeypatch.setattr(sys.modules[__name__], "_tree", lambda _: ast.parse(source))
     found = _private_crossings(path)
     assert len(found) == 1 and expected in found[0] and "hf_dp/_probe_module.py:" in found[0], found
+
+
+# ---- 4. mechanisms are looked up, not compared ----------------------------------------------------------------------
+
+MECHANISM_KEYS = {"uls", "els", "example"}
+MECHANISM_HOMES = {"hf_dp.mechanisms", "hf_dp.vocabulary"}  # the registry, and the table of names and labels
+
+
+def _compares_a_mechanism_key(node, keys=MECHANISM_KEYS) -> bool:
+    """`x == "uls"`, `"els" != x`, `x in ("uls", "els")` and the like."""
+    if not isinstance(node, ast.Compare):
+        return False
+    operands = [node.left, *node.comparators]
+    for operand in operands:
+        values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        if any(isinstance(v, ast.Constant) and v.value in keys for v in values):
+            return True
+    return False
+
+
+def test_the_core_never_compares_a_mechanism_key():
+    """Every difference between ULS, ELS and example-level is a method of its `hf_dp.mechanisms` object."""
+    violations = [
+        _where(path, node.lineno) for module, path in MODULES.items()
+        if not _within(module, NON_CORE) and module not in MECHANISM_HOMES
+        for node in ast.walk(_tree(path)) if _compares_a_mechanism_key(node)
+    ]
+    assert not violations, _report(violations, "a mechanism key compared outside hf_dp.mechanisms")
+
+
+# The study's task names, and the app's (whose Train tab offers its own two): only the registry tells them apart.
+TASK_KEYS = {"sft", "causal_lm", "classification", "chat-sft", "causal-lm"}
+TASK_HOMES = {"hf_dp.workflows.tasks", "hf_dp.workflows.app.training"}  # the registry; the app's two Train-tab runs
+
+
+def test_the_study_never_compares_a_task_name():
+    """Every difference between the study's tasks is an entry of `hf_dp.workflows.tasks.TASK_REGISTRY`."""
+    violations = [
+        _where(path, node.lineno) for module, path in MODULES.items()
+        if _within(module, ("hf_dp.workflows",)) and module not in TASK_HOMES
+        for node in ast.walk(_tree(path)) if _compares_a_mechanism_key(node, TASK_KEYS)
+    ]
+    assert not violations, _report(violations, "a task name compared outside hf_dp.workflows.tasks")

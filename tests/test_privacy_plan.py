@@ -42,7 +42,7 @@ def test_each_mechanism_samples_its_units_and_protects_its_privacy_unit(tmp_path
     assert (plan.mechanism, plan.num_units, plan.num_privacy_units, plan.group_size) == \
         (mechanism, units, protected, group)
     assert plan.sample_rate == 10 / units and plan.expected_batch_size == pytest.approx(10)
-    assert plan.steps == args.max_steps == math.ceil(2.0 / plan.sample_rate)  # epochs of the sampled units
+    assert plan.steps == math.ceil(2.0 / plan.sample_rate) and args.max_steps == -1  # epochs; args untouched
     assert plan.delta == 1 / (10 * protected)
     assert plan.contribution_bound == 3
     # calibrated: the smallest σ_eff whose ε meets the target (within the calibration's tolerance)

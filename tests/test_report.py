@@ -34,7 +34,7 @@ def test_the_report_states_the_ledgers_epsilon_and_the_plan(tmp_path):
     assert (report["mechanism"], report["sampling"], report["privacy_unit"]) == ("uls", "uls", "user")
     assert report["mechanism_description"] == MECHANISMS["uls"].description
     assert report["max_grad_norm"] == 0.7 and report["adaptive_clipping"] is False
-    assert report["initial_max_grad_norm"] is None and report["clipping_count_noise"] is None
+    assert report["final_max_grad_norm"] is None and report["clipping_count_noise"] is None
     assert (report["num_users"], report["num_examples"]) == (1200, 57000)  # rounded: not covered by ε
     assert report["epsilon_group_privacy"] is None and report["contribution_bound_epsilon"] == 0
     assert report["contribution_bound_choice"].startswith("given")

@@ -1,19 +1,28 @@
-"""The noise algebra of private adaptive clipping (Andrew et al. 2021): pure math, no torch.
+"""The noise algebra of one DP step, σ ↔ σ_eff, in one place: pure math, no torch.
 
-Each adaptive-clipping step releases the clipped gradient sum (noise multiplier σ_Δ) and a centred count of
-unclipped units (sensitivity 1/2, noise std σ_b, so noise multiplier 2σ_b) on the same Poisson sample; together
-they are one Gaussian release with σ_eff = (σ_Δ⁻² + (2σ_b)⁻²)^(-1/2) (plus (r·σ_Δ)⁻² with private loss
-logging), which is what the accountant composes. [`gradient_noise_multiplier`] and [`effective_noise_multiplier`]
-convert between the two, [`default_count_noise`] is the paper's σ_b = m/20.
+A step releases the clipped gradient sum with noise multiplier σ (`noise_multiplier`) and, on the same Poisson
+sample, a few noised scalars. Scaled by their noise they form one Gaussian release whose noise multiplier σ_eff
+(`effective_noise_multiplier`) is what the accountant composes ([`StepReleases`]):
 
-Used by the planner (`hf-dp plan --adaptive_clipping`, which must not load torch) and by the trainer through
-[`hf_dp.clipping.adaptive`] (the quantile tracker, on tensors), which re-exports these names.
+    σ_eff⁻² = σ⁻²·(1 + k·r⁻²) + (2σ_b)⁻²
+
+- private logging (r = `logging_noise_ratio`): the clipped losses at r·σ and, with a fixed C, the clipped count at
+  r·σ (k = 2); with adaptive clipping the count release is replaced by the adaptive count (k = 1);
+- adaptive clipping (Andrew et al. 2021, Theorem 1): the centred count of unclipped units, sensitivity 1/2, noise
+  std σ_b, so noise multiplier 2σ_b; [`default_count_noise`] is the paper's σ_b = m/20.
+
+[`AdaptiveClipping`] is adaptive clipping's configuration (the quantile tracker that runs it, on tensors, is
+[`hf_dp.clipping.adaptive.QuantileTracker`]). Used by the privacy plan and by the planner (`hf-dp plan
+--adaptive_clipping`, which must not load torch).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 __all__ = [
+    "AdaptiveClipping",
+    "StepReleases",
     "COUNT_SENSITIVITY",
     "DEFAULT_COUNT_NOISE_FRACTION",
     "default_count_noise",
@@ -96,23 +105,21 @@ def gradient_noise_multiplier(effective_noise_multiplier: float, count_noise: fl
             what to change (more count noise, a larger expected batch size for the m/20 default, or a larger σ_eff,
             i.e. a larger target ε).
     """
-    sigma_eff = positive_finite("effective_noise_multiplier", effective_noise_multiplier)
     sigma_b = resolve_count_noise(count_noise, expected_batch_size)
-    ratio = _logging_ratio(logging_noise_ratio)
-    count_multiplier = sigma_b / COUNT_SENSITIVITY
-    remaining = sigma_eff ** -2 - count_multiplier ** -2  # the precision left for the gradient (and loss)
-    if not remaining > 0.0 or not math.isfinite(1.0 / remaining):
+    releases = StepReleases(logging_noise_ratio=_logging_ratio(logging_noise_ratio), count_noise=sigma_b)
+    try:
+        return releases.gradient_noise_multiplier(effective_noise_multiplier)
+    except ValueError:
         default = ("" if count_noise is not None
                    else f" (the default m/20 with expected_batch_size={expected_batch_size:g})")
+        sigma_eff = positive_finite("effective_noise_multiplier", effective_noise_multiplier)
         raise ValueError(
             f"count_noise σ_b={sigma_b:g}{default} gives the clipped-count release a noise multiplier "
-            f"2σ_b={count_multiplier:g}, not above the effective noise multiplier σ_eff={sigma_eff:g} that the whole "
-            f"step may spend: the count alone would exceed the budget and no gradient noise multiplier exists. "
-            f"Raise count_noise above {sigma_eff / 2:g} (a few times that keeps the gradient noise close to σ_eff), "
-            f"raise the expected batch size, or raise the target ε (a smaller σ_eff)."
-        )
-    gradient_precision = remaining / (1.0 + ratio ** -2) if ratio is not None else remaining
-    return 1.0 / math.sqrt(gradient_precision)
+            f"2σ_b={sigma_b / COUNT_SENSITIVITY:g}, not above the effective noise multiplier σ_eff={sigma_eff:g} that "
+            f"the whole step may spend: the count alone would exceed the budget and no gradient noise multiplier "
+            f"exists. Raise count_noise above {sigma_eff / 2:g} (a few times that keeps the gradient noise close to "
+            f"σ_eff), raise the expected batch size, or raise the target ε (a smaller σ_eff)."
+        ) from None
 
 
 def effective_noise_multiplier(noise_multiplier: float, count_noise: float | None = None,
@@ -127,10 +134,93 @@ def effective_noise_multiplier(noise_multiplier: float, count_noise: float | Non
     Raises:
         ValueError: an argument is not positive and finite (or `count_noise` and `expected_batch_size` are both None).
     """
-    sigma = positive_finite("noise_multiplier", noise_multiplier)
     sigma_b = resolve_count_noise(count_noise, expected_batch_size)
-    ratio = _logging_ratio(logging_noise_ratio)
-    precision = sigma ** -2 + (sigma_b / COUNT_SENSITIVITY) ** -2
-    if ratio is not None:
-        precision += (ratio * sigma) ** -2
-    return 1.0 / math.sqrt(precision)
+    releases = StepReleases(logging_noise_ratio=_logging_ratio(logging_noise_ratio), count_noise=sigma_b)
+    return releases.effective_noise_multiplier(positive_finite("noise_multiplier", noise_multiplier))
+
+
+@dataclass(frozen=True)
+class StepReleases:
+    """What one step releases beside the gradient sum, and so how σ and σ_eff relate (the module docstring).
+
+    Args:
+        logging_noise_ratio (`float`, *optional*): r of private logging; `None` when nothing is logged.
+        count_noise (`float`, *optional*): σ_b of adaptive clipping's count; `None` for a fixed C.
+    """
+
+    logging_noise_ratio: float | None = None
+    count_noise: float | None = None
+
+    def effective_noise_multiplier(self, noise_multiplier: float) -> float:
+        """σ_eff of a step whose gradient noise multiplier is σ = `noise_multiplier`."""
+        ratio, sigma = self.logging_noise_ratio, noise_multiplier
+        if self.count_noise is None:  # fixed C: the loss sum and the clipped count, each at r·σ
+            return sigma / math.sqrt(1.0 + 2.0 / ratio**2) if ratio else sigma
+        precision = sigma ** -2 + (self.count_noise / COUNT_SENSITIVITY) ** -2
+        if ratio is not None:  # adaptive C: the count replaces the clipped count; the loss sum at r·σ
+            precision += (ratio * sigma) ** -2
+        return 1.0 / math.sqrt(precision)
+
+    def gradient_noise_multiplier(self, effective_noise_multiplier: float) -> float:
+        """σ that leaves the step at σ_eff = `effective_noise_multiplier` (the inverse).
+
+        Raises:
+            ValueError: the scalars alone would spend the budget (2σ_b ≤ σ_eff): no σ exists.
+        """
+        ratio = self.logging_noise_ratio
+        effective = positive_finite("effective_noise_multiplier", effective_noise_multiplier)
+        if self.count_noise is None:
+            return effective * math.sqrt(1.0 + 2.0 / ratio**2) if ratio else effective
+        remaining = effective ** -2 - (self.count_noise / COUNT_SENSITIVITY) ** -2
+        if not remaining > 0.0 or not math.isfinite(1.0 / remaining):
+            raise ValueError(f"the step's released scalars alone spend more than σ_eff = {effective:g} allows: no "
+                             "gradient noise multiplier exists.")
+        return 1.0 / math.sqrt(remaining / (1.0 + ratio ** -2) if ratio is not None else remaining)
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """Configuration of private quantile-tracking clipping (Andrew et al. 2021); immutable.
+
+    Args:
+        target_quantile (`float`, defaults to 0.5): γ ∈ (0, 1), the quantile of the per-unit norms to clip at.
+            The paper's experiments clip at the median.
+        learning_rate (`float`, defaults to 0.2): η_C > 0 of the geometric update C ← C·exp(−η_C(b̃ − γ)); the paper's
+            value. log C moves by at most η_C·max(γ, 1 − γ) per step.
+        initial_norm (`float`, defaults to 0.1): C_0 > 0, the paper's initial clip; the geometric update recovers
+            from a C_0 that is orders of magnitude off in tens to hundreds of steps.
+        count_noise (`float`, *optional*): σ_b > 0, the std of the noise on the centred count in count units;
+            `None` for the paper's m/20 once the expected batch size m is known.
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    initial_norm: float = 0.1
+    count_noise: float | None = None
+
+    def __post_init__(self):
+        quantile = self.target_quantile
+        if not (isinstance(quantile, (int, float)) and 0.0 < quantile < 1.0):
+            raise ValueError(f"target_quantile must lie strictly between 0 and 1, got {quantile!r} "
+                             "(0.5 clips at the median norm).")
+        object.__setattr__(self, "target_quantile", float(quantile))
+        object.__setattr__(self, "learning_rate", positive_finite("learning_rate", self.learning_rate))
+        object.__setattr__(self, "initial_norm", positive_finite("initial_norm", self.initial_norm))
+        if self.count_noise is not None:
+            object.__setattr__(self, "count_noise", positive_finite("count_noise", self.count_noise))
+
+    def count_noise_for(self, expected_batch_size: float) -> float:
+        """σ_b for expected batch size m: `count_noise`, or m/20 when it is None."""
+        return resolve_count_noise(self.count_noise, expected_batch_size)
+
+    def gradient_noise_multiplier(self, effective_noise_multiplier: float, expected_batch_size: float,
+                                  logging_noise_ratio: float | None = None) -> float:
+        """[`gradient_noise_multiplier`] with this config's σ_b."""
+        return gradient_noise_multiplier(effective_noise_multiplier, self.count_noise_for(expected_batch_size),
+                                         expected_batch_size, logging_noise_ratio)
+
+    def effective_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float,
+                                   logging_noise_ratio: float | None = None) -> float:
+        """[`effective_noise_multiplier`] with this config's σ_b."""
+        return effective_noise_multiplier(noise_multiplier, self.count_noise_for(expected_batch_size),
+                                          expected_batch_size, logging_noise_ratio)

@@ -29,7 +29,10 @@ class PrivacyAccountant:
         >>> state = accountant.state_dict()  # JSON-safe, restore with load_state_dict
     """
 
-    STATE_FORMAT = 1
+    # Format 2 names each segment's multiplier `effective_noise_multiplier` (σ_eff: the one Gaussian a step composes,
+    # σ itself when the step releases nothing else), so a ledger never reads as the card's σ; format 1 is still read.
+    STATE_FORMAT = 2
+    _READ_FORMATS = {1: "noise_multiplier", 2: "effective_noise_multiplier"}
 
     def __init__(self) -> None:
         self._segments: list[list] = []  # [Kind, steps]
@@ -74,8 +77,10 @@ class PrivacyAccountant:
 
     @property
     def history(self) -> list[dict]:
-        """The segments, oldest first: dicts with sample_rate, noise_multiplier, group_size, steps."""
-        return [{**kind._asdict(), "steps": n} for kind, n in self._segments]
+        """The segments, oldest first: dicts with sample_rate, effective_noise_multiplier (the `noise_multiplier`
+        each `step` composed), group_size, steps."""
+        return [{"sample_rate": kind.sample_rate, "effective_noise_multiplier": kind.noise_multiplier,
+                 "group_size": kind.group_size, "steps": n} for kind, n in self._segments]
 
     @property
     def description(self) -> str:
@@ -137,7 +142,8 @@ class PrivacyAccountant:
             [tuple(s) for s in self._segments] + [(kind, steps)], check_delta(delta))[2]
 
     def state_dict(self) -> dict:
-        """JSON-safe state: {"format": 1, "segments": [{sample_rate, noise_multiplier, group_size, steps}]}."""
+        """JSON-safe state: {"format": 2, "segments": [{sample_rate, effective_noise_multiplier, group_size, steps}],
+        "pure_dp": [...]}."""
         return {"format": self.STATE_FORMAT, "segments": self.history, "pure_dp": self.pure_dp}
 
     def load_state_dict(self, state: dict) -> None:
@@ -146,17 +152,18 @@ class PrivacyAccountant:
         Raises:
             ValueError: the state is not a ledger written by this class.
         """
-        if not isinstance(state, dict) or state.get("format") != self.STATE_FORMAT \
-                or not isinstance(state.get("segments"), list) or not isinstance(state.get("pure_dp", []), list):
+        multiplier = self._READ_FORMATS.get(state.get("format")) if isinstance(state, dict) else None
+        if multiplier is None or not isinstance(state.get("segments"), list) \
+                or not isinstance(state.get("pure_dp", []), list):
             raise ValueError(f"Not a PrivacyAccountant state (expected {{'format': {self.STATE_FORMAT}, "
                              f"'segments': [...]}}), got {state!r:.200}.")
         segments = []
         for i, seg in enumerate(state["segments"]):
-            keys = {"sample_rate", "noise_multiplier", "group_size", "steps"}
+            keys = {"sample_rate", multiplier, "group_size", "steps"}
             if not isinstance(seg, dict) or set(seg) != keys:
                 raise ValueError(f"Ledger segment {i} must have exactly the keys {sorted(keys)}, got {seg!r:.200}.")
             try:
-                kind = make_kind(seg["sample_rate"], seg["noise_multiplier"], seg["group_size"])
+                kind = make_kind(seg["sample_rate"], seg[multiplier], seg["group_size"])
                 steps = check_steps(seg["steps"], minimum=1)
             except ValueError as error:
                 raise ValueError(f"Ledger segment {i} is invalid: {error}") from error

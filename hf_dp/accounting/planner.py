@@ -317,14 +317,24 @@ def private_contribution_bound(examples_per_user, *, sampling: str, epsilon: flo
         ...                            steps=100, target_epsilon=8.0)
         4
     """
-    if sampling not in ("uls", "els"):
-        raise ValueError(f"sampling={sampling!r}: use 'uls' or 'els'.")
-    counts = _counts(examples_per_user)
-    median = private_quantile(counts, epsilon=epsilon, rng=rng)
-    if sampling == "els" or expected_batch_size > counts.size:
+    from hf_dp.mechanisms import get_mechanism
+
+    mechanism = get_mechanism(sampling)
+    if not mechanism.protects_users:
+        raise ValueError(f"sampling={sampling!r}: use 'uls' or 'els' (example-level DP-SGD keeps every row).")
+    return mechanism.choose_contribution_bound(_counts(examples_per_user), epsilon=epsilon,
+                                               expected_batch_size=expected_batch_size, steps=steps,
+                                               target_epsilon=target_epsilon, delta=delta, rng=rng)
+
+
+def uls_bound_from_median(users: int, median: int, *, expected_batch_size: int, steps: int, target_epsilon: float,
+                          delta=None) -> int:
+    """ULS's G for `users` users of `median` rows each (a public or DP number): the noise-prediction heuristic for
+    this compute budget, or the median itself when the heuristic has no answer."""
+    if expected_batch_size > users:
         return median
     try:
-        return recommend_contribution_bound_uls(_Population.uniform(counts.size, median),
+        return recommend_contribution_bound_uls(_Population.uniform(users, median),
                                                 examples_per_step=expected_batch_size * median, steps=steps,
                                                 target_epsilon=target_epsilon, target_delta=delta)
     except ValueError:

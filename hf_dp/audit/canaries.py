@@ -14,6 +14,8 @@ assume. The coins are the audit's secret: `training_rows()` hands out rows witho
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import json
 from pathlib import Path
@@ -21,12 +23,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hf_dp.data import canary_user_id, is_canary_user  # the id convention lives in the core
 
 if TYPE_CHECKING:
     import datasets
 
 __all__ = ["Canaries", "insert", "is_canary_user", "make_canaries", "remove_canaries"]
+
+# Canary users train like any other user (they count in q and δ); the trainer leaves them out of the stated
+# numbers of users and examples because the audit names them (`DPTrainerMixin.uncounted_user_ids`).
+CANARY_USER_ID_FORMAT = "__hf_dp_canary_{index:0{width}d}__"
+_CANARY_USER_ID = re.compile(r"__hf_dp_canary_\d+__")
+
+
+def canary_user_id(index: int, width: int = 4) -> str:
+    """The id of canary user `index` ("__hf_dp_canary_0007__"), zero-padded to `width` digits."""
+    return CANARY_USER_ID_FORMAT.format(index=index, width=width)
+
+
+def is_canary_user(user_id) -> bool:
+    """Whether a user id is an audit canary's (so evaluation, counts and baselines can skip it)."""
+    return isinstance(user_id, str) and _CANARY_USER_ID.fullmatch(user_id) is not None
 
 _FORMAT = "hf_dp.audit.canaries/1"
 _MARKER = "hf-dp-canary-"

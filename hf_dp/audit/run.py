@@ -444,6 +444,8 @@ def audit_training(
     canary_rows = _scoring_rows((score_tokenize or prepare)(every_canary), canary_set)
 
     trainer = make_trainer(training_rows)
+    if hasattr(trainer, "uncounted_user_ids"):  # trained on, left out of the card's numbers of users and rows
+        trainer.uncounted_user_ids = frozenset(canary_set.user_ids)
     trainer_column = getattr(trainer.args, "user_id_column", user_id_column)
     if trainer_column != user_id_column:
         raise ValueError(f"the trainer groups users by {trainer_column!r} but the canaries are in {user_id_column!r}: "

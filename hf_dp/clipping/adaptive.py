@@ -52,7 +52,7 @@ from hf_dp.clipping.adaptive import AdaptiveClipping, centered_unclipped_count
 
 config = AdaptiveClipping(target_quantile=0.5)               # σ_b = m/20 by default
 sigma = config.gradient_noise_multiplier(sigma_eff, expected_batch_size=m, logging_noise_ratio=10.0)
-tracker = config.tracker(expected_batch_size=m)
+tracker = QuantileTracker.start(config, expected_batch_size=m)
 # per step: clip at tracker.norm, noise the gradient sum with sigma * tracker.norm, and
 count = centered_unclipped_count(norms, tracker.norm)        # on device, summed over micro-batches and ranks
 released = float(count) + noise_with_std(tracker.count_noise)  # noised once, after the all-reduce
@@ -63,18 +63,16 @@ tracker.update(released, m)                                  # C for the next st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from ..accounting.adaptive_noise import (
     COUNT_SENSITIVITY,
+    AdaptiveClipping,
     DEFAULT_COUNT_NOISE_FRACTION,
     default_count_noise,
     effective_noise_multiplier,
     gradient_noise_multiplier,
     positive_finite,
-    resolve_count_noise,
 )
 
 __all__ = [
@@ -126,59 +124,6 @@ def centered_unclipped_count(norms: torch.Tensor, max_grad_norm) -> torch.Tensor
     return unclipped - COUNT_SENSITIVITY * norms.shape[0]
 
 
-@dataclass(frozen=True)
-class AdaptiveClipping:
-    """Configuration of private quantile-tracking clipping (Andrew et al. 2021); immutable.
-
-    Args:
-        target_quantile (`float`, defaults to 0.5): γ ∈ (0, 1), the quantile of the per-unit norms to clip at.
-            The paper's experiments clip at the median.
-        learning_rate (`float`, defaults to 0.2): η_C > 0 of the geometric update C ← C·exp(−η_C(b̃ − γ)); the paper's
-            value. log C moves by at most η_C·max(γ, 1 − γ) per step.
-        initial_norm (`float`, defaults to 0.1): C_0 > 0, the paper's initial clip; the geometric update recovers
-            from a C_0 that is orders of magnitude off in tens to hundreds of steps.
-        count_noise (`float`, *optional*): σ_b > 0, the std of the noise on the centred count in count units;
-            `None` for the paper's m/20 once the expected batch size m is known.
-    """
-
-    target_quantile: float = 0.5
-    learning_rate: float = 0.2
-    initial_norm: float = 0.1
-    count_noise: float | None = None
-
-    def __post_init__(self):
-        quantile = self.target_quantile
-        if not (isinstance(quantile, (int, float)) and 0.0 < quantile < 1.0):
-            raise ValueError(f"target_quantile must lie strictly between 0 and 1, got {quantile!r} "
-                             "(0.5 clips at the median norm).")
-        object.__setattr__(self, "target_quantile", float(quantile))
-        object.__setattr__(self, "learning_rate", positive_finite("learning_rate", self.learning_rate))
-        object.__setattr__(self, "initial_norm", positive_finite("initial_norm", self.initial_norm))
-        if self.count_noise is not None:
-            object.__setattr__(self, "count_noise", positive_finite("count_noise", self.count_noise))
-
-    def count_noise_for(self, expected_batch_size: float) -> float:
-        """σ_b for expected batch size m: `count_noise`, or m/20 when it is None."""
-        return resolve_count_noise(self.count_noise, expected_batch_size)
-
-    def gradient_noise_multiplier(self, effective_noise_multiplier: float, expected_batch_size: float,
-                                  logging_noise_ratio: float | None = None) -> float:
-        """[`gradient_noise_multiplier`] with this config's σ_b."""
-        return gradient_noise_multiplier(effective_noise_multiplier, self.count_noise_for(expected_batch_size),
-                                         expected_batch_size, logging_noise_ratio)
-
-    def effective_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float,
-                                   logging_noise_ratio: float | None = None) -> float:
-        """[`effective_noise_multiplier`] with this config's σ_b."""
-        return effective_noise_multiplier(noise_multiplier, self.count_noise_for(expected_batch_size),
-                                          expected_batch_size, logging_noise_ratio)
-
-    def tracker(self, expected_batch_size: float) -> QuantileTracker:
-        """A fresh [`QuantileTracker`] at C_0 with σ_b resolved for expected batch size m."""
-        return QuantileTracker(target_quantile=self.target_quantile, learning_rate=self.learning_rate,
-                               count_noise=self.count_noise_for(expected_batch_size), norm=self.initial_norm)
-
-
 class QuantileTracker:
     """The running clipping norm C of private quantile tracking: the state a checkpoint must carry.
 
@@ -203,6 +148,12 @@ class QuantileTracker:
         self.steps = steps
         self._norm: float | torch.Tensor = positive_finite("norm", norm)
         self._read: tuple | None = None  # (device tensor, its float value): read back once per change
+
+    @classmethod
+    def start(cls, config: AdaptiveClipping, expected_batch_size: float) -> QuantileTracker:
+        """A fresh tracker at C_0 = `config.initial_norm`, σ_b resolved for expected batch size m."""
+        return cls(target_quantile=config.target_quantile, learning_rate=config.learning_rate,
+                   count_noise=config.count_noise_for(expected_batch_size), norm=config.initial_norm)
 
     @property
     def norm(self) -> float:

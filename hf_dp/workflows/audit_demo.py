@@ -103,10 +103,8 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 8.0, canaries
         training["noise_seed"] = noise_seed
     audit = dict(canaries=canaries, rows_per_canary=rows_per_canary, confidence=confidence, seed=canary_seed,
                  score=score, progress=progress)
-    if task == "sft":
-        done = _audit_sft(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
-    else:
-        done = _audit_classification(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
+    run_audit = {"sft": _audit_sft, "classification": _audit_classification}[task]  # TASKS, checked above
+    done = run_audit(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
     trainer, report, card = done["trainer"], done["report"], done["card"]
     model_dir = Path(trainer.args.output_dir)
     privacy = save_run(trainer, done["tokenizer"], model_dir, eval_result=done["eval_result"], card=card)

@@ -20,6 +20,7 @@ from hf_dp.workflows.runs import RunConfig, is_main_process, mechanism_of_argume
 
 __all__ = [
     "RESULT_KEYS",
+    "baseline_record",
     "load_result",
     "relative_path",
     "result_record",
@@ -120,6 +121,19 @@ def _jsonable(value):
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+def baseline_record(config: RunConfig, *, task: str, metric_name: str, eval_result: float, base_model: str,
+                    eval_seconds: float, description: str, config_extra: Mapping | None = None, **extra) -> dict:
+    """The result dict of a public-only baseline (keys [`RESULT_KEYS`]): no private data, so ε = δ = 0, no privacy
+    report and no model folder (the model is the base model itself); `description` says what the baseline is."""
+    return {
+        "run": config.run, "mechanism": "public-only", "target_epsilon": None, "epsilon": 0.0, "delta": 0.0,
+        "privacy": None, "metric_name": metric_name, "eval_result": float(eval_result),
+        "baseline_result": float(eval_result), "model_dir": None, "base_model": base_model, "task": task,
+        "train_seconds": 0.0, "eval_seconds": float(eval_seconds), **extra,
+        "config": {**run_config_record(config), **(config_extra or {}), "baseline": description},
+    }
 
 
 def result_record(config: RunConfig, *, training_args, privacy: dict | None, task: str, metric_name: str,

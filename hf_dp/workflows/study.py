@@ -80,11 +80,11 @@ from hf_dp.workflows.study_plan import (
     matching_examples_per_step,
     plan_runs,
     replicate_of,
-    run_config_class,
     seed_suffix,
 )
 from hf_dp.workflows.study_plot import gap_closed, is_adaptive, metric_value, plot_privacy_utility, plot_title
 from hf_dp.workflows.study_settings import DEFAULT_TASK, TASKS, check_task, study_settings
+from hf_dp.workflows.tasks import get_task
 
 # torch and transformers load only when a run starts: `hf-dp --help` stays fast.
 
@@ -217,7 +217,7 @@ class _TaskRunner:
     """Loads a task's data once per seed (the seed draws the test sample), and the embedded model's path once."""
 
     def __init__(self, task: str, settings: dict, results_dir: str, progress: bool):
-        self.task, self.settings, self.results_dir, self.progress = task, settings, results_dir, progress
+        self.task, self.settings, self.results_dir, self.progress = get_task(task), settings, results_dir, progress
         self.data: dict[int, object] = {}
         self.examples_per_step = None
         self.model_path = None
@@ -226,20 +226,14 @@ class _TaskRunner:
         if seed in self.data:
             return
         dp = self.settings["dp"]
-        template = run_config_class(self.task)(run="template", **{**self.settings["config"], "seed": seed})
-        if self.task in ("causal_lm", "sft") and self.model_path is None:
+        template = self.task.config()(run="template", **{**self.settings["config"], "seed": seed})
+        if self.task.generative and self.model_path is None:
             self.model_path = self.settings["config"].get("model_name_or_path")
             if self.model_path is None:
                 from hf_dp.workflows.pretrained import smollm2_path
 
                 self.model_path = str(smollm2_path())
-        if self.task == "sft":
-            from hf_dp.workflows.tasks.chat_sft import load_chat_data as load
-        elif self.task == "causal_lm":
-            from hf_dp.workflows.tasks.language_modeling import load_text_data as load
-        else:
-            from hf_dp.workflows.tasks.classification import load_classification_data as load
-        self.data[seed] = load(template)
+        self.data[seed] = self.task.load(template)
         if self.examples_per_step is None:
             self.examples_per_step = matching_examples_per_step(self.data[seed].train[template.user_id_column],
                                                                 dp["expected_batch_size"], dp["contribution_bound"])
@@ -252,42 +246,25 @@ class _TaskRunner:
             examples_per_step = next((r["config"].get("expected_batch_size") for r in results
                                       if MECHANISMS[r["mechanism"]].sampled_unit == "examples"), None)
         extra = {"examples_per_step_els_and_example": examples_per_step}
-        if self.task in ("causal_lm", "sft"):
+        if self.task.generative:
             extra["model_name_or_path"] = self.model_path or (results[0]["base_model"] if results else None)
         return extra
 
     def run(self, entry: StudyRun, *, baseline_result=None, non_private_result=None) -> dict:
         self._load(entry.seed)
         data, settings = self.data[entry.seed], self.settings
-        if self.task in ("causal_lm", "sft"):
+        if self.task.generative:
             settings = dict(settings, config=dict(settings["config"], model_name_or_path=self.model_path))
         config, training_args = configure_run(
             entry, settings, self.results_dir, examples_per_step=self.examples_per_step, progress=self.progress,
-            baseline_result=baseline_result, non_private_result=non_private_result, task=self.task)
-        if self.task == "sft":
-            from hf_dp.workflows.tasks.chat_sft import run_chat_baseline, run_chat_sft
-
-            if training_args is None:
-                return run_chat_baseline(config, data=data)
-            return run_chat_sft(config, training_args, data=data)
-        if self.task == "causal_lm":
-            from hf_dp.workflows.tasks.language_modeling import run_language_modeling, run_public_baseline
-
-            if training_args is None:
-                return run_public_baseline(config, data=data)
-            return run_language_modeling(config, training_args, data=data)
-        from hf_dp.workflows.tasks.classification import run_classification, run_zero_shot_baseline
-
-        if training_args is None:
-            return run_zero_shot_baseline(config, data)
-        return run_classification(config, training_args, data=data)
+            baseline_result=baseline_result, non_private_result=non_private_result, task=self.task.key)
+        return self.task.run(config, training_args, data=data)
 
 
 def _describe(entry: StudyRun, task: str = DEFAULT_TASK) -> str:
     label = MECHANISMS[entry.mechanism].label
     if entry.mechanism == "public-only":
-        what = "zero-shot embedding similarity" if task == "classification" else "the untouched model"
-        return f"{label} ({what}, no private data)"
+        return f"{label} ({get_task(task).baseline}, no private data)"
     if entry.target_epsilon is None:
         return label
     return f"{label} at ε = {entry.target_epsilon:g}" + (", adaptive clipping" if entry.adaptive else "")
@@ -310,7 +287,8 @@ def _row(result: dict, results: dict) -> dict:
         row["eval_nll"] = metric_value(result)
     row["adaptive_clipping"] = is_adaptive(result)
     # C the run clipped at (adaptive: where it ended, a post-processing of the noised counts)
-    row["max_grad_norm"] = (result.get("privacy") or {}).get("max_grad_norm")
+    privacy = result.get("privacy") or {}  # results written before `final_max_grad_norm` held the final C here
+    row["max_grad_norm"] = privacy.get("final_max_grad_norm") or privacy.get("max_grad_norm")
     suffix = seed_suffix(replicate_of(result["run"])[1])  # the same seed's baseline and non-private run
     row["gap_closed"] = gap_closed(result, results.get("baseline" + suffix), results.get("non-private" + suffix))
     return row

@@ -11,6 +11,7 @@ import dataclasses
 
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.study_settings import check_task
+from hf_dp.workflows.tasks import get_task
 
 __all__ = ["HEADLINE_RUNS", "StudyRun", "configure_run", "matching_examples_per_step", "plan_runs", "replicate_of",
            "run_config_class", "seed_suffix"]
@@ -64,22 +65,28 @@ def plan_runs(grid: bool, task: str = "sft", seeds: int = 1) -> list[StudyRun]:
     return runs
 
 
+def _fixed_and_adaptive(mechanisms, epsilons) -> list[StudyRun]:
+    """Each (mechanism, ε) with a fixed and with an adaptive clipping norm."""
+    return [StudyRun(f"{key}-eps{eps:g}" + ("-adaptive" if adaptive else ""), key, float(eps), adaptive)
+            for key in mechanisms for eps in epsilons for adaptive in (False, True)]
+
+
+def _adaptive(mechanism: str, epsilons) -> list[StudyRun]:
+    return [StudyRun(f"{mechanism}-eps{eps:g}-adaptive", mechanism, float(eps), True) for eps in epsilons]
+
+
+# Each task's runs after the baseline and the non-private run: (the default study, the grid).
+_ADAPTIVE_GRID = [*_adaptive("uls", [8]), StudyRun("uls-eps8", "uls", 8.0), *_adaptive("uls", [3, 1]),
+                  *_adaptive("els", [8, 3, 1])]
+STUDY_RUNS = {
+    "sft": (_adaptive("uls", [8]), _ADAPTIVE_GRID),
+    "causal_lm": (_fixed_and_adaptive(["uls"], [8]), _fixed_and_adaptive(["uls", "els"], [8, 3, 1])),
+    "classification": (_adaptive("uls", [8]), [*_ADAPTIVE_GRID, *_adaptive("example", [8])]),
+}
+
+
 def _plan_seed_zero(grid: bool, task: str) -> list[StudyRun]:
-    runs = [StudyRun("baseline", "public-only"), StudyRun("non-private", "non-private")]
-    if task == "causal_lm":
-        pairs = [("uls", 8.0)] if not grid else [(m, float(e)) for m in ("uls", "els") for e in (8, 3, 1)]
-        for key, eps in pairs:
-            runs += [StudyRun(f"{key}-eps{eps:g}", key, eps), StudyRun(f"{key}-eps{eps:g}-adaptive", key, eps, True)]
-        return runs
-    demo = StudyRun("uls-eps8-adaptive", "uls", 8.0, True)
-    if not grid:
-        return runs + [demo]
-    runs += [demo, StudyRun("uls-eps8", "uls", 8.0)]
-    runs += [StudyRun(f"uls-eps{eps}-adaptive", "uls", float(eps), True) for eps in (3, 1)]
-    runs += [StudyRun(f"els-eps{eps}-adaptive", "els", float(eps), True) for eps in (8, 3, 1)]
-    if task == "sft":
-        return runs
-    return runs + [StudyRun("example-eps8-adaptive", "example", 8.0, True)]
+    return [StudyRun("baseline", "public-only"), StudyRun("non-private", "non-private"), *STUDY_RUNS[task][grid]]
 
 
 def matching_examples_per_step(user_ids, users_per_step: int, contribution_bound: int) -> int:
@@ -125,18 +132,9 @@ def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples
 
 
 def run_config_class(task: str) -> type:
-    """The run config class of a task: `ChatSFTConfig`, `LanguageModelingConfig` or `ClassificationConfig`."""
-    if check_task(task) == "sft":
-        from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig
-
-        return ChatSFTConfig
-    if task == "causal_lm":
-        from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig
-
-        return LanguageModelingConfig
-    from hf_dp.workflows.tasks.classification import ClassificationConfig
-
-    return ClassificationConfig
+    """The run config class of a task ([`~hf_dp.workflows.tasks.get_task`]): `ChatSFTConfig`,
+    `LanguageModelingConfig` or `ClassificationConfig`."""
+    return get_task(check_task(task)).config()
 
 
 def _check_adaptive_fields(adaptive: dict) -> None:

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, lower_is_better
+from hf_dp.workflows.tasks import task_of_result
 
 __all__ = ["gap_closed", "is_adaptive", "metric_value", "plot_privacy_utility", "plot_title"]
 
@@ -48,9 +49,7 @@ def plot_title(results: list[dict], quick: bool) -> str:
         name = Path(str(results[0]["base_model"])).name
         if name.startswith("smollm2"):
             name = "SmolLM2-135M-Instruct"
-        what = ("replies in Shakespeare conversations" if results[0].get("task") == "chat-sft"
-                else "next token on Shakespeare speeches")
-        return f"{prefix}{name}: {what} ({users})"
+        return f"{prefix}{name}: {task_of_result(results[0]).learns} ({users})"
     users = f"{first['privacy']['num_users']} training roles" if first else "Shakespeare"
     return f"{prefix}all-MiniLM-L6-v2 on Shakespeare genres ({users})"
 
@@ -112,8 +111,7 @@ def plot_privacy_utility(results: list[dict], path, *, title: str = "") -> Path:
     delta = next((r["delta"] for r in results if r.get("privacy") and r["privacy"]["privacy_unit"] == "user"), None)
     ax.set_xlabel("ε spent (log scale)" + (f"; user-level δ = {delta:.2g}" if delta else ""))
     if perplexity:
-        tokens = "reply token" if results[0].get("task") == "chat-sft" else "token"
-        ax.set_ylabel(f"test NLL, nats per {tokens} (held-out plays; lower is better)")
+        ax.set_ylabel(f"test NLL, nats per {task_of_result(results[0]).scored_token} (held-out plays; lower is better)")
     else:
         ax.set_ylabel("test accuracy (held-out plays)" + ("; bars: ±1 s.e." if any(_standard_error(r) for r in results)
                                                            else ""))

@@ -69,6 +69,8 @@ same pipeline on a tiny subset of the roles with SmolLM2 itself (a few minutes; 
 
 from __future__ import annotations
 
+from hf_dp.workflows.tasks import TASK_REGISTRY
+
 __all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEFAULT_TASK", "DEMO_SETTINGS", "QUICK_SETTINGS",
            "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TASKS", "TUNING_EVAL_PLAYS", "TUNING_PLAYS",
            "TUNING_TRAIN_PLAYS", "check_task", "study_settings"]
@@ -238,7 +240,7 @@ SFT_QUICK_SETTINGS = dict(
     non_private=dict(SFT_SETTINGS["non_private"], per_device_train_batch_size=4, max_steps=2),
 )
 
-TASKS = ("sft", "causal_lm", "classification")
+TASKS = tuple(TASK_REGISTRY)  # ("sft", "causal_lm", "classification")
 DEFAULT_TASK = "sft"
 _SETTINGS = {("classification", False): DEMO_SETTINGS, ("classification", True): QUICK_SETTINGS,
              ("causal_lm", False): CAUSAL_LM_SETTINGS, ("causal_lm", True): CAUSAL_LM_QUICK_SETTINGS,

@@ -28,9 +28,9 @@ def test_ledger_merges_segments_and_composes_them():
     ledger.step(sample_rate=0.02, noise_multiplier=1.2, group_size=4, steps=30)
     assert ledger.steps == 180
     assert ledger.history == [
-        {"sample_rate": 0.02, "noise_multiplier": 1.2, "group_size": 1, "steps": 100},
-        {"sample_rate": 0.05, "noise_multiplier": 2.0, "group_size": 1, "steps": 50},
-        {"sample_rate": 0.02, "noise_multiplier": 1.2, "group_size": 4, "steps": 30},
+        {"sample_rate": 0.02, "effective_noise_multiplier": 1.2, "group_size": 1, "steps": 100},
+        {"sample_rate": 0.05, "effective_noise_multiplier": 2.0, "group_size": 1, "steps": 50},
+        {"sample_rate": 0.02, "effective_noise_multiplier": 1.2, "group_size": 4, "steps": 30},
     ]
     assert "mixture of Gaussians" in ledger.description and "180 steps" in ledger.description
     reference = reference_epsilon([(0.02, 1.2, 1, 100), (0.05, 2.0, 1, 50), (0.02, 1.2, 4, 30)])
@@ -50,9 +50,22 @@ def test_ledger_state_dict_round_trips_through_json():
     assert restored.history[-1]["steps"] == 8  # resumes merging into the last segment
 
 
+def test_a_ledger_of_the_first_format_is_still_read():
+    """Format 1 named σ_eff `noise_multiplier`, the card's name for σ: format 2 says `effective_noise_multiplier`."""
+    ledger = PrivacyAccountant()
+    ledger.step(sample_rate=0.02, noise_multiplier=1.2, steps=40)
+    state = ledger.state_dict()
+    assert state["format"] == 2 and "noise_multiplier" not in state["segments"][0]
+    old = {"format": 1, "segments": [{"sample_rate": 0.02, "noise_multiplier": 1.2, "group_size": 1, "steps": 40}]}
+    restored = PrivacyAccountant()
+    restored.load_state_dict(old)
+    assert restored.history == ledger.history and restored.epsilon(DELTA) == ledger.epsilon(DELTA)
+
+
 @pytest.mark.parametrize("state, match", [
     ({"segments": []}, "format"),
-    ({"format": 2, "segments": []}, "format"),
+    ({"format": 3, "segments": []}, "format"),
+    ({"format": 2, "segments": [{"sample_rate": 0.1, "noise_multiplier": 1.0, "group_size": 1, "steps": 3}]}, "keys"),
     ({"format": 1, "segments": [{"sample_rate": 0.1}]}, "keys"),
     ({"format": 1, "segments": [{"sample_rate": 1.5, "noise_multiplier": 1.0, "group_size": 1, "steps": 3}]},
      "sample_rate"),

@@ -72,7 +72,7 @@ def simulate(tracker: QuantileTracker, steps: int, seed: int, shift_at: int | No
 def test_tracks_the_target_quantile_from_far_away(gamma, start_factor, seed):
     target = true_quantile(gamma)
     config = AdaptiveClipping(target_quantile=gamma, learning_rate=0.2, initial_norm=start_factor * target)
-    tracker = config.tracker(EXPECTED)
+    tracker = QuantileTracker.start(config, EXPECTED)
     assert tracker.count_noise == pytest.approx(EXPECTED / 20)  # the paper's default σ_b = m/20
     history = simulate(tracker, steps=600, seed=seed)
     log_error = np.log(history / target)
@@ -98,7 +98,8 @@ def test_tracks_the_target_quantile_from_far_away(gamma, start_factor, seed):
 def test_follows_a_shift_in_the_norm_distribution(seed, shift_factor):
     """Gradients shrink (or grow) tenfold mid-run, as they do over fine-tuning: C follows within ~50 steps."""
     config = AdaptiveClipping(target_quantile=0.5, initial_norm=1.0)
-    history = simulate(config.tracker(EXPECTED), steps=800, seed=seed, shift_at=400, shift_factor=shift_factor)
+    history = simulate(QuantileTracker.start(config, EXPECTED), steps=800, seed=seed, shift_at=400,
+                       shift_factor=shift_factor)
     before = np.log(history[:400] / true_quantile(0.5))
     after = np.log(history[400:] / true_quantile(0.5, LOG_MEDIAN + math.log(shift_factor)))
     assert abs(math.expm1(before[-150:].mean())) < 0.10
@@ -143,7 +144,7 @@ def test_centered_unclipped_count():
 
 
 def test_update_is_the_geometric_step_and_state_round_trips():
-    tracker = AdaptiveClipping(target_quantile=0.9, learning_rate=0.2, initial_norm=2.0).tracker(100)
+    tracker = QuantileTracker.start(AdaptiveClipping(target_quantile=0.9, learning_rate=0.2, initial_norm=2.0), 100)
     assert tracker.count_noise == 5.0
     # b̃ = R/m + 1/2 = 0.7 → C·exp(−0.2·(0.7 − 0.9)).
     assert tracker.update(20.0, 100) == pytest.approx(2.0 * math.exp(0.04))
@@ -335,7 +336,7 @@ def test_split_validation():
 
 
 def test_tracker_validation():
-    tracker = AdaptiveClipping().tracker(64)
+    tracker = QuantileTracker.start(AdaptiveClipping(), 64)
     with pytest.raises(ValueError, match="finite"):
         tracker.update(float("nan"), 64)
     with pytest.raises(ValueError, match="expected_batch_size"):

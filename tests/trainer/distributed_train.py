@@ -29,7 +29,7 @@ def main(out_path: str, sampling: str = "uls") -> None:
         state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
         torch.save({"state": state, "world_size": trainer.accelerator.num_processes,
                     "epsilon": trainer.privacy_report()["epsilon"],
-                    "max_grad_norm": trainer.privacy_report()["max_grad_norm"]}, out_path)
+                    "max_grad_norm": trainer.clipping_norm}, out_path)
     finish_processes()
 
 

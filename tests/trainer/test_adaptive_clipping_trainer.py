@@ -118,7 +118,7 @@ def test_the_clipping_norm_tracks_the_target_quantile_of_the_unit_norms(tmp_path
     # median 0.399, and 0.817 against the 0.8-quantile 0.797; within 3.1 % in all three cases).
     settled = math.exp(np.mean(np.log(history[-10:])))
     assert settled == pytest.approx(target, rel=0.15)
-    assert trainer.privacy_report()["max_grad_norm"] == history[-1] == trainer.clipping_norm
+    assert trainer.privacy_report()["final_max_grad_norm"] == history[-1] == trainer.clipping_norm
 
     # Every step clipped and noised at that step's C: C_0, then the C the previous step's count produced.
     clip_norms = [initial, *history[:-1]]
@@ -143,7 +143,7 @@ def test_logs_hold_the_tracked_norm_and_the_clipped_fraction_of_the_count(tmp_pa
     assert len(logged) == 3
     for entry, (values, stds, noised), c in zip(logged, recorder.releases, recorder.updates):
         count, loss_sum = noised  # the adaptive count first, then the logged loss
-        assert entry["dp/max_grad_norm"] == pytest.approx(c, rel=1e-6)  # C after the step's update
+        assert entry["dp/clipping_norm"] == pytest.approx(c, rel=1e-6)  # C after the step's update
         assert entry["dp/clipped_fraction"] == pytest.approx(0.5 - count / 16, rel=1e-6)
         assert entry["loss"] == pytest.approx(loss_sum / 16, rel=1e-5)
         assert len(values) == 2  # no second (clipped-count) release: the adaptive count replaces it
@@ -172,7 +172,7 @@ def test_ledger_epsilon_is_the_effective_gaussian_and_matches_dp_accounting(tmp_
     assert plan.effective_noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
     trainer.train()
     (segment,) = trainer.accountant.history
-    assert segment["noise_multiplier"] == pytest.approx(sigma_eff, rel=1e-12) and segment["steps"] == 6
+    assert segment["effective_noise_multiplier"] == pytest.approx(sigma_eff, rel=1e-12) and segment["steps"] == 6
     report = trainer.privacy_report()
     ours = accounting.epsilon(sample_rate=plan.sample_rate, noise_multiplier=sigma_eff, steps=6, delta=plan.delta)
     assert report["epsilon"] == pytest.approx(ours, rel=1e-9) and report["epsilon"] <= target
@@ -247,7 +247,7 @@ def test_resume_restores_the_tracked_norm(tmp_path, adaptive_runs):
     assert resumed.quantile_tracker.steps == resumed.accountant.steps == 4
     assert resumed.clipping_norm == straight.clipping_norm  # not restarted from max_grad_norm
     report = resumed.privacy_report()
-    assert (report["initial_max_grad_norm"], report["max_grad_norm"]) == (0.05, straight.clipping_norm)
+    assert (report["max_grad_norm"], report["final_max_grad_norm"]) == (0.05, straight.clipping_norm)
     assert report["epsilon"] == pytest.approx(straight.privacy_report()["epsilon"], rel=1e-9)
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         torch.testing.assert_close(a, b, msg=f"{name} differs after resume")
@@ -306,20 +306,20 @@ def test_report_and_card_state_how_the_clipping_norm_was_chosen(tmp_path, adapti
     report = straight.privacy_report()
     assert report["adaptive_clipping"] is True
     assert (report["target_unclipped_quantile"], report["clipping_learning_rate"], report["clipping_count_noise"],
-            report["initial_max_grad_norm"]) == (0.5, 0.2, 0.8, 0.05)
-    assert report["max_grad_norm"] == straight.clipping_norm != 0.05
+            report["max_grad_norm"]) == (0.5, 0.2, 0.8, 0.05)
+    assert report["final_max_grad_norm"] == straight.clipping_norm != 0.05
 
     out = tmp_path / "card"
     straight.write_privacy_card(str(out))
     text = (out / "README.md").read_text(encoding="utf-8")
-    final = f"{report['max_grad_norm']:.4g}"
+    final = f"{report['final_max_grad_norm']:.4g}"
     assert "chosen privately during training by adaptive\nclipping (Andrew, Thakkar, McMahan and Ramaswamy 2021)" \
         in text
     assert f"from C = 0.05 at the first step to C = {final} after the last" in text
     assert "the noised counts are covered by ε" in text
-    assert f"| Clipping norm C after the last step, chosen privately by adaptive clipping (`max_grad_norm`) | " \
+    assert f"| Clipping norm C after the last step, chosen privately by adaptive clipping (`final_max_grad_norm`) | " \
            f"{final} |" in text
-    for row in ("| Initial clipping norm C₀ (`initial_max_grad_norm`) | 0.05 |",
+    for row in ("| Initial clipping norm C₀ (`max_grad_norm`) | 0.05 |",
                 "| Target unclipped quantile γ (`target_unclipped_quantile`) | 0.5 |",
                 "| Clipping learning rate η_C (`clipping_learning_rate`) | 0.2 |",
                 "| Noise std of the unclipped count σ_b (`clipping_count_noise`) | 0.8 |",
@@ -331,14 +331,14 @@ def test_report_and_card_state_how_the_clipping_norm_was_chosen(tmp_path, adapti
     assert "σ_eff = (σ⁻² + (2σ_b)⁻² + σ_log⁻²)^(-1/2)" in covered
     assert "| Clipping norm C (`max_grad_norm`) |" not in text
     privacy = metadata_load(out / "README.md")["privacy"]
-    assert privacy["adaptive_clipping"] is True and privacy["max_grad_norm"] == report["max_grad_norm"]
+    assert privacy["adaptive_clipping"] is True and privacy["final_max_grad_norm"] == report["final_max_grad_norm"]
     assert check_privacy_card(out)["epsilon"] == pytest.approx(report["epsilon"])  # publish accepts it
 
 
 def test_a_fixed_norm_report_says_so(tmp_path):
     report = make_trainer(tmp_path, max_steps=1).privacy_report()
     assert report["adaptive_clipping"] is False and report["max_grad_norm"] == 1.0
-    assert all(report[key] is None for key in ("initial_max_grad_norm", "target_unclipped_quantile",
+    assert all(report[key] is None for key in ("final_max_grad_norm", "target_unclipped_quantile",
                                                "clipping_learning_rate", "clipping_count_noise"))
 
 
@@ -357,10 +357,10 @@ def test_without_private_logging_the_count_is_still_released_and_accounted(tmp_p
     assert [stds for _, stds, _ in recorder.releases] == [[0.8]] * 3  # the count alone, every step
     assert len(recorder.updates) == 3 and trainer.clipping_norm != 0.05
     (segment,) = trainer.accountant.history
-    assert segment["noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier, rel=1e-12)
+    assert segment["effective_noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier, rel=1e-12)
     keys = set().union(*(entry.keys() for entry in trainer.state.log_history))
     assert not keys & {"loss", "train_loss"}
-    assert {"dp/clipped_fraction", "dp/max_grad_norm", "dp/epsilon"} <= keys  # post-processing of the count
+    assert {"dp/clipped_fraction", "dp/clipping_norm", "dp/epsilon"} <= keys  # post-processing of the count
     text = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")
     assert "computed from the noised counts of unclipped units only" in text and "(`private_logging=False`)" in text
     assert "σ_eff = (σ⁻² + (2σ_b)⁻²)^(-1/2)" in text
@@ -387,13 +387,13 @@ def test_els_and_example_level_count_examples(tmp_path, monkeypatch, overrides, 
         assert len(norms) == sampled
         assert values[0] == float((norms <= c).sum()) - len(norms) / 2
     (segment,) = trainer.accountant.history
-    assert segment["noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier, rel=1e-12)
+    assert segment["effective_noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier, rel=1e-12)
     assert segment["group_size"] == plan.group_size
     report = trainer.privacy_report()
     assert report["epsilon_training"] == pytest.approx(accounting.epsilon(
         sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=3, delta=plan.delta,
         group_size=plan.group_size), rel=1e-6)
-    assert report["adaptive_clipping"] is True and report["max_grad_norm"] == trainer.clipping_norm
+    assert report["adaptive_clipping"] is True and report["final_max_grad_norm"] == trainer.clipping_norm
     text = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")
     assert "quantile of the per-example gradient norms" in text
 

@@ -126,7 +126,7 @@ def test_the_accountant_composes_gradient_loss_and_count_as_one_gaussian(tmp_pat
     assert plan.effective_noise_multiplier == pytest.approx(calibrated, rel=1e-12)
     trainer.train()
     (segment,) = trainer.accountant.history
-    assert segment["noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier, rel=1e-12)
+    assert segment["effective_noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier, rel=1e-12)
     report = trainer.privacy_report()
     assert report["epsilon"] == pytest.approx(accounting.epsilon(
         sample_rate=plan.sample_rate, noise_multiplier=effective, steps=3, delta=plan.delta, group_size=group_size),

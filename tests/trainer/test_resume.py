@@ -172,7 +172,7 @@ def _set_steps(ledger, steps):
 
 
 def _set_sigma(ledger):
-    ledger["accountant"]["segments"][0]["noise_multiplier"] *= 2
+    ledger["accountant"]["segments"][0]["effective_noise_multiplier"] *= 2
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_plot_privacy_utility_writes_a_png(tmp_path):
 def test_completed_runs_are_skipped(tmp_path):
     """A resumed study trains nothing when every JSON exists, and rebuilds summary and plot from them."""
     adaptive = dict(_fake("uls-eps8-adaptive", "uls", 0.5, 7.9, 8.0), config={"adaptive_clipping": True})
-    adaptive["privacy"]["max_grad_norm"] = 12.5
+    adaptive["privacy"]["final_max_grad_norm"] = 12.5
     runs = [_fake("baseline", "public-only", 0.44, 0.0), _fake("non-private", "non-private", 0.55), adaptive]
     for result in runs:
         save_result(result, tmp_path)
@@ -392,7 +392,7 @@ def test_quick_causal_lm_demo_on_smollm2(tmp_path):
         assert math.isfinite(result["eval_nll"]) and result["num_eval_examples"] == 16
     adaptive = load_result(tmp_path / "uls-eps8-adaptive.json")
     assert adaptive["privacy"]["adaptive_clipping"] is True and adaptive["config"]["adaptive_clipping"] is True
-    assert adaptive["privacy"]["initial_max_grad_norm"] == study_settings.CAUSAL_LM_SETTINGS["dp"]["max_grad_norm"]
+    assert adaptive["privacy"]["max_grad_norm"] == study_settings.CAUSAL_LM_SETTINGS["dp"]["max_grad_norm"]
     assert not load_result(tmp_path / "uls-eps8.json")["privacy"]["adaptive_clipping"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [row["run"] for row in summary["table"]] == runs and summary["quick"] is True

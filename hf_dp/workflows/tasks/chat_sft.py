@@ -56,7 +56,7 @@ from hf_dp.workflows.run_data import (
     subsample_users,
     without_plays,
 )
-from hf_dp.workflows.run_results import result_record, run_config_record, save_result
+from hf_dp.workflows.run_results import baseline_record, result_record, save_result
 from hf_dp.workflows.runs import RunConfig, check_user_id_column, mechanism_of_arguments, save_run
 from hf_dp.workflows.tasks.language_modeling import CausalLMCollator, TextData, perplexity
 
@@ -335,16 +335,11 @@ def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data
     start = time.perf_counter()
     metric = completion_perplexity(model, test, pad_token_id=tokenizer.pad_token_id,
                                    batch_size=config.eval_batch_size, progress=config.progress)
-    result = {
-        "run": config.run, "mechanism": "public-only", "target_epsilon": None, "epsilon": 0.0, "delta": 0.0,
-        "privacy": None, "metric_name": METRIC_NAME, "eval_result": metric, "baseline_result": metric,
-        "model_dir": None,
-        "base_model": base_model,
-        "task": TASK, "train_seconds": 0.0, "eval_seconds": time.perf_counter() - start,
-        "eval_nll": math.log(metric), "baseline_nll": math.log(metric), "num_eval_examples": len(test),
-        "num_eval_tokens": completion_tokens(test),
-        "config": {**run_config_record(config), "baseline": "the untouched chat model (no private data)"},
-    }
+    result = baseline_record(
+        config, task=TASK, metric_name=METRIC_NAME, eval_result=metric, base_model=base_model,
+        eval_seconds=time.perf_counter() - start, description="the untouched chat model (no private data)",
+        eval_nll=math.log(metric), baseline_nll=math.log(metric), num_eval_examples=len(test),
+        num_eval_tokens=completion_tokens(test))
     save_result(result, config.results_dir)
     return result
 

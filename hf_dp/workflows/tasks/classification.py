@@ -80,7 +80,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_training_users
-from hf_dp.workflows.run_results import result_record, run_config_record, save_result
+from hf_dp.workflows.run_results import baseline_record, result_record, save_result
 from hf_dp.workflows.runs import RunConfig, check_user_id_column, fit, mechanism_of_arguments, save_run
 from hf_dp.workflows.tasks.classifier_models import (
     DEFAULT_BASE_MODEL,
@@ -301,26 +301,12 @@ def run_zero_shot_baseline(config: ClassificationConfig, data: ClassificationDat
                                  progress=config.progress)
     metric = accuracy(predictions, data.test["labels"])
     eval_seconds = time.perf_counter() - start
-    result = {
-        "run": config.run,
-        "mechanism": "public-only",
-        "target_epsilon": None,
-        "epsilon": 0.0,
-        "delta": 0.0,
-        "privacy": None,
-        "metric_name": "accuracy",
-        "eval_result": metric,
-        "baseline_result": metric,
-        "model_dir": None,
-        "base_model": _base_model_name(config.model_name_or_path),
-        "task": "classification",
-        "train_seconds": 0.0,
-        "eval_seconds": eval_seconds,
-        "label_names": list(data.label_names),
-        "num_eval_examples": len(data.test),
-        "config": {**run_config_record(config), "label_descriptions": descriptions,
-                   "baseline": "zero-shot: cosine similarity of mean-pooled embeddings to label descriptions"},
-    }
+    result = baseline_record(
+        config, task="classification", metric_name="accuracy", eval_result=metric,
+        base_model=_base_model_name(config.model_name_or_path), eval_seconds=eval_seconds,
+        description="zero-shot: cosine similarity of mean-pooled embeddings to label descriptions",
+        config_extra={"label_descriptions": descriptions}, label_names=list(data.label_names),
+        num_eval_examples=len(data.test))
     save_result(result, config.results_dir)
     return result
 

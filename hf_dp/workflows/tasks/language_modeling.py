@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dp.workflows.run_data import load_splits, subsample_rows, subsample_training_users
-from hf_dp.workflows.run_results import result_record, run_config_record, save_result
+from hf_dp.workflows.run_results import baseline_record, result_record, save_result
 from hf_dp.workflows.runs import RunConfig, check_user_id_column, fit, mechanism_of_arguments, save_run
 
 __all__ = [
@@ -269,27 +269,11 @@ def run_public_baseline(config: LanguageModelingConfig, *, model=None, tokenizer
     metric = perplexity(model, test, CausalLMCollator(tokenizer.pad_token_id), batch_size=config.eval_batch_size,
                         progress=config.progress)
     eval_seconds = time.perf_counter() - start
-    result = {
-        "run": config.run,
-        "mechanism": "public-only",
-        "target_epsilon": None,
-        "epsilon": 0.0,
-        "delta": 0.0,
-        "privacy": None,
-        "metric_name": "perplexity",
-        "eval_result": metric,
-        "baseline_result": metric,
-        "model_dir": None,
-        "base_model": config.model_name_or_path or _model_name(model),
-        "task": "causal-lm",
-        "train_seconds": 0.0,
-        "eval_seconds": eval_seconds,
-        "eval_nll": math.log(metric),
-        "baseline_nll": math.log(metric),
-        "num_eval_examples": len(test),
-        "num_eval_tokens": _target_tokens(test),
-        "config": {**run_config_record(config), "baseline": "the untouched pretrained model (no private data)"},
-    }
+    result = baseline_record(
+        config, task="causal-lm", metric_name="perplexity", eval_result=metric,
+        base_model=config.model_name_or_path or _model_name(model), eval_seconds=eval_seconds,
+        description="the untouched pretrained model (no private data)", eval_nll=math.log(metric),
+        baseline_nll=math.log(metric), num_eval_examples=len(test), num_eval_tokens=_target_tokens(test))
     save_result(result, config.results_dir)
     return result
 
