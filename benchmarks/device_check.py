@@ -577,6 +577,14 @@ def main(argv=None) -> dict:
             traceback.print_exc()
             exactness = {"error": f"{type(error).__name__}: {error}"}
         report["exactness"][config_name] = exactness
+    try:  # the noise path's cost and, on CUDA, its law over 2e9 device draws (benchmarks/noise_check.py)
+        sys.path.insert(0, str(Path(__file__).parent))
+        import noise_check
+
+        report["noise"] = noise_check.run(args.device, quick=args.quick, draws=10**7 if args.quick else 2 * 10**9)
+    except Exception as error:  # noqa: BLE001 - the timing below is still worth having
+        traceback.print_exc()
+        report["noise"] = {"error": f"{type(error).__name__}: {error}"}
     report["profiler_priming_error"] = prime_profiler(cuda)
     with tempfile.TemporaryDirectory() as output_dir:
         for config_name in args.configs:

@@ -16,7 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 FSDP2_CONFIG = "recipes/configs/fsdp.yaml"
@@ -68,6 +68,14 @@ def check_resume(trainer, resume_from_checkpoint) -> None:
     if resume_from_checkpoint and getattr(trainer, "is_fsdp_enabled", False):
         raise ValueError("resume_from_checkpoint under FSDP2: resuming sharded DP runs (model, optimizer and privacy "
                          "ledger) is not supported yet; train without sharding to checkpoint and resume.")
+
+
+def reshard(model) -> None:
+    """Free the whole parameters a forward pass outside training left gathered (FSDP2 keeps the root's after its
+    forward), so the parameters seen by name are the shards again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def check_sharded(params) -> None:

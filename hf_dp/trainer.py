@@ -207,17 +207,18 @@ class DPTrainerMixin(PrivacyReporting):
         host: the released sums are read only when a log line needs them.
         """
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        names = self._parameter_names(params)  # before any forward: FSDP2 swaps in whole parameters while one runs
         if self.is_fsdp_enabled and not self._sharded_clipping:  # accelerate has sharded the model by now
-            sharding.check_sharded(params)  # (before any forward: FSDP2 swaps in whole parameters while one runs)
+            sharding.check_sharded(params)
             self.clipper.shard(sharding.add_to_shard)
             self._sharded_clipping = True
         if self._probe is not None:  # the first step: the model as it trains, with every hook Trainer.train attached
             check_batch_independence(model, self._probe)
             self._probe = None
+            sharding.reshard(model)  # the probe's forward left the root's parameters whole
         model.train()
         keep_state = self._keep_state_before_step if self.args.enable_jit_checkpoint else None
-        loss, keep_going = self.dp_step.run(model, params, self._parameter_names(params), inputs,
-                                            before_record=keep_state)
+        loss, keep_going = self.dp_step.run(model, params, names, inputs, before_record=keep_state)
         if not keep_going:
             self.control.should_training_stop = True
         return loss
