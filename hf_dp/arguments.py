@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import cached_property
 
 from transformers import TrainingArguments
 
@@ -52,6 +54,11 @@ class DPTrainingArguments(TrainingArguments):
             units sampled on this rank, times G rows per user for ULS), so a step is one pass in all but about one
             step in a thousand. A sample larger than it is split into the fewest passes of balanced size, a user
             never across two. No effect on ε.
+        ddp_timeout (`int`, *optional*, defaults to `600`):
+            Seconds a rank waits in a collective (all-reduce, reduce-scatter, a checkpoint's gather) before it
+            fails: Trainer's default is 1800. With several ranks, one that stalls or dies stops the others within
+            this time; the run then resumes from its newest complete checkpoint. Raise it when a step or a save
+            legitimately keeps one rank busy longer (slow storage).
         contribution_bound (`int` or `"auto"`, *optional*, defaults to `"auto"`):
             G, the most rows one user may contribute (a random subset is kept, drawn per user from a secret and
             the user id only). `"auto"`: chosen with ε-DP from a public grid (1, 2, 3, 4, 6, 8, 12, ..., 256):
@@ -176,6 +183,11 @@ class DPTrainingArguments(TrainingArguments):
                           "so a step is one pass in all but ~1 step in 1000; a larger sample is split in balanced "
                           "passes."},
     )
+    ddp_timeout: int = field(
+        default=600,
+        metadata={"help": "Seconds a rank waits in a collective before failing (Trainer's default: 1800): a stalled or "
+                          "dead rank stops the others within this time."},
+    )
     contribution_bound: str | None = field(
         default="auto",
         metadata={"help": "G, the most rows kept per user: an integer, or 'auto' (an ε-DP median of the rows per user "
@@ -245,6 +257,20 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(_message([_TORCH_COMPILE]))
         super().__post_init__()
         self.validate_privacy_fields()
+
+    @cached_property
+    def _setup_devices(self):
+        """Trainer's device setup, with `ddp_timeout` also for CPU processes (transformers passes it on GPUs only):
+        the process group is made first, with the timeout, and Trainer's setup then finds it made."""
+        import os
+
+        if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+            from accelerate import PartialState
+
+            if not dist.is_initialized():
+                PartialState(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
+        return super()._setup_devices
 
     def validate_privacy_fields(self) -> None:
         """Check the privacy fields (and the Trainer fields DP training constrains); normalise `contribution_bound`

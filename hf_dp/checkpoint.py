@@ -88,6 +88,15 @@ class SavedRun:
     quantile_tracker: dict | None
 
 
+def unfinished_shards(checkpoint: str) -> list[str]:
+    """The sharded model and optimizer folders (FSDP2's `pytorch_model_fsdp_*`, `optimizer_*`) of a checkpoint that
+    lack the `.metadata` file torch.distributed.checkpoint writes after every rank's shards."""
+    return sorted(name for name in os.listdir(checkpoint)
+                  if re.match(r"^(pytorch_model_fsdp|optimizer)_\d+$", name)
+                  and os.path.isdir(os.path.join(checkpoint, name))
+                  and not os.path.isfile(os.path.join(checkpoint, name, ".metadata")))
+
+
 def read_checkpoint(checkpoint: str) -> SavedRun:
     """Read a checkpoint's ledger and resume state; check their digests and the step count against Trainer's.
 
@@ -112,6 +121,12 @@ def read_checkpoint(checkpoint: str) -> SavedRun:
             "interrupted save leaves this). Resuming without its ledger would lose the ε already spent: resume from "
             "an earlier checkpoint, pass True for the newest complete one, or start a new run."
         )
+    unfinished = unfinished_shards(checkpoint)
+    if unfinished:
+        raise ValueError(f"{checkpoint} is incomplete: its sharded state {' and '.join(unfinished)} has no .metadata "
+                         "(torch.distributed.checkpoint writes it last, once every rank's shards are written: a rank "
+                         "stopped during the save); resume from an earlier checkpoint, or pass True for the newest "
+                         "complete one.")
     ledger, resume = read_json(ledger_path, "the privacy ledger"), read_json(resume_path, "the resume state")
     if not isinstance(resume, dict) or not isinstance(resume.get("config"), dict) \
             or not isinstance(resume.get("digest"), str) or not isinstance(ledger, dict) \
@@ -138,6 +153,20 @@ def read_checkpoint(checkpoint: str) -> SavedRun:
                          "from an intact checkpoint or start a new run.")
     return SavedRun(checkpoint, dict(resume["config"]), accountant, resume.get("data_secret"),
                     resume.get("quantile_tracker"))
+
+
+def stopped_rank_note(args) -> str:
+    """What a rank of a multi-rank run says when its training stops on an error (its own, or a collective that
+    failed or timed out because another rank stopped), and how to go on."""
+    try:
+        newest, _ = newest_complete_checkpoint(args.output_dir)
+        resume = (f"relaunch with resume_from_checkpoint=True to go on from {newest}, the newest complete checkpoint, "
+                  "with its ledger")
+    except (ValueError, OSError):
+        resume = "no complete checkpoint was saved: start again"
+    return (f"rank {args.process_index} of {args.world_size} stopped training on the error below: if it is a "
+            f"collective's (timed out after ddp_timeout={args.ddp_timeout} s, or a closed connection), another rank "
+            f"stopped or stalled first (the launcher's log names it); {resume}.")
 
 
 def newest_complete_checkpoint(output_dir: str) -> tuple[str, list[str]]:

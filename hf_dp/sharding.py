@@ -52,22 +52,6 @@ def check_supported(trainer) -> None:
     if getattr(plugin, "cpu_ram_efficient_loading", False):
         raise ValueError("fsdp_cpu_ram_efficient_loading: the other ranks hold empty weights until sharding, and DP "
                          "training checks the model (batch independence, clipping) before that; set it to false.")
-    if str(getattr(trainer.accelerator, "mixed_precision", "no")) != "no":
-        raise ValueError(f"mixed_precision {trainer.accelerator.mixed_precision} under FSDP2: DP training is not "
-                         "tested with FSDP2's MixedPrecisionPolicy (its casts and bf16 reductions); set "
-                         "mixed_precision: no (and bf16=False, fp16=False).")
-    save_strategy = getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)
-    if save_strategy != "no" or trainer.args.enable_jit_checkpoint:
-        raise ValueError("checkpoints under FSDP2: saving and resuming sharded DP runs (model, optimizer and "
-                         "privacy ledger) is not supported yet; set save_strategy='no' and "
-                         "enable_jit_checkpoint=False, and save the model after training.")
-
-
-def check_resume(trainer, resume_from_checkpoint) -> None:
-    """Resuming under FSDP2 is refused, as saving is ([`check_supported`])."""
-    if resume_from_checkpoint and getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError("resume_from_checkpoint under FSDP2: resuming sharded DP runs (model, optimizer and privacy "
-                         "ledger) is not supported yet; train without sharding to checkpoint and resume.")
 
 
 def reshard(model) -> None:

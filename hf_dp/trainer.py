@@ -24,7 +24,7 @@ from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity, poisson_capacity
 from .budget import PrivacyBudget
-from .callbacks import PrivacyProgress
+from .callbacks import PrivacyProgress, agree_on_jit_saves
 from .clipping import GhostClipper
 from .clipping.adaptive import QuantileTracker
 from .data import check_user_column
@@ -106,6 +106,7 @@ class DPTrainerMixin(PrivacyReporting):
         self.budget = None
         self._plan_step()
         self.add_callback(PrivacyProgress(self))
+        agree_on_jit_saves(self)
         logger.info("DP plan: %s", self.privacy_plan)
 
     # ---- setup: one sequence for a fresh run and a resumed one -------------------------------------------------
@@ -213,7 +214,7 @@ class DPTrainerMixin(PrivacyReporting):
             self.clipper.shard(sharding.add_to_shard)
             self._sharded_clipping = True
         if self._probe is not None:  # the first step: the model as it trains, with every hook Trainer.train attached
-            check_batch_independence(model, self._probe)
+            check_batch_independence(model, self._probe, half_precision=self.args.bf16 or self.args.fp16)
             self._probe = None
             sharding.reshard(model)  # the probe's forward left the root's parameters whole
         model.train()
@@ -300,7 +301,6 @@ class DPTrainerMixin(PrivacyReporting):
             ValueError: the checkpoint has no ledger, or one that is edited or does not match.
         """
         with checkpoint.output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
-            sharding.check_resume(self, resume_from_checkpoint)  # refused under FSDP2, as saving is
             if resume_from_checkpoint is True:  # the newest checkpoint whose privacy state verifies
                 resume_from_checkpoint, skipped = checkpoint.newest_complete_checkpoint(self.args.output_dir)
                 for reason in skipped:
@@ -308,8 +308,13 @@ class DPTrainerMixin(PrivacyReporting):
                 logger.warning("Resuming from %s, the newest complete checkpoint.", resume_from_checkpoint)
             if resume_from_checkpoint:
                 self._resume_privacy_state(resume_from_checkpoint)
-            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
-                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            try:
+                output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
+                                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            except Exception:
+                if self.args.world_size > 1:  # say which rank saw it, and how to go on
+                    logger.error(checkpoint.stopped_rank_note(self.args))
+                raise
             if self.is_world_process_zero():
                 self.write_privacy_card()
         return output

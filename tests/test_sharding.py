@@ -31,25 +31,32 @@ def _trainer(mixed_precision="no", save_strategy=SaveStrategy.NO, enable_jit_che
     ({"activation_checkpointing": True}, "gradient_checkpointing=True"),
     ({"cpu_offload": CPUOffloadPolicy()}, "fsdp_offload_params: false"),
     ({"cpu_ram_efficient_loading": True}, "fsdp_cpu_ram_efficient_loading"),
-    ({"mixed_precision": "bf16"}, "mixed_precision: no"),  # not tested under FSDP2: refused, not claimed
-    ({"save_strategy": SaveStrategy.STEPS}, "save_strategy='no'"),  # no sharded checkpoints: the ledger is not lost
-    ({"save_strategy": "epoch"}, "save_strategy='no'"),
-    ({"enable_jit_checkpoint": True}, "enable_jit_checkpoint=False"),
 ])
 def test_sharded_setups_that_would_not_clip_exactly_are_refused_in_one_line(plugin, message):
     sharding.check_supported(_trainer())  # FSDP2 as recipes/configs/fsdp.yaml sets it
+    # bf16, sharded checkpoints and just-in-time saves train (tests/trainer/test_fsdp.py)
+    sharding.check_supported(_trainer(mixed_precision="bf16", save_strategy=SaveStrategy.STEPS,
+                                      enable_jit_checkpoint=True))
     with pytest.raises(ValueError, match=message) as error:
         sharding.check_supported(_trainer(**plugin))
     assert "\n" not in str(error.value)
 
 
-def test_resuming_is_refused_under_fsdp2_only():
-    sharding.check_resume(_trainer(), None)
-    sharding.check_resume(SimpleNamespace(is_fsdp_enabled=False), "out/checkpoint-2")  # plain runs resume
-    for resume in ("out/checkpoint-2", True):
-        with pytest.raises(ValueError, match="resume_from_checkpoint under FSDP2") as error:
-            sharding.check_resume(_trainer(), resume)
-        assert "\n" not in str(error.value)
+def test_a_sharded_checkpoint_whose_shards_are_unfinished_is_incomplete(tmp_path):
+    """torch.distributed.checkpoint writes `.metadata` after every rank's shards: without it, not resumable."""
+    from hf_dp.checkpoint import read_checkpoint, unfinished_shards
+
+    for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"")
+    (tmp_path / "optimizer_0" / ".metadata").write_bytes(b"")
+    (tmp_path / "optimizer.pt").write_bytes(b"")  # a plain run's file: not a folder, not checked here
+    assert unfinished_shards(str(tmp_path)) == ["pytorch_model_fsdp_0"]
+    for name in ("dp_ledger.json", "dp_resume.json", "trainer_state.json"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(ValueError, match="pytorch_model_fsdp_0 has no .metadata") as error:
+        read_checkpoint(str(tmp_path))
+    assert "\n" not in str(error.value)
 
 
 def test_deepspeed_is_refused_with_a_pointer_to_fsdp2():

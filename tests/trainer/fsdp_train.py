@@ -9,7 +9,9 @@ sharded DTensors during training.
 """
 
 import os
+import signal
 import sys
+import time
 
 import torch
 from transformers import TrainerCallback
@@ -33,6 +35,8 @@ def fsdp_on_cpu() -> None:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            if self._mixed_precision != "no":  # the MixedPrecisionPolicy accelerate sets on a GPU (bf16 params/reduce)
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
 
     AcceleratorState.__init__ = init
 
@@ -53,19 +57,56 @@ class Bytes(TrainerCallback):
         self.sharded.append(all(type(p).__name__ == "DTensor" for p in params))
 
 
-def main(out_path: str, sampling: str = "uls", variant: str = "full") -> None:
+class StopAt(TrainerCallback):
+    """Stop after optimizer step `step` (its checkpoint saved first): a run cut short, to be resumed."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save, control.should_training_stop = True, True
+
+
+class SignalAt(TrainerCallback):
+    """At the end of optimizer step `step`: "jit", every rank sends itself SIGTERM (a preemption, each rank told on
+    its own); "kill", rank 1 is killed (SIGKILL); "stall", rank 1 sleeps far beyond `ddp_timeout` (a hung rank)."""
+
+    def __init__(self, step: int, kind: str):
+        self.step, self.kind = step, kind
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        if self.kind == "jit":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif args.process_index == 1:
+            os.kill(os.getpid(), signal.SIGKILL) if self.kind == "kill" else time.sleep(300)
+
+
+def main(out_path: str, sampling: str = "uls", variant: str = "full", mode: str = "straight") -> None:
+    """`variant`: full, lora or checkpointing, `bf16-` in front for bf16 (FSDP2's MixedPrecisionPolicy, or autocast
+    on one plain process). `mode`: "straight" (`FSDP_TRAIN_STEPS` steps, 4 unless set, a checkpoint every 2),
+    "cut" (stops after step 2), "resume" (from the newest checkpoint of the run folder `FSDP_TRAIN_RUN_DIR`),
+    "jit" (`enable_jit_checkpoint`, each rank sent SIGTERM at step 2), "kill" (rank 1 killed at step 3) or "stall"
+    (rank 1 hangs at step 3, `ddp_timeout=10`)."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         fsdp_on_cpu()
     model = tiny_llama(seed=3)
+    bf16 = variant.startswith("bf16")
+    variant = variant.removeprefix("bf16-")
     if variant == "lora":
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8))
     args = DPTrainingArguments(
-        output_dir=out_path + ".run", max_steps=3, expected_batch_size=8, per_device_train_batch_size=3,
+        output_dir=os.environ.get("FSDP_TRAIN_RUN_DIR", out_path + ".run"),
+        max_steps=int(os.environ.get("FSDP_TRAIN_STEPS", 4)), expected_batch_size=8, per_device_train_batch_size=3,
         learning_rate=5e-2, target_epsilon=8.0, noise_seed=4321,
         **(dict(privacy_unit="example") if sampling == "example" else dict(sampling=sampling, contribution_bound=3)),
-        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        report_to=[], save_strategy="no" if mode == "jit" else "steps", save_steps=2, use_cpu=True,
+        disable_tqdm=True, seed=0, bf16=bf16, enable_jit_checkpoint=mode == "jit",
+        **(dict(ddp_timeout=10) if mode == "stall" else {}),
         **(dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
            if variant == "checkpointing" else {}),
     )
@@ -74,21 +115,29 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full") -> None:
                         data_collator=pad_collator)
     measure = Bytes(trainer)
     trainer.add_callback(measure)
-    trainer.train()
+    if mode == "cut":
+        trainer.add_callback(StopAt(2))
+    elif mode in ("jit", "kill", "stall"):
+        trainer.add_callback(SignalAt(2 if mode == "jit" else 3, mode))
+    trainer.train(resume_from_checkpoint=mode == "resume" or None)
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()}
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     if trainer.is_world_process_zero():
         torch.save({"state": {k: v.detach().cpu() for k, v in state.items()},
                     "world_size": trainer.accelerator.num_processes, "fsdp": trainer.is_fsdp_enabled,
                     "initial": initial, "sharded": measure.sharded, "bytes": measure.bytes,
                     "checkpointing": [getattr(layer, "gradient_checkpointing", False) for layer in
                                       trainer.model.modules() if isinstance(layer, LlamaDecoderLayer)],
-                    "epsilon": trainer.privacy_report()["epsilon"]}, out_path)
+                    "epsilon": trainer.privacy_report()["epsilon"], "steps": trainer.state.global_step,
+                    "mixed_precision": str(trainer.accelerator.mixed_precision),
+                    "param_dtype": str(getattr(getattr(plugin, "mixed_precision_policy", None), "param_dtype", None))},
+                   out_path)
     finish_processes()
 
 
-def refusals(out_path: str) -> None:
-    """One rank under FSDP2 (`fsdp=True` in the arguments): what building, then training, says for checkpoints,
-    mixed precision and resuming, and for none of them (then it builds, sharded, and refuses only the resume)."""
+def building(out_path: str) -> None:
+    """One rank under FSDP2 (`fsdp=True` in the arguments): bf16, sharded checkpoints and just-in-time saves build
+    (sharded); a checkpoint that does not exist is refused in one line."""
     fsdp_on_cpu()
     cases = {"save_strategy": dict(save_strategy="steps"), "jit": dict(enable_jit_checkpoint=True),
              "bf16": dict(bf16=True), "none": {}}
@@ -111,7 +160,7 @@ def refusals(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[2:3] == ["refusals"]:
-        refusals(sys.argv[1])
+    if sys.argv[2:3] == ["building"]:
+        building(sys.argv[1])
     else:
         main(*sys.argv[1:])

@@ -1,69 +1,186 @@
-"""FSDP2 with two CPU processes (gloo) under `accelerate launch --config_file recipes/configs/fsdp.yaml` must
-reproduce one plain process, while really sharded: DTensor parameters during training, half the bytes per rank."""
+"""FSDP2 with CPU processes (gloo) under `accelerate launch --config_file recipes/configs/fsdp.yaml`: two sharded
+ranks reproduce one process (really sharded: DTensor parameters, half the bytes per rank), in float32 and in bf16;
+sharded checkpoints carry the ledger and resume exactly, on the same or another number of ranks, after a killed
+rank or a just-in-time save; a stalled rank stops the others within `ddp_timeout`."""
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from hf_dp.checkpoint import read_checkpoint
 from test_distributed import free_port
 
 HERE = Path(__file__).parent
 CONFIG = HERE.parent.parent / "recipes" / "configs" / "fsdp.yaml"
 
 
-def launch(out: Path, num_processes: int, sampling: str, variant: str) -> dict:
+def launch(out: Path, num_processes: int | None, sampling: str, variant: str, mode: str = "straight", *,
+           run_dir: Path | None = None, steps: int = 4, must_succeed: bool = True):
+    """`fsdp_train.py` on `num_processes` FSDP2 ranks (`None`: one plain process); its saved dict, or the
+    completed process when it may fail."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parent.parent)]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    script = [str(HERE / "fsdp_train.py"), str(out), sampling, variant]
-    if num_processes == 1:
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "FSDP_TRAIN_STEPS": str(steps),
+           "FSDP_TRAIN_RUN_DIR": str(run_dir or out.with_suffix(".run"))}
+    script = [str(HERE / "fsdp_train.py"), str(out), sampling, variant, mode]
+    if num_processes is None:
         command = [sys.executable, *script]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
                    "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *script]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if not must_succeed:
+        return result
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return torch.load(out)
+
+
+def assert_same_weights(a: dict, b: dict, rtol=1e-5, atol=1e-6) -> None:
+    for name, value in a["state"].items():
+        torch.testing.assert_close(b["state"][name], value, rtol=rtol, atol=atol, msg=f"{name} differs")
+
+
+def largest_update(run: dict) -> float:
+    return max(float((value - run["initial"][name]).abs().max()) for name, value in run["state"].items())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling, variant", [("els", "full"), ("uls", "lora"), ("example", "full"),
                                                ("uls", "checkpointing")])
 def test_two_sharded_processes_reproduce_one(tmp_path, sampling, variant):
-    single = launch(tmp_path / "one.pt", 1, sampling, variant)
+    single = launch(tmp_path / "one.pt", None, sampling, variant)
     sharded = launch(tmp_path / "two.pt", 2, sampling, variant)
     assert (single["world_size"], single["fsdp"]) == (1, False)
     assert (sharded["world_size"], sharded["fsdp"]) == (2, True)
-    assert sharded["sharded"] == [True] * 3  # every parameter a DTensor at every optimizer step: not DDP
+    assert sharded["sharded"] == [True] * 4  # every parameter a DTensor at every optimizer step: not DDP
     assert sharded["epsilon"] == single["epsilon"]
     # gradient_checkpointing=True (non-reentrant) really checkpoints the (one) decoder layer, in both runs
     assert sharded["checkpointing"] == single["checkpointing"] == [variant == "checkpointing"]
     # Per rank, parameters + gradients + optimizer state: half of one process (rows split as torch.chunk does).
     ratios = [two / one for two, one in zip(sharded["bytes"], single["bytes"])]
     assert all(0.5 <= ratio < 0.52 for ratio in ratios), ratios
-    for name, value in single["state"].items():
-        torch.testing.assert_close(sharded["state"][name], value, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
-    moved = max(float((value - single["initial"][name]).abs().max()) for name, value in single["state"].items())
-    assert moved > 1e-3  # the runs trained (and the noise was added), so equality says something
+    assert_same_weights(single, sharded)
+    assert largest_update(single) > 1e-3  # the runs trained (and the noise was added), so equality says something
 
 
 @pytest.mark.slow
-def test_checkpoints_resuming_and_mixed_precision_are_refused_under_fsdp2(tmp_path):
-    """A real DPTrainer on one FSDP2 rank: each refusal is one line; without them it builds sharded."""
+@pytest.mark.parametrize("sampling, variant", [("uls", "bf16-full"), ("els", "bf16-lora")])
+def test_bf16_under_fsdp2_matches_one_rank_and_one_process(tmp_path, sampling, variant):
+    """accelerate's bf16 policy (parameters gathered in bf16): 2 ranks equal 1 rank under the same policy to float32
+    rounding, since the norms, clipped sums, their reduce-scatter and the noise stay float32; one plain process
+    under bf16 autocast (what DDP runs) rounds other ops to bf16, so the updates agree to about one bf16 step."""
+    one_rank = launch(tmp_path / "fsdp1.pt", 1, sampling, variant)
+    two_ranks = launch(tmp_path / "fsdp2.pt", 2, sampling, variant)
+    assert (one_rank["param_dtype"], two_ranks["param_dtype"]) == ("torch.bfloat16", "torch.bfloat16")
+    assert (one_rank["world_size"], one_rank["fsdp"], two_ranks["world_size"]) == (1, True, 2)
+    assert two_ranks["sharded"] == [True] * 4 and two_ranks["epsilon"] == one_rank["epsilon"]
+    assert_same_weights(one_rank, two_ranks)
+    assert all(value.dtype == torch.float32 for value in two_ranks["state"].values())  # float32 master weights
+    if variant == "bf16-full":
+        autocast = launch(tmp_path / "plain.pt", None, sampling, variant)
+        assert autocast["mixed_precision"] == "bf16" and autocast["epsilon"] == two_ranks["epsilon"]
+        step = largest_update(autocast)
+        # bf16 keeps 8 significant bits: updates agree within 2⁻⁷ of the largest (measured: 3·10⁻³ of it)
+        assert_same_weights(autocast, two_ranks, rtol=0, atol=2**-7 * step)
+        assert step > 1e-2
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_exactly_after_a_killed_rank_and_on_another_number_of_ranks(tmp_path):
+    straight = launch(tmp_path / "straight.pt", 2, "uls", "full")
+    # Rank 1 is killed (SIGKILL) after step 3; checkpoint-2 was saved: model and optimizer shards, ledger once.
+    killed = launch(tmp_path / "killed.pt", 2, "uls", "full", "kill", run_dir=tmp_path / "killed",
+                    must_succeed=False)
+    assert killed.returncode != 0
+    folder = tmp_path / "killed" / "checkpoint-2"
+    assert {"dp_ledger.json", "dp_resume.json", "trainer_state.json", "pytorch_model_fsdp_0", "optimizer_0"} <= {
+        path.name for path in folder.iterdir()}
+    assert (folder / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert len(list((folder / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2  # one file of shards per rank
+    assert read_checkpoint(str(folder)).accountant.steps == 2
+    shutil.copytree(tmp_path / "killed", tmp_path / "killed-on-one")
+    resumed = launch(tmp_path / "resumed.pt", 2, "uls", "full", "resume", run_dir=tmp_path / "killed")
+    assert resumed["steps"] == 4 and resumed["epsilon"] == straight["epsilon"]
+    assert_same_weights(straight, resumed, rtol=0, atol=0)  # the same sample and noise: bit for bit
+    on_one = launch(tmp_path / "on_one.pt", 1, "uls", "full", "resume", run_dir=tmp_path / "killed-on-one")
+    assert (on_one["world_size"], on_one["epsilon"]) == (1, straight["epsilon"])
+    assert_same_weights(straight, on_one)
+    # A one-rank checkpoint resumed on two ranks.
+    launch(tmp_path / "cut.pt", 1, "uls", "full", "cut", run_dir=tmp_path / "cut")
+    on_two = launch(tmp_path / "on_two.pt", 2, "uls", "full", "resume", run_dir=tmp_path / "cut")
+    assert (on_two["world_size"], on_two["epsilon"]) == (2, straight["epsilon"])
+    assert_same_weights(straight, on_two)
+
+
+@pytest.mark.slow
+def test_a_just_in_time_save_on_sigterm_resumes_exactly_on_one_rank(tmp_path):
+    """Each rank gets its own SIGTERM at step 2; they agree on one step to save (transformers' 3 s wait), stop,
+    and the run resumed on one rank ends where the uninterrupted one does."""
+    steps = 30
+    launch(tmp_path / "jit.pt", 2, "uls", "full", "jit", run_dir=tmp_path / "jit", steps=steps)
+    (saved,) = [path for path in (tmp_path / "jit").iterdir() if path.name.startswith("checkpoint-")]
+    assert 2 < read_checkpoint(str(saved)).accountant.steps < steps
+    assert not (saved / "checkpoint-is-incomplete.txt").exists()
+    straight = launch(tmp_path / "straight.pt", 2, "uls", "full", run_dir=tmp_path / "straight", steps=steps)
+    resumed = launch(tmp_path / "resumed.pt", 1, "uls", "full", "resume", run_dir=tmp_path / "jit", steps=steps)
+    assert resumed["steps"] == steps and resumed["epsilon"] == straight["epsilon"]
+    assert_same_weights(straight, resumed)
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_stops_the_others_within_ddp_timeout(tmp_path):
+    """Rank 1 hangs after step 3 (`ddp_timeout=10`): rank 0 fails in its next collective within seconds, says so
+    in one line and names the checkpoint to resume from, which reads."""
+    start = time.perf_counter()
+    result = launch(tmp_path / "stall.pt", 2, "uls", "full", "stall", run_dir=tmp_path / "stall", steps=8,
+                    must_succeed=False)
+    assert result.returncode != 0 and time.perf_counter() - start < 120
+    notes = [line for line in result.stderr.splitlines() if "stopped training on the error below" in line]
+    assert notes and "ddp_timeout=10 s" in notes[0]
+    assert f"go on from {tmp_path / 'stall' / 'checkpoint-2'}, the newest complete checkpoint" in notes[0]
+    read_checkpoint(str(tmp_path / "stall" / "checkpoint-2"))
+
+
+@pytest.mark.slow
+def test_bf16_checkpoints_and_jit_saves_build_under_fsdp2(tmp_path):
+    """A real DPTrainer on one FSDP2 rank builds sharded with each; a missing checkpoint is refused in one line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parent.parent)]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    out = tmp_path / "refusals.pt"
-    result = subprocess.run([sys.executable, str(HERE / "fsdp_train.py"), str(out), "refusals"], env=env,
+    out = tmp_path / "building.pt"
+    result = subprocess.run([sys.executable, str(HERE / "fsdp_train.py"), str(out), "building"], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     outcome = torch.load(out)
-    assert outcome["save_strategy"].startswith(" | checkpoints under FSDP2") and "save_strategy='no'" in outcome[
-        "save_strategy"]
-    assert outcome["jit"].startswith(" | checkpoints under FSDP2") and "enable_jit_checkpoint=False" in outcome["jit"]
-    assert outcome["bf16"].startswith(" | mixed_precision bf16 under FSDP2")
-    assert outcome["none"].startswith("built, fsdp True | resume_from_checkpoint under FSDP2")
-    assert all("\n" not in message for message in outcome.values())
+    assert set(outcome) == {"save_strategy", "jit", "bf16", "none"}
+    for message in outcome.values():
+        assert message.startswith("built, fsdp True | resume_from_checkpoint=") and "does not exist" in message
+        assert "\n" not in message
+
+
+@pytest.mark.slow
+def test_two_machines_on_one_host_match_one_rank(tmp_path):
+    """recipes/configs/fsdp_multi_node.yaml as users run it: one `accelerate launch` per machine (machine_rank 0 and
+    1, one process each, 127.0.0.1), in bf16; the result equals one FSDP2 rank under the same policy."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parent.parent)]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "FSDP_TRAIN_RUN_DIR": str(tmp_path / "run")}
+    port, out = str(free_port()), tmp_path / "machines.pt"
+    machines = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG.with_name(
+            "fsdp_multi_node.yaml")), "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", port, str(HERE / "fsdp_train.py"), str(out), "uls",
+         "bf16-full"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for machine in machines:
+        _, stderr = machine.communicate(timeout=600)
+        assert machine.returncode == 0, stderr[-5000:]
+    two_machines = torch.load(out)
+    assert (two_machines["world_size"], two_machines["fsdp"], two_machines["param_dtype"]) == (2, True,
+                                                                                                "torch.bfloat16")
+    one_rank = launch(tmp_path / "one.pt", 1, "uls", "bf16-full")
+    assert two_machines["epsilon"] == one_rank["epsilon"]
+    assert_same_weights(one_rank, two_machines)
