@@ -43,10 +43,23 @@ def sigma_of(headline: str) -> float:
     return float(match.group(1))
 
 
-def budget(results, epsilon, delta=1e-4, unit="user", sampling="uls", fixed=1.0, **overrides):
+def budget(results, epsilon, delta=1e-4, unit="user", sampling="uls", fixed=1.0, bound=None, previous=None,
+           **overrides):
+    """budget_view's (headline, table); `budget_state` gives the third value too."""
+    return budget_state(results, epsilon, delta, unit, sampling, fixed, bound, previous, **overrides)[:2]
+
+
+def budget_state(results, epsilon, delta=1e-4, unit="user", sampling="uls", fixed=1.0, bound=None, previous=None,
+                 **overrides):
     settings = {**SMALL, **overrides}
     return app.budget_view(results, epsilon, delta, unit, sampling, settings["users"],
-                           settings["examples_per_user"], settings["examples_per_step"], settings["steps"], fixed)
+                           settings["examples_per_user"], settings["examples_per_step"], settings["steps"], fixed,
+                           bound, previous=previous)
+
+
+def table_text(table: str) -> str:
+    """The budget table's HTML as its text (cells separated by spaces)."""
+    return " ".join(re.sub(r"<[^>]+>", " ", table).split())
 
 
 def warning_line(headline: str) -> str:
@@ -75,10 +88,10 @@ def test_budget_shows_the_planners_numbers(results):
     # expected_batch_size in the unit the mechanism samples, the same words as the Train tab's box
     assert f"expected_batch_size = {uls['expected_batch_size']:.4g} users per step" in headline
     assert "users per step" in training.batch_size_label("uls")
-    for key in ("uls", "els", "example"):  # one row per mechanism, labelled from MECHANISMS
+    for key in ("uls", "els", "example"):  # one column per mechanism, labelled from MECHANISMS
         assert MECHANISMS[key].label in table
-    header = table.splitlines()[0]
-    assert "| mechanism |" in header and "expected_batch_size" in header
+    assert "expected_batch_size" in table and "σ needed" in table
+    assert f"{uls['noise_multiplier']:.4g}" in table_text(table)
     # more privacy needs more noise; ELS is planned too
     assert sigma_of(budget(results, 1.0)[0]) > sigma_of(headline)
     els_headline, _ = budget(results, 8.0, sampling="els")
@@ -96,7 +109,7 @@ def test_example_level_delta_not_below_one_over_examples_says_lower_delta(result
     line = warning_line(headline)
     assert "target_delta" in line and "1/examples" in line and "lower target_delta" in line
     assert "0.0025" in line and "got 0.003" in line and "Raise" not in line and "target_epsilon" not in line
-    assert table  # the other mechanisms' rows still show
+    assert table and "not below 1/examples" in table  # the other mechanisms' columns still show, the note under
     assert "σ =" in budget(results, 8.0, delta=3e-3)[0]  # ULS is fine at this δ
 
 
@@ -115,8 +128,11 @@ def test_impossible_budget_says_what_to_change(row, expected, absent):
 
 def test_budget_reads_the_accuracy_cost_from_finished_runs(results, tmp_path):
     headline, _ = budget(results, 8.0)
-    assert "Expected accuracy at ε = 8" in headline and "0.700" in headline  # the uls-eps8 run (target 8)
+    assert "Measured accuracy at ε = 8:** 0.700" in headline  # the uls-eps8 run (target 8)
+    assert "interpolated" not in headline.split("Cost")[0]  # measured there, not interpolated
     assert "Cost of privacy" in headline and "0.800" in headline  # against the non-private run
+    between, _ = budget(results, 2.0)
+    assert "Measured accuracy at ε = 2:** 0.567" in between and "interpolated in log ε" in between
     empty, _ = budget(tmp_path, 8.0)
     assert "no finished DP runs" in empty and "hf-dp demo" in empty
     assert "σ =" in empty  # the planner's numbers do not need runs
@@ -126,11 +142,16 @@ def test_expected_accuracy_cost_interpolates_in_log_epsilon(results):
     runs = app.list_runs(results)
     cost = app.expected_accuracy_cost(runs, math.sqrt(8.0), "uls")  # halfway between ε=1 and ε=8 in log ε
     assert cost["expected_result"] == pytest.approx(0.60)
-    assert not cost["extrapolated"] and cost["mechanism_used"] == "uls"
+    assert cost["mechanism_used"] == "uls"
     assert cost["cost"] == pytest.approx(0.20) and cost["baseline_result"] == pytest.approx(0.40)
     assert cost["non_private_result"] == pytest.approx(0.80)
-    low = app.expected_accuracy_cost(runs, 0.5, "uls")
-    assert low["extrapolated"] and low["expected_result"] == pytest.approx(0.50)
+    assert cost["measured"] and cost["interpolated"]
+    assert app.expected_accuracy_cost(runs, 1.0, "uls")["expected_result"] == pytest.approx(0.50)  # measured
+    assert not app.expected_accuracy_cost(runs, 1.0, "uls")["interpolated"]
+    for outside in (0.5, 0.99, 16.0):  # below or above the measured ε: nothing was measured there
+        low = app.expected_accuracy_cost(runs, outside, "uls")
+        assert low["expected_result"] is None and not low["measured"] and low["cost"] is None
+        assert low["points"] == [(1.0, 0.50), (8.0, 0.70)]
     assert app.expected_accuracy_cost(runs, 8.0, "example")["mechanism_used"] == "any DP mechanism"
     assert app.expected_accuracy_cost([], 8.0, "uls") is None
 
@@ -146,16 +167,28 @@ def test_expected_cost_reads_baseline_and_non_private_results_from_the_dp_runs(r
 
 @pytest.mark.parametrize("settings, expected", [
     (dict(delta=0.5), "delta"),
+    (dict(delta=None), "Set target_delta"),
     (dict(epsilon=-1.0), "target_epsilon"),
-    (dict(examples_per_user=2.5), "whole number"),
+    (dict(epsilon=None), "Set target_epsilon"),
+    (dict(examples_per_user=2.5), "examples_per_user = 2.5: use a whole number ≥ 1"),
     (dict(examples_per_step=10_000), "examples_per_step"),
+    (dict(examples_per_step=0), "examples_per_step"),
+    (dict(users=0), "users = 0: use a whole number ≥ 1"),  # gradio's minimum=1 used to refuse it in a toast
+    (dict(users=1), "users=1"),
+    (dict(users=-5), "users = -5: use a whole number ≥ 1"),
+    (dict(steps=0), "steps = 0: use a whole number ≥ 1"),
+    (dict(users=None), "Set users"),
+    (dict(bound=0), "contribution_bound = 0: use a whole number ≥ 1"),
+    (dict(bound=1.5), "contribution_bound = 1.5"),
 ])
-def test_budget_errors_are_one_line_of_text(results, settings, expected):
+def test_budget_errors_are_one_line_of_text_and_clear_the_table(results, settings, expected):
+    """Out-of-range input: one error line in the page, and no table (the last one is not left on screen)."""
     settings = dict(settings)
     epsilon = settings.pop("epsilon", 8.0)
-    headline, table = budget(results, epsilon, **settings)
-    assert headline.startswith("**⚠️") and expected in headline
-    assert "\n" not in headline and "Traceback" not in headline and table == ""
+    headline, table, state = budget_state(results, epsilon, **settings)
+    assert headline.startswith("**⚠️") and expected in headline, headline
+    assert headline.count("⚠️") == 1 and "\n" not in headline and "Traceback" not in headline
+    assert table == "" and state is None
 
 
 def test_compare_defaults_to_the_first_dp_run(results):
@@ -406,18 +439,24 @@ def test_results_plot_of_a_chat_study_is_its_test_nll(chat_results, tmp_path):
 
 @pytest.mark.parametrize("mechanism, private", [("uls", True), ("els", True), ("non-private", False)])
 def test_the_chat_run_trains_with_the_settings_picked(monkeypatch, mechanism, private):
-    """The Train tab's task, mechanism, ε and users per step are the DPSFTTrainer's arguments."""
+    """The Train tab's task, mechanism, ε and users per step are the DPSFTTrainer's arguments; the plan is checked on
+    the loaded data before run_chat_sft (which loads the model) gets that data; only the adapter is saved."""
     from hf_dp.sft import DPSFTConfig
     from hf_dp.workflows import pretrained
     from hf_dp.workflows.tasks import chat_sft
 
     calls = []
-    monkeypatch.setattr(chat_sft, "run_chat_sft", lambda config, args, callbacks: calls.append((config, args)) or {})
+    monkeypatch.setattr(training, "load_data", lambda prepared: "the data")
+    monkeypatch.setattr(training, "check_plan", lambda prepared, data: calls.append(("check", data)))
+    monkeypatch.setattr(chat_sft, "run_chat_sft", lambda config, args, data, callbacks:
+                        calls.append(("run", config, args, data)) or {})
     monkeypatch.setattr(pretrained, "smollm2_path", lambda: "/models/smollm2")
     settings = app.TrainingSettings(task="chat-sft", mechanism=mechanism, target_epsilon=3.0, max_train_users=32,
                                     max_steps=5, expected_batch_size=6)
     app.run_app_training(settings, "some/results", [])
-    config, args = calls[0]
+    assert calls[0] == ("check", "the data")
+    _, config, args, data = calls[1]
+    assert data == "the data" and config.save_adapter_only
     assert config.model_name_or_path == "/models/smollm2" and config.max_train_users == 32
     assert config.results_dir == f"some/results/{app.APP_RUNS_DIR}" and config.run.startswith(f"app-chat-{mechanism}")
     assert args.max_steps == 5 and args.max_length == config.max_length
@@ -505,13 +544,16 @@ def test_the_train_tab_shows_a_bad_number_and_starts_nothing(results):
     demo = app.build_app(results, training_job=job)
     functions = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns
     on_start = next(f.fn for f in functions if getattr(f, "name", None) == "on_start")
-    for values, match in ((("chat-sft", "uls", 8.0, 96, 0, 24), "max_steps=0"),
-                          (("classification", "uls", float("nan"), 96, 8, 24), "target_epsilon=nan"),
-                          (("chat-sft", "uls", None, 96, 8, 24), "target_epsilon=None"),
-                          (("poetry", "uls", 8.0, 96, 8, 24), "task='poetry'")):
-        with pytest.warns(UserWarning, match=match):  # gr.Warning, outside a page
-            _, status, _ = on_start(*values)
-        assert status.startswith("**⚠️") and match in status and "\n" not in status
+    for values, match in ((("chat-sft", "uls", 8.0, 96, 0, 24), "“max_steps” = 0: use a whole number >= 1"),
+                          (("classification", "uls", float("nan"), 96, 8, 24), "“target_epsilon (ε)” = nan"),
+                          (("chat-sft", "uls", None, 96, 8, 24), "“target_epsilon (ε)” = None"),
+                          (("chat-sft", "uls", 8.0, 1, 8, 24), "“training users (subset)” = 1"),
+                          (("chat-sft", "els", 8.0, 96, 8, 0), "“expected_batch_size (examples per step)” = 0"),
+                          (("chat-sft", "uls", 8.0, 96, 2.5, 24), "“max_steps” = 2.5"),
+                          (("poetry", "uls", 8.0, 96, 8, 24), "“task” = 'poetry'")):
+        _, status, _ = on_start(*values)  # one line in the page (no toast beside it), in the form's words
+        assert status.startswith("**⚠️") and match in status and "\n" not in status, status
+        assert "--" not in status and "=0" not in status
     assert job.thread is None and not started
 
 
@@ -525,7 +567,7 @@ def test_expected_accuracy_cost_refuses_a_bad_epsilon(results, epsilon):
 
 def test_budget_refuses_a_nan_count(results):
     headline, table = budget(results, 8.0, steps=float("nan"))
-    assert headline.startswith("**⚠️") and "steps must be a whole number, got nan" in headline and table == ""
+    assert headline.startswith("**⚠️") and "steps = nan: type a number" in headline and table == ""
 
 
 def test_cli_parser_defaults():
