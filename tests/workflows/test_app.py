@@ -575,3 +575,440 @@ def test_cli_parser_defaults():
     assert (args.results_dir, args.port, args.host, args.share) == ("results", 7860, "127.0.0.1", False)
     for flag in ("--results_dir", "--results-dir"):  # the field spelling, the dash spelling as alias
         assert app.build_parser().parse_args([flag, "elsewhere"]).results_dir == "elsewhere"
+
+
+# ---- Budget: fast, the study's defaults, readable, honest about what was measured ---------------------------
+
+
+def test_the_planner_is_called_once_per_distinct_budget(monkeypatch):
+    """A repeated budget (the slider moved back, another box changed and changed back) answers from memory."""
+    from hf_dp.accounting import planner
+
+    calls = []
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda **kw: calls.append(kw) or real(**kw))
+    budget_tab._planned.cache_clear()
+    settings = dict(target_delta=1e-4, users=200, examples_per_user=2, examples_per_step=40, steps=20,
+                    contribution_bound=1)
+    first = budget_tab.plan_budget(target_epsilon=8.0, **settings)
+    first[0]["noise_multiplier"] = -1.0  # a caller's edit does not reach the memo
+    again = budget_tab.plan_budget(target_epsilon=8.0, users=200.0, **{k: v for k, v in settings.items()
+                                                                        if k != "users"})
+    assert len(calls) == 1 and again[0]["noise_multiplier"] > 0
+    budget_tab.plan_budget(target_epsilon=4.0, **settings)
+    assert len(calls) == 2
+
+
+def test_the_budget_tab_opens_on_the_studys_budget(tmp_path, results):
+    from hf_dp.accounting import planner
+    from hf_dp.workflows.study_settings import SFT_SETTINGS
+
+    # no study run yet: the chat study's settings and data (about 770 roles, δ = 1/(10·users) = 1.3e-4)
+    empty = app.study_budget_defaults(tmp_path)
+    dp = SFT_SETTINGS["dp"]
+    assert (empty["users"], empty["target_delta"]) == (770, 1.3e-4)
+    assert empty["contribution_bound"] == dp["contribution_bound"] and empty["steps"] == dp["max_steps"]
+    assert empty["examples_per_step"] == dp["expected_batch_size"] * dp["contribution_bound"]
+    assert (empty["privacy_unit"], empty["sampling"], empty["target_epsilon"]) == ("user", "uls", 8.0)
+    row = planner.plan(users=770, examples_per_user=empty["examples_per_user"], examples_per_step=16, steps=60,
+                       target_epsilon=8.0, contribution_bound=1)[0]
+    assert row["expected_batch_size"] == dp["expected_batch_size"]  # the study's 16 roles per step
+    assert row["sample_rate"] == pytest.approx(16 / 770)
+    # a study in the folder: what its ULS run at ε = 8 recorded (its privacy report)
+    report = json.loads((results / "uls-eps8.json").read_text())["privacy"]
+    study = app.study_budget_defaults(results)
+    assert study["users"] == report["num_users"] and study["steps"] == report["steps"]
+    assert study["contribution_bound"] == report["contribution_bound"] and study["target_delta"] == report["delta"]
+    per_user = round(report["num_examples"] / report["num_users"])
+    assert study["examples_per_user"] == per_user
+    assert study["examples_per_step"] == report["expected_batch_size"] * min(per_user, report["contribution_bound"])
+    assert "uls-eps8" in study["source"]
+    # and the page's boxes open on them
+    values = {block.elem_id: block.value for block in app.build_app(tmp_path).blocks.values()
+              if getattr(block, "elem_id", None)}
+    assert (values["users"], values["delta"], values["contribution-bound"], values["steps"]) == (770, 1.3e-4, 1, 60)
+
+
+def test_no_box_has_gradio_bounds_that_would_refuse_in_a_toast(results):
+    """gradio refuses a value outside a box's minimum/maximum in a toast and never calls the function, so the last
+    table stayed on screen: every number the page takes is checked by the app, which says so in the page."""
+    import gradio as gr
+
+    boxes = [b for b in app.build_app(results).blocks.values() if isinstance(b, (gr.Number, gr.Slider))]
+    numbers = {b.elem_id for b in boxes if isinstance(b, gr.Number)}
+    assert {"users", "steps", "contribution-bound", "train-users", "train-batch", "compare-seed"} <= numbers
+    for box in boxes:
+        if box.elem_id == "eps-log2":  # the log-ε slider only moves ε within its range; the ε box takes any value
+            continue
+        assert isinstance(box, gr.Number), box.elem_id
+        assert (box.minimum, box.maximum, box.precision) == (None, None, None), box.elem_id
+
+
+def test_the_budget_table_reads_on_a_phone(results):
+    """One column per mechanism, one row per quantity; no number can wrap (the table scrolls sideways instead);
+    notes under the table, not in a cell."""
+    from html.parser import HTMLParser
+
+    _, table = budget(results, 8.0, delta=3e-3)
+
+    class Cells(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.rows, self.nums, self.open_num, self.in_table = [], [], False, False
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "table":
+                self.in_table = True
+            if tag == "tr":
+                self.rows.append([])
+            if tag == "span" and attrs.get("class") == "num":
+                assert "white-space:nowrap" in attrs.get("style", "")
+                self.open_num = True
+                self.nums.append("")
+
+        def handle_endtag(self, tag):
+            if tag == "span":
+                self.open_num = False
+            if tag == "table":
+                self.in_table = False
+
+        def handle_data(self, data):
+            if self.in_table and data.strip() and self.rows:
+                self.rows[-1].append(data.strip())
+            if self.open_num:
+                self.nums[-1] += data
+
+    cells = Cells()
+    cells.feed(table)
+    assert cells.rows[0] == [MECHANISMS[k].label for k in ("uls", "els", "example")]
+    assert all(len(row) == 4 for row in cells.rows[1:]), cells.rows  # a header and three values
+    assert any(re.search(r"\d", n) for n in cells.nums) and all(n.strip() for n in cells.nums)
+    assert "overflow-x:auto" in table and "not below 1/examples" not in "".join(sum(cells.rows, []))
+
+
+def test_the_g_change_note_says_why_sigma_rose():
+    previous = {"mechanism": "uls", "epsilon": 1.0, "sigma": 1.20, "G": 4, "auto_bound": True, "batch": 20.0,
+                "q": 0.1, "noise_std": 0.060, "unit": "users", "settings": ["uls", 1e-4]}
+    current = dict(previous, epsilon=2.0, sigma=1.21, G=2, batch=40.0, q=0.2, noise_std=0.030)
+    note = budget_tab.g_change_note(previous, current)
+    assert note.startswith("**Why σ rose although ε grew:**") and "G = 4" in note and "G = 2" in note
+    assert "20 → 40 users per step" in note and "0.06 → 0.03" in note and "contribution_bound" in note
+    assert budget_tab.g_change_note(current, previous).startswith("**Why σ fell although ε shrank")
+    for other in (dict(current, sigma=1.0),  # σ fell as ε grew: nothing to explain
+                  dict(current, G=4),  # the same G
+                  dict(current, auto_bound=False),  # G given: it does not change
+                  dict(current, settings=["uls", 1e-5])):  # another budget
+        assert budget_tab.g_change_note(previous, other) == ""
+    assert budget_tab.g_change_note(None, current) == ""
+
+
+def test_budget_view_says_why_sigma_rises_when_the_recommended_g_changes(results):
+    """The planner recommends G = 4 at ε = 1 and G = 2 at ε = 2 for these numbers; σ rises 1.201 → 1.209."""
+    _, _, at_1 = budget_state(results, 1.0, fixed=None, users=200, examples_per_user=8, examples_per_step=40,
+                              steps=20)
+    headline, _, at_2 = budget_state(results, 2.0, fixed=None, users=200, examples_per_user=8, examples_per_step=40,
+                                     steps=20, previous=at_1)
+    assert (at_1["G"], at_2["G"]) == (4, 2) and at_2["sigma"] > at_1["sigma"]
+    assert "**Why σ rose although ε grew:**" in headline and "from G = 4 at ε = 1 to G = 2" in headline
+    assert "recommended contribution bound **G = 2** (the planner's pick for this ε)" in headline
+
+
+def test_nothing_is_expected_where_nothing_was_measured(chat_results):
+    """The chat study's one DP run at ε = 8: its result at 8 only, not at every ε."""
+    runs = app.list_runs(chat_results)
+    assert app.expected_accuracy_cost(runs, 8.0, "uls")["expected_result"] == pytest.approx(31.0)
+    for epsilon in (0.5, 2.0, 7.0, 100.0):
+        text = budget_tab.cost_markdown(app.expected_accuracy_cost(runs, epsilon, "uls"), epsilon, chat_results,
+                                        "uls")
+        assert text.startswith(f"**Nothing was measured at ε = {epsilon:.3g}:**") and "ε = 8: 31.000" in text
+        assert "Measured" not in text and "Cost of privacy" not in text and "never extrapolated" in text
+
+
+# ---- Compare: models kept loaded, a text generated once, column by column, the run's kind only ---------------
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of model loads and generations in the Compare tab, from an empty cache."""
+    compare._MODELS.clear()
+    compare._TEXTS.clear()
+    counts = {"load": 0, "generate": 0}
+    load, generate = compare._load_causal_lm, compare.generate_text
+
+    def counting_load(*args, **kwargs):
+        counts["load"] += 1
+        return load(*args, **kwargs)
+
+    def counting_generate(*args, **kwargs):
+        counts["generate"] += 1
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(compare, "_load_causal_lm", counting_load)
+    monkeypatch.setattr(compare, "generate_text", counting_generate)
+    yield counts
+    compare._MODELS.clear()
+    compare._TEXTS.clear()
+
+
+def test_compare_keeps_the_three_models_and_generates_each_text_once(chat_results, counted):
+    decoding = app.Decoding(seed=1, max_new_tokens=6)
+    first = app.compare_view(chat_results, "uls-eps8", "once more", decoding)
+    assert (counted["load"], counted["generate"]) == (3, 3)  # baseline, DP, non-private: once each
+    again = app.compare_view(chat_results, "uls-eps8", "once more", decoding)
+    assert again == first and (counted["load"], counted["generate"]) == (3, 3)  # nothing loaded or generated
+    app.compare_view(chat_results, "uls-eps8", "once more", app.Decoding(seed=2, max_new_tokens=6))
+    assert (counted["load"], counted["generate"]) == (3, 6)  # another seed: generated again, not loaded again
+    app.compare_view(chat_results, "non-private", "once more", decoding)  # its two models are loaded already
+    assert counted["load"] == 3
+
+
+def test_a_model_folder_saved_again_is_loaded_again(chat_results, tmp_path, counted):
+    import os
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    app.compare_view(copy, "uls-eps8", "king", app.Decoding(max_new_tokens=4))
+    weights = copy / "models" / "uls-eps8" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    app.compare_view(copy, "uls-eps8", "king", app.Decoding(max_new_tokens=4))
+    assert counted["load"] == 4  # only the rewritten folder
+
+
+def test_compare_steps_show_each_columns_progress(chat_results, results, counted):
+    steps = list(compare.compare_steps(chat_results, "uls-eps8", "king", app.Decoding(max_new_tokens=4)))
+    assert len(steps) == 4  # all pending, then after the first and second column, then complete
+    statuses = [[c["status"] for c in step["columns"]] for step in steps]
+    assert statuses == [["pending"] * 3, ["done", "pending", "pending"], ["done", "done", "pending"], ["done"] * 3]
+    assert "⏳ *loading the model, then generating…*" in steps[0]["columns"][0]["heading"]
+    assert steps[-1] == app.compare_view(chat_results, "uls-eps8", "king", app.Decoding(max_new_tokens=4))
+    again = list(compare.compare_steps(chat_results, "uls-eps8", "king", app.Decoding(max_new_tokens=4)))
+    assert len(again) == 3 and "⏳ *generating…*" in again[0]["columns"][1]["heading"]  # known: no all-pending view
+    # a classifier's comparison comes in one piece
+    assert len(list(compare.compare_steps(results, "uls-eps8", "king"))) == 1
+
+
+def test_picking_a_run_loads_its_models_in_the_background(chat_results, counted):
+    thread = compare.preload(chat_results, "uls-eps8")
+    thread.join(timeout=60)
+    assert counted["load"] == 3
+    app.compare_view(chat_results, "uls-eps8", "king", app.Decoding(max_new_tokens=4))
+    assert counted["load"] == 3 and counted["generate"] == 3
+    assert compare.preload(chat_results, "baseline") is None  # the public-only baseline has no model of its own
+
+
+def test_a_chat_run_never_shows_a_classifiers_placeholders(chat_results, results):
+    import gradio as gr
+
+    shown = compare.compare_layout(chat_results, None)
+    assert shown["language_model"] and shown["error"] == ""
+    assert "Public-only baseline" in shown["headings"][0] and "`uls-eps8`" in shown["headings"][1]
+    assert "`non-private`" in shown["headings"][2] and not set(shown["headings"]) & set(compare.CLASSIFIER_HEADINGS)
+    assert compare.compare_layout(results, "uls-eps8")["headings"][:2] == list(compare.CLASSIFIER_HEADINGS)
+    lm = compare.compare_layout(results, "lm-uls-eps8")
+    assert lm["language_model"] and lm["headings"][2] == ""  # no non-private causal LM in that folder
+    blocks = {b.elem_id: b for b in app.build_app(chat_results).blocks.values() if getattr(b, "elem_id", None)}
+    assert not blocks["baseline-label"].visible and not blocks["dp-label"].visible
+    assert blocks["baseline-text"].visible and blocks["dp-text"].visible
+    assert "no private data" in blocks["baseline-heading"].value
+    assert "Fine-tuned model" not in blocks["dp-heading"].value
+    blocks = {b.elem_id: b for b in app.build_app(results).blocks.values() if getattr(b, "elem_id", None)}
+    assert blocks["baseline-label"].visible and not blocks["baseline-text"].visible
+    assert isinstance(blocks["baseline-label"], gr.Label)
+
+
+def test_a_lora_adapter_run_loads_onto_its_base(chat_results, tmp_path, counted):
+    """The Train tab keeps a chat run's adapter, not a merged model: Compare merges it in memory, and its text is
+    the merged model's."""
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hf_dp.workflows.runs import save_model
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    base_dir = Path(json.loads((copy / "uls-eps8.json").read_text())["config"]["model_name_or_path"])
+    tokenizer = make_chat_tokenizer()
+    model = get_peft_model(tiny_chat_lm(20, len(tokenizer)), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # an adapter that changes the model
+    adapter_dir = copy / app.APP_RUNS_DIR / "models" / "app-uls"
+    save_model(model, tokenizer, adapter_dir, adapter_only=True)
+    files = {f.name for f in adapter_dir.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+    merged_dir = tmp_path / "merged"
+    save_model(model, tokenizer, merged_dir)
+    adapter_size = (adapter_dir / "adapter_model.safetensors").stat().st_size
+    assert adapter_size * 10 < (merged_dir / "model.safetensors").stat().st_size
+    result = json.loads((copy / "uls-eps8.json").read_text())
+    result.update(run="app-uls", model_dir="models/app-uls")
+    result["config"].update(model_name_or_path=str(base_dir), save_adapter_only=True)
+    (copy / app.APP_RUNS_DIR / "app-uls.json").write_text(json.dumps(result))
+    decoding = app.Decoding(seed=0, max_new_tokens=8)
+    columns = app.compare_view(copy, f"{app.APP_RUNS_DIR}/app-uls", "king", decoding)["columns"]
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    expected = compare.generate_text(merged, tokenizer, "king", chat=True, decoding=decoding,
+                                     system_prompt=CHAT_SYSTEM_PROMPT)
+    assert columns[1]["text"] == expected and "⚠️" not in columns[1]["heading"]
+    assert columns[0]["text"] != expected  # the untouched base says something else
+
+
+# ---- Train: every setting checked before a model loads, in the form's words; nothing left on failure ---------
+
+
+def test_errors_name_the_forms_fields():
+    message = ("expected_batch_size=100 exceeds the 16 users available: lower --expected_batch_size. Raise "
+               "--target_epsilon or --noise_multiplier.")
+    words = training.form_error(message, "uls")
+    assert words.startswith("“expected_batch_size (users per step)” = 100 exceeds the 16 users available")
+    assert "lower “expected_batch_size (users per step)”" in words and "Raise “target_epsilon (ε)”" in words
+    assert "noise_multiplier (a setting of the study's recipe, not on this form)" in words and "--" not in words
+    assert training.form_error(ValueError("max_train_users=1: use\na whole number >= 2"), "els") == \
+        "“training users (subset)” = 1: use a whole number >= 2"
+    assert "“expected_batch_size (examples per step)”" in training.form_error("--expected_batch_size", "els")
+
+
+def chat_prepared(tmp_path, batch: int) -> training.PreparedRun:
+    """A Train-tab chat run over a tiny chat model (no SmolLM2), 16 tokens per conversation."""
+    from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig
+
+    model_dir = tmp_path / "tiny-chat"
+    if not model_dir.exists():
+        tokenizer = make_chat_tokenizer()
+        tiny_chat_lm(0, len(tokenizer)).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    settings = app.TrainingSettings(task="chat-sft", mechanism="uls", target_epsilon=8.0, max_steps=2,
+                                    expected_batch_size=batch)
+    config = ChatSFTConfig(run="t", results_dir=str(tmp_path / app.APP_RUNS_DIR), model_name_or_path=str(model_dir),
+                           max_length=16, progress=False)
+    arguments = config.training_arguments("uls", target_epsilon=8.0, expected_batch_size=batch, max_steps=2,
+                                          contribution_bound=1, use_cpu=True)
+    return training.PreparedRun(settings, config, arguments)
+
+
+def chat_data():
+    """10 roles; the last 4 only have prompts that fill the 16 tokens, so SFTTrainer keeps no reply of theirs."""
+    from datasets import Dataset
+
+    from hf_dp.workflows.tasks.language_modeling import TextData
+
+    def row(user, words):
+        return {"user_id": f"u{user}", "prompt": [{"role": "user", "content": words}],
+                "completion": [{"role": "assistant", "content": "the king"}]}
+
+    rows = [row(u, "once more" if u < 6 else "the king " * 12) for u in range(10) for _ in range(2)]
+    return TextData(train=Dataset.from_list(rows), test=Dataset.from_list(rows[:2]), dataset_name="test")
+
+
+def test_the_plan_is_checked_on_the_rows_the_trainer_will_see(tmp_path):
+    """Chat: the conversations SFTTrainer would drop are dropped before the plan, so a batch of 8 of the 6 roles
+    left is refused before any model loads, in the form's words; 4 of 6 is planned."""
+    with pytest.raises(app.AppError) as refused:
+        training.check_plan(chat_prepared(tmp_path, 8), chat_data())
+    message = str(refused.value)
+    assert "“expected_batch_size (users per step)” = 8 exceeds the 6 users available" in message, message
+    assert "--" not in message
+    plan = training.check_plan(chat_prepared(tmp_path, 4), chat_data())
+    assert plan.num_units == 6 and plan.sample_rate == pytest.approx(4 / 6) and plan.steps == 2
+    non_private = dataclasses_replace(chat_prepared(tmp_path, 4), mechanism="non-private")
+    assert training.check_plan(non_private, chat_data()) is None
+
+
+def dataclasses_replace(prepared, **settings):
+    import dataclasses
+
+    return dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings, **settings))
+
+
+def classification_data(users: int):
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    rows = [{"user_id": f"u{u}", "text": "king crown", "labels": u % 3} for u in range(users) for _ in range(3)]
+    return SimpleNamespace(train=Dataset.from_list(rows), test=Dataset.from_list(rows[:3]))
+
+
+def test_a_batch_the_data_cannot_fill_is_refused_before_any_model_loads(monkeypatch, tmp_path):
+    from hf_dp.workflows.tasks import classification
+
+    loaded = []
+    monkeypatch.setattr(training, "load_data", lambda prepared: classification_data(5))
+    monkeypatch.setattr(classification, "run_classification", lambda *args, **kwargs: loaded.append(args))
+    phases = []
+    callback = type("Phases", (), {"phase": lambda self, status: phases.append(status)})()
+    settings = app.TrainingSettings(task="classification", mechanism="uls", target_epsilon=8.0, max_steps=2,
+                                    max_train_users=96, expected_batch_size=24)
+    with pytest.raises(app.AppError, match=re.escape("“expected_batch_size (users per step)” = 24 exceeds the 5 "
+                                                     "users available")):
+        app.run_app_training(settings, tmp_path, [callback])
+    assert not loaded and phases == ["checking"]  # no model loaded, no "loading" phase
+    assert not (tmp_path / app.APP_RUNS_DIR / "models").exists()
+
+
+def test_a_failed_run_leaves_no_model_folder(monkeypatch, tmp_path):
+    from hf_dp.workflows.tasks import classification
+
+    made = []
+
+    def failing_run(config, arguments, **kwargs):
+        folder = Path(arguments.output_dir)
+        folder.mkdir(parents=True)
+        (folder / "_hf_dp.lock").write_text("")
+        made.append(folder)
+        raise RuntimeError("the trainer refused the model")
+
+    monkeypatch.setattr(training, "load_data", lambda prepared: classification_data(30))
+    monkeypatch.setattr(classification, "run_classification", failing_run)
+    settings = app.TrainingSettings(task="classification", mechanism="uls", max_steps=2, expected_batch_size=4)
+    with pytest.raises(RuntimeError, match="refused the model"):
+        app.run_app_training(settings, tmp_path, [])
+    assert made and not made[0].exists() and not list((tmp_path / app.APP_RUNS_DIR).glob("*.json"))
+    # a run's name never reuses a folder that is there
+    models_dir = tmp_path / app.APP_RUNS_DIR / "models"
+    first = training.prepare_run(settings, tmp_path).model_dir
+    first.mkdir(parents=True)
+    assert training.prepare_run(settings, tmp_path).model_dir != first
+    assert first.parent == models_dir
+
+
+def test_a_failed_run_is_said_in_the_forms_words():
+    def refused(settings, results_dir, callbacks):
+        raise ValueError("expected_batch_size=100 exceeds the 16 users available: lower --expected_batch_size.")
+
+    job = app.TrainingJob(run_fn=refused)
+    job.start(app.TrainingSettings(mechanism="els"), "unused")
+    job.thread.join(timeout=10)
+    message = training.job_status_markdown(job.poll())
+    assert "“expected_batch_size (examples per step)” = 100" in message and "--" not in message
+
+
+def test_train_tab_runs_are_in_the_results_plot(chat_results, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_results, copy)
+    (copy / app.APP_RUNS_DIR).mkdir()
+    for run, mechanism, epsilon, metric in (("app-uls", "uls", 3.0, 33.0), ("app-np", "non-private", None, 27.0)):
+        result = json.loads((copy / ("uls-eps8.json" if epsilon else "non-private.json")).read_text())
+        result.update(run=run, mechanism=mechanism, epsilon=epsilon, eval_result=metric)
+        (copy / app.APP_RUNS_DIR / f"{run}.json").write_text(json.dumps(result))
+    lines = {line.get_label(): line for line in app.privacy_utility_figure(app.list_runs(copy)).axes[0].get_lines()}
+    uls = lines[f"{MECHANISMS['uls'].label}, Train tab (own test rows)"]
+    assert list(uls.get_xdata()) == [3.0] and uls.get_ydata()[0] == pytest.approx(math.log(33.0))
+    assert uls.get_markerfacecolor() == "none" and uls.get_marker() == MECHANISMS["uls"].marker
+    assert f"{MECHANISMS['non-private'].label}, Train tab (own test rows)" in lines
+    assert lines[MECHANISMS["uls"].label].get_ydata()[0] == pytest.approx(math.log(31.0))  # the study's, apart
+    # a folder with Train-tab runs only has a plot too
+    only = tmp_path / "only"
+    shutil.copytree(copy / app.APP_RUNS_DIR, only / app.APP_RUNS_DIR)
+    figure = app.privacy_utility_figure(app.list_runs(only))
+    assert figure is not None and f"{MECHANISMS['uls'].label}, Train tab (own test rows)" in {
+        line.get_label() for line in figure.axes[0].get_lines()}

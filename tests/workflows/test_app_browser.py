@@ -133,7 +133,7 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     # --- Budget: the planner's numbers appear and follow the controls ---------------------------
     page.wait_for_function("() => /σ = [0-9.]+/.test(document.querySelector('#budget-result')?.innerText || '')")
     sigma_8 = sigma_text(page)
-    assert "Expected accuracy at ε = 8" in page.locator("#budget-result").inner_text()
+    assert "Measured accuracy at ε = 8" in page.locator("#budget-result").inner_text()
     assert "expected_batch_size" in page.locator("#budget-result").inner_text()
     assert MECHANISMS["els"].label in page.locator("#budget-table").inner_text()
 

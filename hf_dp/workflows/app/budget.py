@@ -72,7 +72,7 @@ def study_budget_defaults(results_dir) -> dict:
             batch = float(report["expected_batch_size"])
             per_step = batch * min(per_user, int(group)) if run.mechanism == "uls" and group else batch
             delta = report.get("delta_accountant") or run.result["delta"]
-            return dict(target_epsilon=_target(run), target_delta=float(delta),
+            return dict(target_epsilon=_target(run), target_delta=float(format_number(float(delta), ".2g")),
                         privacy_unit=report.get("privacy_unit") or MECHANISMS[run.mechanism].privacy_unit,
                         sampling=MECHANISMS[run.mechanism].sampling or "uls", users=users,
                         examples_per_user=per_user, examples_per_step=per_step, steps=int(report["steps"]),
