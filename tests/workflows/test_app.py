@@ -38,7 +38,7 @@ def results(tmp_path_factory):
 
 
 def sigma_of(headline: str) -> float:
-    match = re.search(r"σ = ([0-9.]+)\*\*", headline)
+    match = re.search(r"σ = ([0-9.]+)(?: at G = \d+)?\*\*", headline)
     assert match, headline
     return float(match.group(1))
 
@@ -711,7 +711,13 @@ def test_budget_view_says_why_sigma_rises_when_the_recommended_g_changes(results
                                      steps=20, previous=at_1)
     assert (at_1["G"], at_2["G"]) == (4, 2) and at_2["sigma"] > at_1["sigma"]
     assert "**Why σ rose although ε grew:**" in headline and "from G = 4 at ε = 1 to G = 2" in headline
-    assert "recommended contribution bound **G = 2** (the planner's pick for this ε)" in headline
+    # G stands beside σ, in the σ line, whether or not the previous view was another ε
+    assert re.search(r"\*\*Noise multiplier needed: σ = 1\.2\d* at G = 2\*\* \(G is the planner's pick for this ε", headline)
+    assert "set contribution_bound to hold G fixed" in headline
+    given, table = budget(results, 2.0, fixed=None, bound=3, users=200, examples_per_user=8, examples_per_step=40,
+                          steps=20)
+    assert re.search(r"σ = [0-9.]+ at G = 3\*\* \(G given\)", given) and "Why σ" not in given
+    assert table.index("σ needed") < table.index("G (rows kept per user)")  # the table's first two rows
 
 
 def test_nothing_is_expected_where_nothing_was_measured(chat_results):
@@ -875,7 +881,7 @@ def test_errors_name_the_forms_fields():
     assert "“expected_batch_size (examples per step)”" in training.form_error("--expected_batch_size", "els")
 
 
-def chat_prepared(tmp_path, batch: int) -> training.PreparedRun:
+def chat_prepared(tmp_path, batch: int, **config_fields) -> training.PreparedRun:
     """A Train-tab chat run over a tiny chat model (no SmolLM2), 16 tokens per conversation."""
     from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig
 
@@ -887,7 +893,7 @@ def chat_prepared(tmp_path, batch: int) -> training.PreparedRun:
     settings = app.TrainingSettings(task="chat-sft", mechanism="uls", target_epsilon=8.0, max_steps=2,
                                     expected_batch_size=batch)
     config = ChatSFTConfig(run="t", results_dir=str(tmp_path / app.APP_RUNS_DIR), model_name_or_path=str(model_dir),
-                           max_length=16, progress=False)
+                           max_length=16, progress=False, **config_fields)
     arguments = config.training_arguments("uls", target_epsilon=8.0, expected_batch_size=batch, max_steps=2,
                                           contribution_bound=1, use_cpu=True)
     return training.PreparedRun(settings, config, arguments)
@@ -1012,3 +1018,26 @@ def test_train_tab_runs_are_in_the_results_plot(chat_results, tmp_path):
     figure = app.privacy_utility_figure(app.list_runs(only))
     assert figure is not None and f"{MECHANISMS['uls'].label}, Train tab (own test rows)" in {
         line.get_label() for line in figure.axes[0].get_lines()}
+
+
+def test_a_train_tab_chat_run_keeps_its_adapter_not_a_merged_model(monkeypatch, tmp_path, counted):
+    """A real Train-tab chat run (a tiny chat model, LoRA, 2 DP steps): its folder holds the LoRA adapter, its
+    tokenizer, card and ledger, no merged weights, and Compare generates with it merged onto its base."""
+    prepared = chat_prepared(tmp_path, 4, use_lora=True, lora_target_modules=["q_proj", "v_proj"],
+                             save_adapter_only=True)
+    prepared.config.run, prepared.arguments.output_dir = "app-chat-uls", str(
+        tmp_path / app.APP_RUNS_DIR / "models" / "app-chat-uls")
+    monkeypatch.setattr(training, "load_data", lambda prepared: chat_data())
+    result = app.run_app_training(prepared.settings, tmp_path, [], prepared=prepared)
+    folder = tmp_path / app.APP_RUNS_DIR / "models" / "app-chat-uls"
+    files = {f.name for f in folder.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= files, files
+    assert not any(name.startswith("model") and name.endswith(".safetensors") for name in files), files
+    base_weights = sum(f.stat().st_size for f in (tmp_path / "tiny-chat").glob("*.safetensors"))
+    assert (folder / "adapter_model.safetensors").stat().st_size * 5 < base_weights  # r = 8 on a tiny model
+    assert result["config"]["save_adapter_only"] and "library_name: peft" in (folder / "README.md").read_text()
+    assert "its LoRA adapter (not a merged model)" in training.job_status_markdown({"status": "done",
+                                                                                     "result": result})
+    columns = app.compare_view(tmp_path, f"{app.APP_RUNS_DIR}/app-chat-uls", "once more",
+                               app.Decoding(max_new_tokens=4))["columns"]
+    assert len(columns) == 2 and all(c["status"] == "done" for c in columns), columns

@@ -31,8 +31,8 @@ from .results import RunRecord, is_positive, list_runs, main_metric, study_is_qu
 
 # The planner's row keys shown in the Budget tab's table (one column per mechanism), with their row headers.
 PLAN_ROWS = (
-    ("contribution_bound", "G (rows kept per user)"), ("sample_rate", "q (sample rate)"),
-    ("expected_batch_size", "expected_batch_size"), ("noise_multiplier", "σ needed"),
+    ("noise_multiplier", "σ needed"), ("contribution_bound", "G (rows kept per user)"),
+    ("sample_rate", "q (sample rate)"), ("expected_batch_size", "expected_batch_size"),
     ("noise_std", "noise std (σ / expected_batch_size)"), ("epsilon_at_fixed_noise", "ε at fixed σ"),
     ("delta", "δ"), ("sampler_delta", "δ the sampler's finite support adds"),
 )
@@ -365,19 +365,19 @@ def budget_view(results_dir, target_epsilon: float, target_delta: float, privacy
     epsilon = float(target_epsilon)
     headline = [f"### {MECHANISMS[mechanism].name} at ε = {epsilon:.3g}, δ = {float(target_delta):.2g} + "
                 f"{format_number(row.get('sampler_delta'), '.1g')}"]
-    sigma = row.get("noise_multiplier")
+    sigma, group = row.get("noise_multiplier"), row.get("contribution_bound")
+    auto_bound = contribution_bound is None
+    # G beside σ: σ is the noise for the q that G gives, so a recommended G that changes with ε moves σ with it
+    at_g = "" if group is None else f" at G = {group}"
+    why = ("" if group is None else " (G given)" if not auto_bound else
+           " (G is the planner's pick for this ε; a G picked anew for another ε changes q, and σ with it: set "
+           "contribution_bound to hold G fixed)")
     if sigma is None:
         headline.append(error_md(impossible_budget(row, epsilon)))
     else:
-        headline.append(f"**Noise multiplier needed: σ = {format_number(sigma, '.4g')}**")
-    details = []
-    auto_bound = contribution_bound is None
-    if row.get("contribution_bound") is not None:
-        details.append(f"{'recommended' if auto_bound else 'given'} contribution bound "
-                       f"**G = {row['contribution_bound']}**" + (" (the planner's pick for this ε)" if auto_bound
-                                                                  else ""))
-    details.append(f"expected_batch_size = {batch_text(row)} per step (sample rate q = "
-                   f"{format_number(row.get('sample_rate'), '.4g')}), {row.get('steps')} steps")
+        headline.append(f"**Noise multiplier needed: σ = {format_number(sigma, '.4g')}{at_g}**{why}")
+    details = [f"expected_batch_size = {batch_text(row)} per step (sample rate q = "
+               f"{format_number(row.get('sample_rate'), '.4g')}), {row.get('steps')} steps"]
     if row.get("epsilon_at_fixed_noise") is not None:
         details.append(f"at the fixed σ = {format_number(row.get('fixed_noise_multiplier'), '.3g')} it would spend "
                        f"ε = {format_number(row['epsilon_at_fixed_noise'], '.3g')}")
