@@ -625,7 +625,7 @@ def test_the_budget_tab_opens_on_the_studys_budget(tmp_path, results):
     assert "uls-eps8" in study["source"]
     # and the page's boxes open on them
     values = {block.elem_id: block.value for block in app.build_app(tmp_path).blocks.values()
-              if getattr(block, "elem_id", None)}
+              if getattr(block, "elem_id", None) and hasattr(block, "value")}
     assert (values["users"], values["delta"], values["contribution-bound"], values["steps"]) == (770, 1.3e-4, 1, 60)
 
 
@@ -712,7 +712,8 @@ def test_budget_view_says_why_sigma_rises_when_the_recommended_g_changes(results
     assert (at_1["G"], at_2["G"]) == (4, 2) and at_2["sigma"] > at_1["sigma"]
     assert "**Why σ rose although ε grew:**" in headline and "from G = 4 at ε = 1 to G = 2" in headline
     # G stands beside σ, in the σ line, whether or not the previous view was another ε
-    assert re.search(r"\*\*Noise multiplier needed: σ = 1\.2\d* at G = 2\*\* \(G is the planner's pick for this ε", headline)
+    assert re.search(r"\*\*Noise multiplier needed: σ = 1\.2\d* at G = 2\*\* \(G is the planner's pick for this ε",
+                     headline)
     assert "set contribution_bound to hold G fixed" in headline
     given, table = budget(results, 2.0, fixed=None, bound=3, users=200, examples_per_user=8, examples_per_step=40,
                           steps=20)
@@ -819,8 +820,13 @@ def test_a_chat_run_never_shows_a_classifiers_placeholders(chat_results, results
     assert blocks["baseline-text"].visible and blocks["dp-text"].visible
     assert "no private data" in blocks["baseline-heading"].value
     assert "Fine-tuned model" not in blocks["dp-heading"].value
+    assert blocks["compare-text"].label == compare.TEXT_LABELS["chat"] and "class" not in blocks["compare-text"].label
+    assert blocks["compare-decoding-settings"].visible
+    assert shown["text_label"] == compare.TEXT_LABELS["chat"] and lm["text_label"] == compare.TEXT_LABELS["causal-lm"]
     blocks = {b.elem_id: b for b in app.build_app(results).blocks.values() if getattr(b, "elem_id", None)}
     assert blocks["baseline-label"].visible and not blocks["baseline-text"].visible
+    assert blocks["compare-text"].label == compare.TEXT_LABELS["classifier"]
+    assert not blocks["compare-decoding-settings"].visible  # a classifier does not decode
     assert isinstance(blocks["baseline-label"], gr.Label)
 
 

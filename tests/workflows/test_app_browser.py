@@ -188,6 +188,8 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     # --- Compare: baseline and DP model side by side on a fabricated run ------------------------
     page.get_by_role("tab", name="Compare").click()
     pick_run(page, "els-eps8")
+    wait_for_text(page, "#compare-text", "class probabilities")  # a classifier's words, no decoding settings
+    assert not page.locator("#compare-decoding-settings").is_visible()
     page.locator("#compare-text textarea").fill("Once more unto the breach, dear friends")
     page.locator("#compare-button").click()
     wait_for_text(page, "#compare-header", "els-eps8")
@@ -207,6 +209,8 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     assert not page.locator("#baseline-label").is_visible() and not page.locator("#dp-label").is_visible()
     assert "no private data" in page.locator("#baseline-heading").inner_text()
     assert "Fine-tuned model" not in page.locator("#dp-heading").inner_text()
+    assert "continues it" in page.locator("#compare-text").inner_text()
+    assert page.locator("#compare-decoding-settings").is_visible()
 
     # --- Results: the plot and the rendered privacy card -----------------------------------------
     page.get_by_role("tab", name="Results").click()
@@ -260,6 +264,8 @@ def test_train_a_chat_model_then_compare_its_generations(lm_server, page, tmp_pa
     for side, text in texts.items():
         assert text.strip() and text.strip() != prompt and "⚠️" not in text, (side, text)
     assert "no private data" in page.locator("#baseline-heading").inner_text()
+    assert "user message" in page.locator("#compare-text").inner_text()
+    assert not page.locator("#baseline-label").is_visible()
     dp_heading = page.locator("#dp-heading").inner_text()
     assert result["run"] in dp_heading and "ε = 8" in dp_heading and "completion perplexity" in dp_heading
     assert not page.locator("#non-private-text").is_visible()  # no non-private run in this folder

@@ -36,9 +36,10 @@ PLAN_ROWS = (
     ("noise_std", "noise std (σ / expected_batch_size)"), ("epsilon_at_fixed_noise", "ε at fixed σ"),
     ("delta", "δ"), ("sampler_delta", "δ the sampler's finite support adds"),
 )
-# The chat study's training data after its 64-token cut (docs/studies.md, "What the 64 tokens drop"): about 770
-# of the 817 training roles keep a conversation, about 14,500 conversations (19 per role on average). Used only when
-# the results folder has no study run to read them from; its privacy report records them (rounded) once it has.
+# The chat study's training data after its 64-token cut (docs/studies.md, "What the 64 tokens drop"): 767 of the
+# 817 training roles keep a conversation (770 as the card rounds it), 14,655 conversations (19.1 per role), measured
+# with SmolLM2's tokenizer. Used only when the results folder has no study run to read them from; its privacy report
+# records them (rounded) once it has.
 SFT_STUDY_DATA = dict(users=770, examples_per_user=19)
 # A measured run counts as measured "at" ε within this ratio (the slider's two decimals: 2^1.58 = 2.99 for 3).
 _SAME_EPSILON = 1.01

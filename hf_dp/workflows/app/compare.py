@@ -48,6 +48,10 @@ EXAMPLE_TEXTS = [
 
 # The Compare tab's column headings for a classifier (a language model's come with its columns).
 CLASSIFIER_HEADINGS = ("#### Public-only baseline (no private data)", "#### Fine-tuned model")
+# The label of the Compare tab's text box, by the kind of run picked.
+TEXT_LABELS = {"classifier": "text: both models give its class probabilities",
+               "causal-lm": "prompt: each model continues it",
+               "chat": "prompt: each model replies to it (sent as a user message)"}
 
 
 class _ModelCache:
@@ -408,19 +412,24 @@ def preload(results_dir, run_name: str | None, *, background: bool = True) -> th
 
 def compare_layout(results_dir, run_name: str | None) -> dict:
     """What the Compare tab shows for `run_name` before any click: `language_model`, the column `headings` (three,
-    `""` for a missing non-private column) and `error` (one line, or `""`). A classifier's headings for a
-    classifier, the language-model columns' for a language model: never the other kind's placeholders."""
+    `""` for a missing non-private column), `text_label` (the text box's label, [`TEXT_LABELS`]) and `error` (one
+    line, or `""`). A classifier's headings and words for a classifier, the language-model columns' for a language
+    model (a chat run's prompt is a user message): never the other kind's placeholders."""
     try:
         run = find_run(results_dir, run_name)
     except Exception as error:
-        return {"language_model": False, "headings": ["", "", ""], "error": error_md(error)}
+        return {"language_model": False, "headings": ["", "", ""], "error": error_md(error),
+                "text_label": TEXT_LABELS["classifier"]}
     if not run.is_language_model:
-        return {"language_model": False, "headings": list(CLASSIFIER_HEADINGS) + [""], "error": ""}
+        return {"language_model": False, "headings": list(CLASSIFIER_HEADINGS) + [""], "error": "",
+                "text_label": TEXT_LABELS["classifier"]}
+    shown = {"language_model": True, "headings": ["", "", ""], "error": "",
+             "text_label": TEXT_LABELS["chat" if run.is_chat else "causal-lm"]}
     try:
         headings = [spec.heading for spec in column_specs(results_dir, run)] if run.model_path is not None else []
     except Exception as error:
-        return {"language_model": True, "headings": ["", "", ""], "error": error_md(error)}
-    return {"language_model": True, "headings": (headings + ["", "", ""])[:3], "error": ""}
+        return dict(shown, error=error_md(error))
+    return dict(shown, headings=(headings + ["", "", ""])[:3])
 
 
 def compare_steps(results_dir, run_name: str | None, text: str | None, decoding: Decoding | None = None):

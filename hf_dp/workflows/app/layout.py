@@ -189,10 +189,13 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
                 with gr.Row():
                     compare_run = gr.Dropdown(choices=[], label="fine-tuned run", elem_id="compare-run", scale=3)
                     refresh = gr.Button("Reload runs", scale=1)
+                opening = compare_layout(results_dir, None)  # the default run's kind: no other kind's placeholders
+                lm_open = opening["language_model"]
                 compare_text = gr.Textbox(EXAMPLE_TEXTS[0], lines=2, elem_id="compare-text",
-                                          label="text: a classifier labels it, a language model replies to it")
+                                          label=opening["text_label"])
                 gr.Examples([[t] for t in EXAMPLE_TEXTS], [compare_text], label="pick a text")
-                with gr.Accordion("Decoding (language models): the same for every column", open=True):
+                with gr.Accordion("Decoding: the same for every column", open=True, visible=lm_open,
+                                  elem_id="compare-decoding-settings") as decoding_settings:
                     with gr.Row():
                         # no minimum/maximum/precision: Decoding says what is wrong, in the page, not in a toast
                         seed = gr.Number(0, label="seed (torch.manual_seed before each generation)",
@@ -204,8 +207,6 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
                         top_p = gr.Number(Decoding.top_p, label="top_p", step=0.05, elem_id="compare-top-p")
                 compare_button = gr.Button("Compare / generate", variant="primary", elem_id="compare-button")
                 compare_header = gr.Markdown(elem_id="compare-header")
-                opening = compare_layout(results_dir, None)  # the default run's kind: no other kind's placeholders
-                lm_open = opening["language_model"]
                 with gr.Row():
                     with gr.Column():
                         baseline_heading = gr.Markdown(opening["headings"][0], elem_id="baseline-heading")
@@ -253,14 +254,16 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
                     preload(results_dir, run_name)
                     return (shown["error"], *shown["headings"], gr.Column(visible=bool(shown["headings"][2])),
                             gr.Label(value=None, visible=not lm), gr.Label(value=None, visible=not lm),
-                            *[gr.Textbox(value="", visible=lm) for _ in range(3)], "")
+                            *[gr.Textbox(value="", visible=lm) for _ in range(3)], "",
+                            gr.Textbox(label=shown["text_label"]), gr.Accordion(visible=lm))
 
                 compare_components = [compare_header, baseline_heading, dp_heading, non_private_heading,
                                       non_private_column, baseline_label, dp_label, baseline_text, dp_text,
                                       non_private_text, decoding_md]
                 compare_button.click(on_compare, [compare_run, compare_text, seed, max_new_tokens, temperature, top_p],
                                      compare_components, show_progress="minimal")
-                compare_run.change(on_compare_run, compare_run, compare_components, show_progress="hidden")
+                compare_run.change(on_compare_run, compare_run,
+                                   compare_components + [compare_text, decoding_settings], show_progress="hidden")
 
             # ---- Results ------------------------------------------------------------------------
             with gr.Tab("Results", id="results"):
