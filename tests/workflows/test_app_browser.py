@@ -1,10 +1,12 @@
 """The Gradio app in a real browser: Debian's chromium, headless, driven by Playwright, against 127.0.0.1.
 
-Checks that the page loads, that moving the budget controls changes the planner's numbers (and that a bad budget
-is said in the page), that the Train tab labels `expected_batch_size` in the unit of the picked mechanism, that a
-comparison renders on a fabricated run, and that the Results tab shows the plot and the privacy card. Screenshots
-go to the test's tmp dir (and to `$HF_DP_SCREENSHOT_DIR` when set). Requests to anything but the local server are
-blocked and recorded: the page must not need the network.
+Checks that the page loads, that moving the budget controls changes the planner's numbers (and that a bad or
+out-of-range budget is said in the page, with no σ table left from the last one), that no number of the table is
+split over two lines at 390 px, that the Train tab labels `expected_batch_size` in the unit of the picked
+mechanism, that a comparison renders on a fabricated run (a language model's with none of a classifier's
+placeholders), and that the Results tab shows the plot and the privacy card. Screenshots go to the test's tmp dir
+(and to `$HF_DP_SCREENSHOT_DIR` when set). Requests to anything but the local server are blocked and recorded: the
+page must not need the network.
 
 Needs `/usr/bin/chromium` (`apt-get install chromium chromium-driver`; `.ci/run` installs it). Without it the
 test fails, it does not skip.
