@@ -301,29 +301,37 @@ def fit(model, training_args, train_dataset, *, data_collator, tokenizer, card: 
     return trainer, time.perf_counter() - start
 
 
-def save_model(model, tokenizer, model_dir) -> None:
+def save_model(model, tokenizer, model_dir, *, adapter_only: bool = False) -> None:
     """Save the model with its LoRA adapters merged (no peft needed to load it) and its tokenizer.
 
     A transformers model reloads with `from_pretrained(model_dir)`; an
     [`~hf_dp.workflows.tasks.classifier_models.EmbeddingClassifier`] with
-    [`~hf_dp.workflows.tasks.classifier_models.load_classifier`].
+    [`~hf_dp.workflows.tasks.classifier_models.load_classifier`]. `adapter_only` with a peft model: only the LoRA
+    adapter is saved (peft's `adapter_config.json` and `adapter_model.safetensors`, kilobytes where the merged model
+    takes hundreds of megabytes); it reloads onto its base model with `peft.PeftModel.from_pretrained`.
     """
+    if adapter_only and hasattr(model, "peft_config"):
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        return
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
 
 
-def save_run(trainer, tokenizer, model_dir, *, eval_result: float, card: dict) -> dict | None:
+def save_run(trainer, tokenizer, model_dir, *, eval_result: float, card: dict,
+             adapter_only: bool = False) -> dict | None:
     """Save model, tokenizer and card (main process only); return the privacy report (`None` if non-private).
 
     The card is rewritten with the evaluation beside the public-only baseline (post-processing: no effect on ε).
+    `adapter_only`: save the LoRA adapter instead of the merged model ([`save_model`]).
     """
     from hf_dp.card import write_privacy_card
 
     privacy = trainer.privacy_report() if hasattr(trainer, "privacy_report") else None
     if trainer.is_world_process_zero():
-        save_model(trainer.model, tokenizer, model_dir)
+        save_model(trainer.model, tokenizer, model_dir, adapter_only=adapter_only)
         if privacy is None:
             write_privacy_card({"non_private": True}, model_dir, eval_result=eval_result, **card)
         else:

@@ -1,10 +1,12 @@
 """The Gradio app in a real browser: Debian's chromium, headless, driven by Playwright, against 127.0.0.1.
 
-Checks that the page loads, that moving the budget controls changes the planner's numbers (and that a bad budget
-is said in the page), that the Train tab labels `expected_batch_size` in the unit of the picked mechanism, that a
-comparison renders on a fabricated run, and that the Results tab shows the plot and the privacy card. Screenshots
-go to the test's tmp dir (and to `$HF_DP_SCREENSHOT_DIR` when set). Requests to anything but the local server are
-blocked and recorded: the page must not need the network.
+Checks that the page loads, that moving the budget controls changes the planner's numbers (and that a bad or
+out-of-range budget is said in the page, with no σ table left from the last one), that no number of the table is
+split over two lines at 390 px, that the Train tab labels `expected_batch_size` in the unit of the picked
+mechanism, that a comparison renders on a fabricated run (a language model's with none of a classifier's
+placeholders), and that the Results tab shows the plot and the privacy card. Screenshots go to the test's tmp dir
+(and to `$HF_DP_SCREENSHOT_DIR` when set). Requests to anything but the local server are blocked and recorded: the
+page must not need the network.
 
 Needs `/usr/bin/chromium` (`apt-get install chromium chromium-driver`; `.ci/run` installs it). Without it the
 test fails, it does not skip.
@@ -133,7 +135,8 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     # --- Budget: the planner's numbers appear and follow the controls ---------------------------
     page.wait_for_function("() => /σ = [0-9.]+/.test(document.querySelector('#budget-result')?.innerText || '')")
     sigma_8 = sigma_text(page)
-    assert "Expected accuracy at ε = 8" in page.locator("#budget-result").inner_text()
+    users = page.locator("#users input").input_value()
+    assert "Measured accuracy at ε = 8" in page.locator("#budget-result").inner_text()
     assert "expected_batch_size" in page.locator("#budget-result").inner_text()
     assert MECHANISMS["els"].label in page.locator("#budget-table").inner_text()
 
@@ -153,11 +156,30 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     wait_for_text(page, "#budget-result", "⚠️")
     error_text = page.locator("#budget-result").inner_text()
     assert "delta" in error_text and "Traceback" not in page.content()
+    # the reason is in the page, and the σ table of the last good budget is gone (not left under a toast)
+    assert page.locator("#budget-table").inner_text().strip() == "" and not page.locator(".toast-body").count()
     screenshot(page, tmp_path, "budget-error")
+    page.locator("#users input").fill("-5")  # out of range: said in the page too, no toast
+    page.locator("#users input").press("Tab")
+    wait_for_text(page, "#budget-result", "users = -5")
+    assert page.locator("#budget-table").inner_text().strip() == "" and not page.locator(".toast-body").count()
+    page.locator("#users input").fill(str(users))
+    page.locator("#users input").press("Tab")
     page.locator("#delta input").fill("0.0001")
     page.locator("#delta input").press("Tab")
     assert wait_for_sigma_change(page, "")  # numbers are back
-    assert sigma_els
+    assert sigma_els and re.search(r"σ = [0-9.]+ at G = \d+", page.locator("#budget-result").inner_text())
+
+    # on a phone (390 px) no number in the table is split over two lines: the table scrolls sideways instead
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(500)
+    split = page.evaluate("""() => [...document.querySelectorAll('#budget-table .num')]
+        .filter(n => n.getClientRects().length !== 1 || n.getBoundingClientRect().height > 1.6 *
+                parseFloat(getComputedStyle(n).lineHeight || '20'))
+        .map(n => n.innerText)""")
+    assert page.locator("#budget-table .num").count() >= 20 and split == [], split
+    screenshot(page, tmp_path, "budget-phone")
+    page.set_viewport_size({"width": 1280, "height": 1000})
 
     # --- Train: expected_batch_size is labelled in the unit the picked mechanism samples ----------
     page.get_by_role("tab", name="Train").click()
@@ -168,6 +190,8 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     # --- Compare: baseline and DP model side by side on a fabricated run ------------------------
     page.get_by_role("tab", name="Compare").click()
     pick_run(page, "els-eps8")
+    wait_for_text(page, "#compare-text", "class probabilities")  # a classifier's words, no decoding settings
+    assert not page.locator("#compare-decoding-settings").is_visible()
     page.locator("#compare-text textarea").fill("Once more unto the breach, dear friends")
     page.locator("#compare-button").click()
     wait_for_text(page, "#compare-header", "els-eps8")
@@ -183,6 +207,12 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     wait_for_text(page, "#compare-header", "lm-uls-eps8")
     page.locator("#dp-text textarea").wait_for()
     assert page.locator("#baseline-text textarea").is_visible()
+    # a language model's columns only: none of a classifier's placeholders
+    assert not page.locator("#baseline-label").is_visible() and not page.locator("#dp-label").is_visible()
+    assert "no private data" in page.locator("#baseline-heading").inner_text()
+    assert "Fine-tuned model" not in page.locator("#dp-heading").inner_text()
+    assert "continues it" in page.locator("#compare-text").inner_text()
+    assert page.locator("#compare-decoding-settings").is_visible()
 
     # --- Results: the plot and the rendered privacy card -----------------------------------------
     page.get_by_role("tab", name="Results").click()
@@ -236,6 +266,8 @@ def test_train_a_chat_model_then_compare_its_generations(lm_server, page, tmp_pa
     for side, text in texts.items():
         assert text.strip() and text.strip() != prompt and "⚠️" not in text, (side, text)
     assert "no private data" in page.locator("#baseline-heading").inner_text()
+    assert "user message" in page.locator("#compare-text").inner_text()
+    assert not page.locator("#baseline-label").is_visible()
     dp_heading = page.locator("#dp-heading").inner_text()
     assert result["run"] in dp_heading and "ε = 8" in dp_heading and "completion perplexity" in dp_heading
     assert not page.locator("#non-private-text").is_visible()  # no non-private run in this folder

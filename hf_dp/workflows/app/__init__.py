@@ -61,14 +61,22 @@ from dataclasses import dataclass, field
 
 from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
 
-from .budget import budget_view, expected_accuracy_cost, plan_budget
+from .budget import budget_view, expected_accuracy_cost, plan_budget, study_budget_defaults
 from .cards import privacy_card_markdown
 from .common import AppError, one_line
-from .compare import Decoding, compare_view
+from .compare import Decoding, compare_layout, compare_steps, compare_view, preload
 from .layout import build_app
 from .plot import privacy_utility_figure
 from .results import APP_RUNS_DIR, RunRecord, list_runs, results_overview_markdown
-from .training import TrainingJob, TrainingSettings, progress_html, run_app_training
+from .training import (
+    TrainingJob,
+    TrainingSettings,
+    check_plan,
+    check_settings,
+    form_error,
+    progress_html,
+    run_app_training,
+)
 
 __all__ = [
     "APP_RUNS_DIR",
@@ -81,11 +89,17 @@ __all__ = [
     "budget_view",
     "build_app",
     "build_parser",
+    "check_plan",
+    "check_settings",
+    "compare_layout",
+    "compare_steps",
     "compare_view",
     "expected_accuracy_cost",
+    "form_error",
     "list_runs",
     "main",
     "plan_budget",
+    "preload",
     "privacy_card_markdown",
     "privacy_utility_figure",
     "progress_html",
@@ -93,6 +107,7 @@ __all__ = [
     "run",
     "run_app_training",
     "serve",
+    "study_budget_defaults",
 ]
 
 

@@ -19,18 +19,22 @@ from .results import NON_PRIVATE, RunRecord, is_positive, main_metric, study_is_
 def privacy_utility_figure(runs: Sequence[RunRecord]):
     """The metric against ε spent (log x) per DP mechanism (adaptive clipping as its own dashed series), the
     public-only baseline and the non-private run as horizontal lines (the non-private run also as a point at
-    ε = ∞). Markers, colors and labels are those of [`~hf_dp.vocabulary.MECHANISMS`]; the Train tab's runs are left
-    out. Accuracy, or test NLL (log perplexity, lower is better) for language models.
+    ε = ∞). Markers, colors and labels are those of [`~hf_dp.vocabulary.MECHANISMS`]. The Train tab's runs of the
+    same metric are drawn as hollow points of their mechanism's marker and color, labelled "Train tab" (they train
+    on small subsets and score on their own test rows, so they are not joined to the study's lines). Accuracy, or
+    test NLL (log perplexity, lower is better) for language models.
 
     Returns a matplotlib `Figure` (for `gr.Plot`), or `None` when there is no run to plot.
     """
     from matplotlib.figure import Figure
 
-    study = [r for r in runs if not r.from_app and r.eval_result is not None]
-    if not study:
+    scored = [r for r in runs if r.eval_result is not None]
+    study = [r for r in scored if not r.from_app]
+    if not scored:
         return None
-    metric_name = main_metric(study)
+    metric_name = main_metric(study or scored)
     study = [r for r in study if r.metric_name == metric_name]
+    app_runs = [r for r in scored if r.from_app and r.metric_name == metric_name]
     lower = lower_is_better(metric_name)
     fig = Figure(figsize=(7.5, 4.6), dpi=110)
     ax = fig.add_subplot(1, 1, 1)
@@ -48,11 +52,23 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
             ax.plot(xs, ys, marker=style.marker, color=style.color, linestyle="--" if adaptive else "-",
                     markerfacecolor="white" if adaptive else style.color,
                     label=style.label + (", adaptive clipping" if adaptive else ""))
+    app_points = {}
+    for r in app_runs:
+        if r.is_dp and is_positive(r.result.get("epsilon")):
+            app_points.setdefault(r.mechanism, []).append((float(r.result["epsilon"]), metric_value(r.result)))
+        elif r.mechanism == NON_PRIVATE:
+            app_points.setdefault(NON_PRIVATE, []).append((None, metric_value(r.result)))
+    epsilons += [e for points in app_points.values() for e, _ in points if e is not None]
     low, high = (min(epsilons), max(epsilons)) if epsilons else (1.0, 8.0)
     right = high * 2.5
+    for key, points in app_points.items():
+        style = MECHANISMS[key]
+        xs = [right if e is None else e for e, _ in points]
+        ax.plot(xs, [y for _, y in points], marker=style.marker, markersize=9, color=style.color,
+                markerfacecolor="none", linestyle="none", label=f"{style.label}, Train tab (own test rows)")
     baseline = next((metric_value(r.result) for r in study if r.is_baseline), None)
     if baseline is None:  # the DP runs record the baseline's figure on their test rows
-        recorded = next((float(r.result["baseline_result"]) for r in study
+        recorded = next((float(r.result["baseline_result"]) for r in study or app_runs
                          if r.result.get("baseline_result") is not None), None)
         baseline = None if recorded is None else (math.log(recorded) if lower else recorded)
     if baseline is not None:
@@ -73,7 +89,7 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
     ax.set_xlabel("ε spent (log scale)")
     ax.set_ylabel(f"test NLL = log {metric_name}\n(nats per token; lower is better)" if lower
                   else f"test {metric_name}")
-    quick = study_is_quick(study[0].folder)
+    quick = bool(study) and study_is_quick(study[0].folder)
     ax.set_title("Privacy / utility" + (" (quick study: the numbers mean nothing)" if quick else ""), fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")

@@ -95,12 +95,15 @@ class ChatSFTConfig(RunConfig):
         system_prompt (`str`, *optional*): a system message put before every conversation, train and test (public
             text, the same for every row); `None` keeps the conversations as they are (the chat template may add
             its own default system message: SmolLM2's adds a 20-token one).
+        save_adapter_only (`bool`, *optional*, defaults to `False`): with LoRA, save only the adapter (a few
+            hundred kilobytes; it loads onto `model_name_or_path`) instead of the merged model (the app's Train tab).
     """
 
     text_column: str = "messages"
     max_length: int = 256
     tokenizer_name_or_path: str | None = None
     system_prompt: str | None = None
+    save_adapter_only: bool = False
 
     DP_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 1e-3, "num_train_epochs": 2.0,
                                             "per_device_train_batch_size": 16}
@@ -200,13 +203,13 @@ def to_prompt_completion(dataset, *, messages_column: str = "messages", keep_col
 
 
 def tokenize_prompt_completion(dataset, tokenizer, *, max_length: int | None = 256,
-                               truncation_mode: str = "keep_start"):
+                               truncation_mode: str = "keep_start", keep_columns: Sequence[str] = ()):
     """`input_ids` and `labels` of prompt/completion rows, as SFTTrainer prepares them.
 
     `input_ids` is the chat template applied to prompt + completion; the completion starts where it and the prompt
     rendered with its generation prompt diverge (their common prefix, as TRL does); `labels` are -100 on the prompt.
     Rows are truncated to `max_length` (`truncation_mode` as SFTConfig's), and rows left with no completion token
-    dropped. Every other column is dropped.
+    dropped. Every other column but `keep_columns` (e.g. the user column) is dropped.
     """
     def encode(row):
         prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
@@ -222,7 +225,8 @@ def tokenize_prompt_completion(dataset, tokenizer, *, max_length: int | None = 2
             ids, labels = ids[cut], labels[cut]
         return {"input_ids": ids, "labels": labels}
 
-    tokenized = dataset.map(encode, remove_columns=dataset.column_names, desc="Tokenizing conversations")
+    tokenized = dataset.map(encode, remove_columns=[c for c in dataset.column_names if c not in keep_columns],
+                            desc="Tokenizing conversations")
     return tokenized.filter(lambda labels: any(label != -100 for label in labels[1:]), input_columns="labels")
 
 
@@ -295,6 +299,9 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
         baseline_result = completion_perplexity(model, test, **evaluate)
     card = dict(dataset_name=data.dataset_name, metric_name=METRIC_NAME, baseline_result=baseline_result,
                 non_private_result=config.non_private_result, base_model=base_model, task="text-generation")
+    adapter_only = bool(config.save_adapter_only and config.use_lora)
+    if adapter_only:
+        card["library_name"] = "peft"
     columns = ["prompt", "completion"] + ([config.user_id_column] if mechanism != "non-private" else [])
     set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     trainer = _sft_trainer(model, training_args, data.train.select_columns(columns), tokenizer, card,
@@ -308,7 +315,7 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
     eval_seconds = time.perf_counter() - start
 
     model_dir = Path(training_args.output_dir)
-    privacy = save_run(trainer, tokenizer, model_dir, eval_result=eval_result, card=card)
+    privacy = save_run(trainer, tokenizer, model_dir, eval_result=eval_result, card=card, adapter_only=adapter_only)
     result = result_record(
         config, training_args=training_args, privacy=privacy, task=TASK, metric_name=METRIC_NAME,
         eval_result=eval_result, baseline_result=baseline_result, model_dir=model_dir, base_model=base_model,
