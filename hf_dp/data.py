@@ -87,13 +87,16 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
     ids = dataset[user_id_column]
     missing = sum(_is_missing(u) for u in ids)
     if missing:
-        logger.warning("Dropping %d training rows without a %r value.", missing, user_id_column)
+        logger.warning("Dropping %d training rows without a %r value (None, NaN or an empty string): they are not "
+                       "trained on, and not counted as users.", missing, user_id_column)
     keys = _as_keys(ids)
     _check_one_id_type(keys, user_id_column)
     rows_by_user: dict = {}
     for row, user in enumerate(keys):
         if user is not None:
             rows_by_user.setdefault(user, []).append(row)
+    if not rows_by_user and len(keys) == 0:
+        raise ValueError("The training dataset has no rows: DP training needs at least one user's rows.")
     if not rows_by_user:
         raise ValueError(
             f"No training row has a {user_id_column!r} value: DP training needs at least one user. "
@@ -198,6 +201,21 @@ def _check_one_id_type(keys, user_id_column: str) -> None:
                 )
 
 
+def user_id_kinds(ids) -> dict:
+    """The kinds of the present user ids ("string", "number", "list", ...), each with one example id (missing ids
+    skipped): ids of two kinds cannot be compared (3 and "3" may be one person)."""
+    kinds: dict = {}
+    for key in _as_keys(ids):
+        if key is not None:
+            kinds.setdefault(_id_kind(key), key)
+    return kinds
+
+
+def user_keys(ids) -> set:
+    """The present user ids as a set of hashable keys (lists as tuples, dicts by their repr; missing ids skipped)."""
+    return {repr(key) if isinstance(key, dict) else key for key in _as_keys(ids) if key is not None}
+
+
 def _id_kind(user) -> str:
     if isinstance(user, (str, bytes)):
         return "string"
@@ -214,9 +232,12 @@ def _as_keys(ids):
 
 
 def _is_missing(user) -> bool:
-    """`None`, a float or numpy NaN, or pandas' NA / NaT: no user (each NaN would otherwise be a user of its own)."""
+    """`None`, a float or numpy NaN, pandas' NA / NaT, or an empty (or blank) string: no user (each NaN would otherwise
+    be a user of its own, and every row with an empty id one user shared by many people)."""
     if user is None:
         return True
+    if isinstance(user, str):
+        return not user.strip()
     if isinstance(user, (float, np.floating)):
         return bool(np.isnan(user))
     return type(user).__name__ in ("NAType", "NaTType")
