@@ -110,7 +110,8 @@ def test_training_data_with_no_labelled_token_is_refused(tmp_path):
 
 def test_causal_lm_labels_on_the_first_token_only_are_refused(tmp_path):
     """A causal LM never predicts a row's first token: labels there alone (e.g. max_length=1) train on noise."""
-    data = user_dataset(causal_lm=True).map(lambda row: {"labels": row["labels"][:1] + [-100] * 8})
+    data = user_dataset(causal_lm=True).map(
+        lambda row: {"labels": row["labels"][:1] + [-100] * (len(row["labels"]) - 1)})
     with pytest.raises(ValueError, match="only the first token of a row, which a causal LM never predicts"):
         make_trainer(tmp_path, model=tiny_llama(), dataset=data)
     make_trainer(tmp_path, dataset=user_dataset().map(lambda row: {"labels": row["labels"]}))  # class labels: fine
