@@ -123,7 +123,14 @@ def probe_batch(trainer, dataset) -> dict:
     """The first training rows collated like a micro-batch, for the batch-independence, loss and clipping probes."""
     dataset = trainer._remove_unused_columns(dataset, description="training")
     examples = [dataset[i] for i in range(min(len(dataset), max(2, trainer.args.per_device_train_batch_size), 4))]
-    features = trainer.data_collator(examples)
+    try:
+        features = trainer.data_collator(examples)
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:  # e.g. rows of several lengths, no padding
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"The data collator ({type(trainer.data_collator).__name__}) cannot batch the first training "
+                         f"rows ({type(error).__name__}: {reason}): rows of different lengths need a padding collator; "
+                         "pass processing_class=tokenizer (Trainer then pads with DataCollatorWithPadding) or a "
+                         "data_collator that pads.") from error
     if packed_example_ids(features) is not None:
         # Packed into one row: the probe perturbs one row and watches the others, so give it one example per
         # row (each collated alone, cut to the shortest).

@@ -65,7 +65,7 @@ class UserPartition:
 
 def examples_per_user(dataset, user_id_column: str) -> np.ndarray:
     """Rows per user (ignoring rows without a user id): what the contribution-bound heuristics read."""
-    _check_user_column(dataset, user_id_column)
+    check_user_column(dataset, user_id_column)
     keys = _as_keys(dataset[user_id_column])
     _check_one_id_type(keys, user_id_column)
     counts = Counter(u for u in keys if u is not None)
@@ -83,7 +83,7 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
         ValueError: the column is missing, its ids mix types (3 and "3" would be two users), or no row with a user
             id remains.
     """
-    _check_user_column(dataset, user_id_column)
+    check_user_column(dataset, user_id_column)
     ids = dataset[user_id_column]
     missing = sum(_is_missing(u) for u in ids)
     if missing:
@@ -153,7 +153,9 @@ def keyed_uniform(secret, user_id, purpose: str) -> float:
     return keyed_seed(secret, user_id, purpose) / 2.0**64
 
 
-def _check_user_column(dataset, user_id_column: str) -> None:
+def check_user_column(dataset, user_id_column: str) -> None:
+    """Refuse a training dataset DP training cannot partition by user: a streamed one (`TypeError`: materialise it), not
+    a `datasets.Dataset` (`TypeError`), or without the user column (`ValueError`); one line each."""
     if _is_iterable_dataset(dataset):
         raise TypeError(
             f"train_dataset is a streamed dataset ({type(dataset).__name__}, an IterableDataset): Poisson sampling "

@@ -102,6 +102,13 @@ def test_dict_user_ids_are_refused(tmp_path):
         make_trainer(tmp_path, dataset=data)
 
 
+def test_rows_the_collator_cannot_batch_are_refused_in_one_line(tmp_path):
+    """No processing_class, no data_collator: Trainer's default collator cannot stack rows of several lengths."""
+    with pytest.raises(ValueError, match="cannot batch the first training rows .* need a padding collator") as error:
+        DPTrainer(model=tiny_bert(), args=make_args(tmp_path), train_dataset=user_dataset())
+    assert "\n" not in str(error.value)
+
+
 def test_training_data_with_no_labelled_token_is_refused(tmp_path):
     data = user_dataset(causal_lm=True).map(lambda row: {"labels": [-100] * len(row["labels"])})
     with pytest.raises(ValueError, match="No label in the training data is a target"):
