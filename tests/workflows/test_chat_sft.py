@@ -239,12 +239,13 @@ def test_sft_recipe_main_runs_non_private_with_plain_sft_arguments(tmp_path, mon
     recipe = load_recipe()
     seen = {}
 
-    def fake_run(config, training_args):
+    def fake_run(config, training_args, data=None):
         seen.update(config=config, training_args=training_args)
         return {"run": config.run, "mechanism": "non-private", "epsilon": None, "delta": None, "eval_result": 12.0,
                 "baseline_result": 20.0}
 
     monkeypatch.setattr(recipe, "run_chat_sft", fake_run)
+    monkeypatch.setattr(recipe, "load_chat_data", lambda config: None)
     recipe.main(*recipe.make_parser().parse_args_into_dataclasses([
         "--model_name_or_path", "some/chat-model", "--output_dir", str(tmp_path / "chat-np"), "--dataset",
         "chats.jsonl", "--user_id_column", "author", "--max_length", "128", "--bf16", "false", "--non_private",
@@ -257,6 +258,41 @@ def test_sft_recipe_main_runs_non_private_with_plain_sft_arguments(tmp_path, mon
     assert (config.run, config.dataset, config.user_id_column, config.max_length, config.max_eval_examples) == (
         "chat-np", "chats.jsonl", "author", 128, 20)
     assert "completion perplexity 12; public-only baseline 20" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, content, match", [
+    (["--max_length", "0"], None, "max_length=0: a conversation needs a token and the next one"),
+    (["--packing", "true"], None, "packing=True: packed rows hold several users' examples"),
+    ([], "", "has no rows"),
+    ([], '{"user_id": 1, "messages": []}\n{"user_id": "2", "messages": []}\n', "holds values of several kinds"),
+    (["--user_id_column", "author"], '{"user_id": "a", "messages": []}\n', "User column 'author' not found"),
+], ids=["max-length-0", "packing", "empty-file", "mixed-ids", "no-user-column"])
+def test_sft_recipe_refusals_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, flags, content, match):
+    """`recipes/sft.py` prints `prog: error: <one line>` and exits 2 like the other recipes, before the model is
+    fetched (bad data is read first)."""
+    import hf_dp.workflows.pretrained
+
+    recipe = load_recipe()
+
+    def never():
+        raise AssertionError("the model was fetched before the data was checked")
+
+    monkeypatch.setattr(recipe, "smollm2_path", never)
+    monkeypatch.setattr(hf_dp.workflows.pretrained, "smollm2_path", never)
+    data = tmp_path / "chats.jsonl"
+    if content is not None:
+        data.write_text(content)
+        flags = flags + ["--dataset", str(data)]
+    try:  # a refused flag exits in argparse; refused data returns the status
+        status = recipe.run_recipe(recipe.make_parser(), recipe.main, flags + [
+            "--output_dir", str(tmp_path / "models" / "chat"), "--results_dir", str(tmp_path / "r"), "--report_to",
+            "none", "--use_cpu", "true", "--bf16", "false"])
+    except SystemExit as exit_:
+        status = exit_.code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert status == 2 and len(errors) == 1 and match in errors[0] and "Traceback" not in err, err
+    assert not (tmp_path / "models").exists()
 
 
 @pytest.mark.slow
