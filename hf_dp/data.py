@@ -102,12 +102,7 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
             f"No training row has a {user_id_column!r} value: DP training needs at least one user. "
             "Fill the user column or point --user_id_column at the right one."
         )
-    kept = []
-    for user, rows in rows_by_user.items():
-        if contribution_bound is not None and len(rows) > contribution_bound:
-            rng = np.random.default_rng(keyed_seed(secret, user, "rows"))
-            rows = sorted(rng.choice(rows, size=contribution_bound, replace=False).tolist())
-        kept.append(rows)
+    kept = [_draw_rows(rows, contribution_bound, secret, user, "rows") for user, rows in rows_by_user.items()]
     keep = np.sort(np.concatenate([np.asarray(r, dtype=np.int64) for r in kept]))
     position = np.full(len(ids), -1, dtype=np.int64)
     position[keep] = np.arange(len(keep))
@@ -151,6 +146,35 @@ def keyed_seed(secret, user_id, purpose: str) -> int:
 def keyed_uniform(secret, user_id, purpose: str) -> float:
     """A number uniform in [0, 1) from (`secret`, `user_id`) alone (see [`keyed_seed`])."""
     return keyed_seed(secret, user_id, purpose) / 2.0**64
+
+
+def bound_rows(dataset, user_id_column: str, contribution_bound: int, secret, purpose: str):
+    """`dataset` with at most `contribution_bound` rows per user, drawn from (`secret`, user id, `purpose`) alone like
+    [`partition_by_user`]'s; the user column, the order and the rows without a user id are kept (for a base trainer
+    that prepares, e.g. tokenizes, the rows: it then prepares only rows that can be trained on).
+
+    Raises:
+        TypeError, ValueError: as [`partition_by_user`] (no user column, ids of several types).
+    """
+    check_user_column(dataset, user_id_column)
+    keys = _as_keys(dataset[user_id_column])
+    _check_one_id_type(keys, user_id_column)
+    rows_by_user: dict = {}
+    for row, user in enumerate(keys):
+        rows_by_user.setdefault(user, []).append(row)
+    if all(len(rows) <= contribution_bound for user, rows in rows_by_user.items() if user is not None):
+        return dataset
+    keep = [row for user, rows in rows_by_user.items()
+            for row in (rows if user is None else _draw_rows(rows, contribution_bound, secret, user, purpose))]
+    return dataset.select(sorted(keep))
+
+
+def _draw_rows(rows: list, contribution_bound: int | None, secret, user, purpose: str) -> list:
+    """At most `contribution_bound` of one user's `rows`, drawn from (`secret`, user, `purpose`) alone."""
+    if contribution_bound is None or len(rows) <= contribution_bound:
+        return rows
+    rng = np.random.default_rng(keyed_seed(secret, user, purpose))
+    return sorted(rng.choice(rows, size=contribution_bound, replace=False).tolist())
 
 
 def check_user_column(dataset, user_id_column: str) -> None:

@@ -26,8 +26,10 @@ except ImportError as error:  # pragma: no cover - exercised by the packaging te
 
 from transformers import TrainingArguments
 
+from .accounting.planner import CONTRIBUTION_BOUND_GRID
 from .arguments import DPTrainingArguments
-from .data import check_user_column
+from .checkpoint import read_checkpoint
+from .data import bound_rows, check_user_column
 from .trainer import DPTrainerMixin
 
 logger = logging.getLogger(__name__)
@@ -93,7 +95,8 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
         if max_length is not None and not (isinstance(max_length, int) and not isinstance(max_length, bool)
                                            and max_length >= 2):
             raise ValueError(f"Invalid DPSFTConfig: max_length={max_length!r}: a conversation needs a token and the "
-                             "next one to learn from, and a shorter cut leaves every loss 0 (noise alone, ε spent); use "
+                             "next one to learn from, and a shorter cut leaves every loss 0 (noise alone, ε spent); "
+                             "use "
                              "a whole number >= 2 (e.g. 1024), or None for no truncation.")
         super().__post_init__()
         problems = []
@@ -159,7 +162,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                                 for key, value in eval_dataset.items()}
             elif eval_dataset is not None:
                 eval_dataset = prepare_rows(eval_dataset, args, formatting_func, "eval_dataset")
-        self._rows_given = len(train_dataset)
+        self._rows_given = len(train_dataset)  # the rows within the bound, once drawn (_prepare_dataset)
         try:
             super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class,
                              compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
@@ -177,12 +180,35 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                              f"{reason}): check that every message's role and content are ones this template "
                              "accepts.") from error
 
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        """TRL's preparation (chat template, tokenization, truncation), of the training rows within the bound only:
+        at most G rows per user (G's largest value, 256, for `contribution_bound="auto"`, whose ε-DP draw then reads
+        the capped counts), drawn with the run's data secret, so the rows beyond G are never tokenized."""
+        if dataset_name == "train" and isinstance(args, DPSFTConfig):
+            self._train_to_prepare = (dataset, processing_class, args, packing, formatting_func, dataset_name)
+            dataset = bound_before_preparing(dataset, args, self._data_secret)
+            self._rows_given = len(dataset)
+        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+
+    def _resume_privacy_state(self, folder: str) -> None:
+        """A checkpoint with another data secret chose other rows within the bound: prepare those again first."""
+        saved = read_checkpoint(folder).data_secret
+        given = getattr(self, "_train_to_prepare", None)
+        if given is not None and saved is not None and saved != self._data_secret:
+            secret, self._data_secret = self._data_secret, saved
+            try:
+                self._user_dataset = self._prepare_dataset(*given)
+            finally:
+                self._data_secret = secret  # the mixin replaces it, and partitions the rows prepared here
+        super()._resume_privacy_state(folder)
+
     def _partition_users(self, args: DPTrainingArguments) -> None:
         given, prepared = getattr(self, "_rows_given", None), len(self._user_dataset)
         if given and not prepared:
             raise ValueError(f"SFTTrainer's preparation left none of the {given} training rows: it drops rows with no "
                              f"labelled token once truncated to max_length={args.max_length} "
-                             f"(truncation_mode={args.truncation_mode!r}), which cut every reply away; raise max_length "
+                             f"(truncation_mode={args.truncation_mode!r}), which cut every reply away; "
+                             "raise max_length "
                              "(e.g. 1024, or None for no truncation), or check completion_only_loss and "
                              "assistant_only_loss.")
         if given and prepared < given:
@@ -216,6 +242,17 @@ _NO_ASSISTANT_MASK = (
     "marks miss it; give every assistant turn some content, or set assistant_only_loss=False (prompt/completion rows "
     "with completion_only_loss need no marks)."
 )
+
+
+def bound_before_preparing(dataset, args: DPSFTConfig, secret):
+    """The training rows SFTTrainer needs to prepare: at most G per user (every row at example level, or without a
+    bound). Each user's rows are drawn from (secret, user id) alone, like the partition's, so the guarantee is the
+    same; the partition after the preparation then keeps them all (fewer where a row had no labelled token left)."""
+    bound = args.contribution_bound
+    if bound is None or args.mechanism == "example":
+        return dataset
+    cap = CONTRIBUTION_BOUND_GRID[-1] if bound == "auto" else int(bound)
+    return bound_rows(dataset, args.user_id_column, cap, secret, "rows before preparation")
 
 
 def check_processing_class(model, processing_class) -> None:

@@ -171,7 +171,7 @@ def test_the_config_round_trips_through_json(tmp_path):
     assert (state["sampling"], state["contribution_bound"], state["assistant_only_loss"]) == ("els", 4, True)
 
 
-# ---- bad inputs: refused before TRL prepares anything, in one line ----------------------------------------------------
+# ---- bad inputs: refused before TRL prepares anything, in one line -------------------------------------------------
 
 GOOD = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"}]
 
@@ -276,6 +276,63 @@ def test_the_default_config_uses_the_new_checkpointing_names(tmp_path):
         args = DPSFTConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False)
     assert args.gradient_checkpointing is True  # SFTConfig's default, kept
     if ACTIVATION_CHECKPOINTING:
-        assert args.activation_checkpointing is True and args.activation_checkpointing_kwargs == {"use_reentrant": False}
+        assert args.activation_checkpointing is True
+        assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
     off = config(tmp_path, gradient_checkpointing=False)  # the deprecated name still works
     assert off.gradient_checkpointing is False
+
+
+# ---- the bound before TRL's preparation ------------------------------------------------------------------------------
+
+
+def heavy_user_conversations() -> Dataset:
+    """24 users, one of them with 40 conversations."""
+    data = conversations()
+    heavy = Dataset.from_dict({"messages": [GOOD] * 40, "user_id": ["heavy"] * 40})
+    from datasets import concatenate_datasets
+
+    return concatenate_datasets([data, heavy])
+
+
+def test_rows_beyond_the_bound_are_not_prepared(tmp_path, monkeypatch):
+    from trl import SFTTrainer
+
+    prepared = []
+    original = SFTTrainer._prepare_dataset
+
+    def spy(self, dataset, *rest):
+        prepared.append((rest[-1], len(dataset)))
+        return original(self, dataset, *rest)
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_dataset", spy)
+    data = heavy_user_conversations()
+    counts = {user: data["user_id"].count(user) for user in set(data["user_id"])}
+    sft = trainer(tmp_path, dataset=data, contribution_bound=2)
+    assert prepared == [("train", sum(min(n, 2) for n in counts.values()))]
+    assert sft.partition.num_examples == prepared[0][1] and max(len(r) for r in sft.partition.user_rows) == 2
+    prepared.clear()
+    trainer(tmp_path, dataset=data, contribution_bound="auto")  # capped at G's largest value: nothing cut here
+    assert prepared == [("train", len(data))]
+    prepared.clear()
+    trainer(tmp_path, dataset=data, privacy_unit="example", contribution_bound=None)
+    assert prepared == [("train", len(data))]
+
+
+def test_a_resume_with_another_data_secret_prepares_the_checkpoints_rows(tmp_path):
+    """Each construction draws a fresh data secret; resuming from a checkpoint trains on the rows its secret chose."""
+    data = heavy_user_conversations()
+    first = trainer(tmp_path, dataset=data, contribution_bound=2, noise_seed=None, max_steps=2, save_strategy="steps",
+                    save_steps=1)
+    first.train()
+    resumed = trainer(tmp_path, dataset=data, contribution_bound=2, noise_seed=None, max_steps=2)
+    assert resumed._data_secret != first._data_secret
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert resumed._data_secret == first._data_secret
+    assert resumed.partition.dataset["input_ids"] == first.partition.dataset["input_ids"]
+    assert resumed.accountant.steps == 2
+
+
+def test_dict_user_ids_are_refused_before_trl_prepares_the_rows(tmp_path):
+    data = conversations().map(lambda row: {"user_id": {"id": row["user_id"]}})
+    with pytest.raises(ValueError, match="user_id_column 'user_id' holds dicts .* a user id must be one value"):
+        trainer(tmp_path, dataset=data, contribution_bound=2)
