@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from filelock import FileLock, Timeout
+from safetensors import SafetensorError
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -241,14 +242,21 @@ def _saved_tracker(saved: SavedRun, plan: PrivacyPlan) -> QuantileTracker | None
     return tracker
 
 
+class SaveFailed(OSError, RuntimeError):
+    """A checkpoint that could not be written (an `OSError`, so commands print it as one line; a `RuntimeError` as
+    before)."""
+
+
 @contextlib.contextmanager
 def failure_stated(folder: str):
-    """Turn a failed save (a full disk, a lost mount) into one line that says what is left usable."""
+    """Turn a failed save (a full disk, a lost mount; in torch.save or safetensors) into one line that says what is
+    left usable."""
     try:
         yield
-    except (OSError, RuntimeError) as error:
-        raise RuntimeError(f"Saving {folder} failed ({type(error).__name__}: {str(error).strip()[:200]}): it is "
-                           "incomplete and will not be resumed from; earlier checkpoints are intact.") from error
+    except (OSError, RuntimeError, SafetensorError) as error:
+        reason = " ".join(str(error).split())[:200]
+        raise SaveFailed(f"Saving {folder} failed ({type(error).__name__}: {reason}): it is incomplete and will not "
+                         "be resumed from; earlier checkpoints are intact.") from error
 
 
 @contextlib.contextmanager
