@@ -90,6 +90,7 @@ def test_dp_sft_trains_with_the_ledger_card_and_no_batch_metrics(tmp_path, sampl
     assert "dp/epsilon" in keys and not keys & set(SFT_TRAINING_METRICS)
     card = (tmp_path / "out" / "README.md").read_text()
     assert "user-level" in card and "SFTTrainer's training metrics" in card  # the privacy card, not TRL's
+    assert "pipeline_tag: text-generation" in card
     assert check_privacy_card(tmp_path / "out")["epsilon"] == pytest.approx(report["epsilon"], rel=1e-2)
 
 
