@@ -189,7 +189,18 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
                          "Resume from a full checkpoint, or start a new run from these weights.")
     current = plan.fingerprint(args)
     changed = {k: (saved.config.get(k), v) for k, v in current.items() if not same(saved.config.get(k), v)}
+    steps = _saved_max_steps(saved.folder)
+    follows_steps = {"noise_multiplier", "logging_noise_multiplier", "clipping_count_noise"}  # σ and what scales with it
+    if "noise_multiplier" in changed and set(changed) <= follows_steps and args.target_epsilon is not None \
+            and steps not in (None, args.max_steps):
+        sigma = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"Checkpoint {saved.folder} was trained for max_steps={steps}, this run plans "
+                         f"max_steps={args.max_steps}: at target_epsilon={args.target_epsilon:g} the noise follows the "
+                         f"number of steps ({sigma}), so the ledger would not stay true; resume with "
+                         f"max_steps={steps} (and the same num_train_epochs), or start a new run.")
     if changed:
+        if steps not in (None, args.max_steps):
+            changed["max_steps"] = (steps, args.max_steps)
         details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
         raise ValueError(f"Checkpoint {saved.folder} was trained under a different privacy configuration ({details}). "
                          "Resume with the same privacy arguments and data, or start a new run.")
@@ -202,6 +213,16 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
                              f"not this run's {expected}: the ledger does not match the plan; start a new run.")
     _note_later_checkpoints(saved.folder)
     return _saved_tracker(saved, plan)
+
+
+def _saved_max_steps(folder: str) -> int | None:
+    """The `max_steps` Trainer saved in the checkpoint's `trainer_state.json` (None if unreadable)."""
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as file:
+            steps = json.load(file).get("max_steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _note_later_checkpoints(folder: str) -> None:

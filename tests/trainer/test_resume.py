@@ -120,6 +120,11 @@ def test_resume_with_other_privacy_arguments_is_refused(tmp_path):
     other = make_trainer(tmp_path, max_steps=4, max_grad_norm=0.5)
     with pytest.raises(ValueError, match="different privacy configuration.*max_grad_norm"):
         other.train(resume_from_checkpoint=checkpoint)
+    longer = make_trainer(tmp_path, max_steps=4)  # at a target ε, σ follows the steps: the refusal names the steps
+    with pytest.raises(ValueError, match=r"trained for max_steps=2, this run plans max_steps=4: .*noise_multiplier.* "
+                                         r"resume with max_steps=2") as error:
+        longer.train(resume_from_checkpoint=checkpoint)
+    assert "\n" not in str(error.value)
     os.remove(os.path.join(checkpoint, "dp_ledger.json"))
     same = make_trainer(tmp_path, max_steps=4)
     with pytest.raises(ValueError, match="incomplete or was not written by a DP trainer: it has no dp_ledger.json"):
