@@ -22,6 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from filelock import FileLock, Timeout
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
 from safetensors import SafetensorError
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -282,9 +287,10 @@ def failure_stated(folder: str):
 
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str, enabled: bool = True):
-    """Hold an exclusive lock on `output_dir/_hf_dp.lock` while one run writes there.
+    """Hold an exclusive lock on `output_dir/_hf_dp.lock` while one run writes there; the file is removed after.
 
     The OS releases the lock when the process ends, even if it crashes: a leftover file does not block a later run.
+    A run that finds the file removed between opening and locking it (the previous run ending) opens it again.
 
     Raises:
         RuntimeError: another live run holds the lock.
@@ -294,16 +300,44 @@ def output_dir_lock(output_dir: str, enabled: bool = True):
         return
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK_FILE)
-    lock = FileLock(path, timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise RuntimeError(f"output_dir={output_dir!r} is in use by another live training run ({path} is locked): "
-                           "wait for it to finish or choose another --output_dir.") from None
+    busy = (f"output_dir={output_dir!r} is in use by another live training run ({path} is locked): wait for it to "
+            "finish or choose another --output_dir.")
+    if fcntl is None:  # pragma: no cover - not POSIX: filelock's lock, its file left in place
+        lock = FileLock(path, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise RuntimeError(busy) from None
+        try:
+            yield
+        finally:
+            lock.release()
+        return
+    fd = _lock_file(path, busy)
     try:
         yield
     finally:
-        lock.release()
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still held, so no later run locks a removed file
+        os.close(fd)  # releases the lock
+
+
+def _lock_file(path: str, busy: str) -> int:
+    """A descriptor of `path` holding its exclusive lock (the file at `path` now, not one removed meanwhile)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError: held by a live run
+            os.close(fd)
+            raise RuntimeError(busy) from None
+        try:
+            held, current = os.fstat(fd), os.stat(path)
+            if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the run that held it removed it on finishing: lock the new one
 
 
 def read_json(path: str, what: str):

@@ -241,6 +241,7 @@ def test_a_second_live_run_in_the_same_output_dir_is_refused(tmp_path):
     assert lock_path.exists()  # a stale lock file (lock not held) does not block
     make_trainer(tmp_path, max_steps=1).train()
     make_trainer(tmp_path, max_steps=1).train()  # nor does a finished run
+    assert not lock_path.exists()  # a finished run leaves no lock file in its model folder
 
 
 def test_the_lock_is_released_when_training_fails(tmp_path):
@@ -250,5 +251,6 @@ def test_the_lock_is_released_when_training_fails(tmp_path):
                         data_collator=pad_collator, optimizers=(torch.optim.SGD(stale, lr=0.1), None))
     with pytest.raises(RuntimeError, match="no gradient"):
         trainer.train()
-    with open(tmp_path / "out" / LOCK_FILE) as lock:
+    assert not (tmp_path / "out" / LOCK_FILE).exists()  # released and removed
+    with open(tmp_path / "out" / LOCK_FILE, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
