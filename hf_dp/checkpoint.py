@@ -195,7 +195,7 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
     current = plan.fingerprint(args)
     changed = {k: (saved.config.get(k), v) for k, v in current.items() if not same(saved.config.get(k), v)}
     steps = _saved_max_steps(saved.folder)
-    follows_steps = {"noise_multiplier", "logging_noise_multiplier", "clipping_count_noise"}  # σ and what scales with it
+    follows_steps = {"noise_multiplier", "logging_noise_multiplier", "clipping_count_noise"}  # σ and what follows it
     if "noise_multiplier" in changed and set(changed) <= follows_steps and args.target_epsilon is not None \
             and steps not in (None, args.max_steps):
         sigma = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
