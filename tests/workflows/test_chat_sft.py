@@ -135,7 +135,7 @@ def untouched_perplexity(data: TextData, max_length: int) -> float:
 
 
 @pytest.mark.parametrize("mechanism, use_lora", [("uls", True), ("els", False), ("non-private", False)])
-def test_run_chat_sft_end_to_end(tmp_path, mechanism, use_lora):
+def test_run_chat_sft_end_to_end(tmp_path, capsys, mechanism, use_lora):
     config = ChatSFTConfig(run=f"chat-{mechanism}", results_dir=str(tmp_path), model_name_or_path="tiny-chat",
                            use_lora=use_lora, lora_target_modules=["q_proj", "v_proj"], max_length=32,
                            progress=False)
@@ -147,6 +147,11 @@ def test_run_chat_sft_end_to_end(tmp_path, mechanism, use_lora):
                                                   contribution_bound=3, noise_seed=0, **common)
     data = chat_data()
     result = run_chat_sft(config, training_args, model=tiny_chat_model(), tokenizer=chat_tokenizer(), data=data)
+    plans = [line for line in capsys.readouterr().out.splitlines() if line.startswith("DP plan")]
+    if mechanism == "non-private":
+        assert plans == []
+    else:  # printed once, before training: G, σ, q, steps, δ
+        assert len(plans) == 1 and all(word in plans[0] for word in ("G = 3", "σ = ", "q = ", "2 steps", "δ = "))
 
     assert set(RESULT_KEYS) <= set(result)
     assert (result["task"], result["metric_name"], result["mechanism"], result["steps"]) == (

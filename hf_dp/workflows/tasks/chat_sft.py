@@ -57,7 +57,7 @@ from hf_dp.workflows.run_data import (
     without_plays,
 )
 from hf_dp.workflows.run_results import result_record, run_config_record, save_result
-from hf_dp.workflows.runs import RunConfig, check_user_id_column, mechanism_of_arguments, save_run
+from hf_dp.workflows.runs import RunConfig, announce_plan, check_user_id_column, mechanism_of_arguments, save_run
 from hf_dp.workflows.tasks.language_modeling import CausalLMCollator, TextData, perplexity
 
 __all__ = [
@@ -299,6 +299,7 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
     set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     trainer = _sft_trainer(model, training_args, data.train.select_columns(columns), tokenizer, card,
                            peft_config=lora_config(config), callbacks=callbacks)
+    announce_plan(trainer)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
