@@ -285,6 +285,10 @@ def failure_stated(folder: str):
                          "be resumed from; earlier checkpoints are intact.") from error
 
 
+class OutputDirInUse(OSError, RuntimeError):
+    """Another live run holds `output_dir`'s lock (an `OSError`, so commands print it as one line)."""
+
+
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str, enabled: bool = True):
     """Hold an exclusive lock on `output_dir/_hf_dp.lock` while one run writes there; the file is removed after.
@@ -293,7 +297,7 @@ def output_dir_lock(output_dir: str, enabled: bool = True):
     A run that finds the file removed between opening and locking it (the previous run ending) opens it again.
 
     Raises:
-        RuntimeError: another live run holds the lock.
+        OutputDirInUse (a RuntimeError and an OSError): another live run holds the lock.
     """
     if not enabled:
         yield
@@ -307,7 +311,7 @@ def output_dir_lock(output_dir: str, enabled: bool = True):
         try:
             lock.acquire()
         except Timeout:
-            raise RuntimeError(busy) from None
+            raise OutputDirInUse(busy) from None
         try:
             yield
         finally:
@@ -330,7 +334,7 @@ def _lock_file(path: str, busy: str) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError: held by a live run
             os.close(fd)
-            raise RuntimeError(busy) from None
+            raise OutputDirInUse(busy) from None
         try:
             held, current = os.fstat(fd), os.stat(path)
             if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):

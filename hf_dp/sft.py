@@ -325,7 +325,7 @@ def prepare_rows(dataset, args: DPSFTConfig, formatting_func, name: str):
                     raise ValueError(f"{name} row {index}: the completion is an empty string; drop such rows.")
             else:
                 for key, value in row.items():
-                    _check_conversation(value, f"{name} row {index}: {key!r}")
+                    check_conversation(value, f"{name} row {index}: {key!r}")
                 if fields == ["messages"] and args.assistant_only_loss and \
                         not any(m.get("role") == "assistant" for m in row["messages"]):
                     no_reply.append(index)
@@ -345,7 +345,9 @@ def _check_stream(dataset, name: str) -> None:
                         "Dataset.from_generator, or stream.take(n) first for a datasets stream).")
 
 
-def _check_conversation(messages, where: str) -> None:
+def check_conversation(messages, where: str) -> None:
+    """Refuse, in one line starting with `where`, anything but a non-empty list of messages with a string role and
+    string (or list) content, `None` only beside `tool_calls`."""
     if isinstance(messages, str):
         raise ValueError(f"{where} is a string, not a conversation (a list of {{'role', 'content'}} messages): use "
                          "the 'text' column (dataset_text_field) for plain text, or build the messages.")

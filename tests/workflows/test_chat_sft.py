@@ -102,8 +102,21 @@ def test_prompt_completion_rows_end_on_the_last_assistant_turn():
     assert converted[1]["prompt"] == [{"role": "user", "content": "w7"}]
     with pytest.raises(ValueError, match="No conversations column 'messages'"):
         to_prompt_completion(rows)
-    with pytest.raises(ValueError, match="TRL's format"):
+    with pytest.raises(ValueError, match="Conversation 0 .'messages'. is a string, not a conversation"):
         to_prompt_completion(Dataset.from_dict({"messages": ["plain text"], "user_id": ["a"]}))
+
+
+@pytest.mark.parametrize("bad, words", [
+    ([{"role": "user", "content": "w1"}, {"role": "assistant", "content": None, "tool_calls": [{"f": 1}]}],
+     "message with no content .a tool call"),
+    ([{"content": "w1"}, {"role": "assistant", "content": "w2"}], "message 0, has no role"),
+], ids=["tool-call", "no-role"])
+def test_malformed_conversations_are_refused_naming_the_row_even_past_the_first_hundred(bad, words):
+    good = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+    rows = [good] * 150 + [bad]
+    with pytest.raises(ValueError, match="^Conversation 150 .*" + words) as error:
+        to_prompt_completion(Dataset.from_list([{"messages": m, "user_id": "a"} for m in rows]))
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("max_length", [None, 9])

@@ -177,11 +177,18 @@ def to_prompt_completion(dataset, *, messages_column: str = "messages", keep_col
     if messages_column not in dataset.column_names:
         raise ValueError(f"No conversations column {messages_column!r} (columns: {dataset.column_names}): set "
                          "--text_column to the column with the messages.")
-    for messages in dataset.select(range(min(len(dataset), 100)))[messages_column]:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                     for m in messages):
-            raise ValueError(f"Column {messages_column!r} must hold conversations in TRL's format, lists of "
-                             f"{{'role': ..., 'content': ...}} messages; found {str(messages)[:80]!r}.")
+    from hf_dp.sft import check_conversation
+
+    index = 0
+    for batch in dataset.select_columns([messages_column]).iter(batch_size=1000):
+        for messages in batch[messages_column]:
+            if messages != []:  # an empty conversation has no reply: dropped below
+                check_conversation(messages, f"Conversation {index} ({messages_column!r})")
+                if any(m.get("content") is None for m in messages):
+                    raise ValueError(f"Conversation {index} ({messages_column!r}) has a message with no content (a "
+                                     "tool call?): the rows keep each message's role and content only; drop such "
+                                     "conversations or give the message its text.")
+            index += 1
 
     def reply_index(messages) -> int:
         return max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
