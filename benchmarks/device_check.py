@@ -16,9 +16,10 @@ q/k/v/o_proj. Data: users of exactly 2 rows of 256 random tokens (labels = input
 - `dp`: `hf_dp.DPTrainer`, user-level sampling (ULS), G = 2 rows a user, 8 users (16 rows) expected a step, ε = 8,
   C = 1, micro-batches of 64 rows, so that a step is one pass (checked: `passes_per_step`);
 - `fsdp` (on CUDA; `--fsdp on` on the CPU, `off` to leave it out): `dp` under FSDP2 (`fully_shard` per decoder
-  layer) in its own process, rank 0 of a one-rank process group, `bf16=False` (weights in `--dtype` already;
-  DPTrainer refuses FSDP2's mixed precision). `fsdp_vs_dp` in `ratios` compares it with `dp` (step, memory, ε,
-  weights). Each such process has `--worker-timeout` (150 s on CUDA); after one times out the others are skipped.
+  layer) in its own process, rank 0 of a one-rank process group, bf16 as `dp` (FSDP2's MixedPrecisionPolicy), and
+  the time to save a sharded checkpoint after it (`checkpoint_save_s`, `checkpoint_bytes`). `fsdp_vs_dp` in
+  `ratios` compares it with `dp` (step, memory, ε, weights). Each such process has `--worker-timeout` (150 s on
+  CUDA); after one times out the others are skipped.
 
 Time: 8 plain runs plus 4 FSDP2 processes (each some 10 s of start-up, then the same steps); estimated at 5 to 7
 minutes on an H200, not measured yet.
@@ -224,9 +225,9 @@ FSDP2 = {"fsdp": True, "fsdp_config": {"version": 2, "auto_wrap_policy": "TRANSF
 
 
 def make_fsdp_trainer(model, dataset, common: dict, probe, args) -> Trainer:
-    """The "dp" trainer under FSDP2 (fully_shard through accelerate, a unit per decoder layer) in one process.
-    `bf16=False`: DPTrainer refuses FSDP2's mixed precision; the weights are in `--dtype` already."""
-    return make_dp_trainer(model, dataset, {**common, **FSDP2, "bf16": False}, probe, args)
+    """The "dp" trainer under FSDP2 (fully_shard through accelerate, a unit per decoder layer) in one process,
+    in bf16 as `dp` is (accelerate's MixedPrecisionPolicy: float32 master shards, bf16 gathered for the passes)."""
+    return make_dp_trainer(model, dataset, {**common, **FSDP2}, probe, args)
 
 
 # Trainer kinds, the baseline first; each gets a verdict against the baseline. "fsdp" runs in its own process
@@ -384,6 +385,12 @@ def train_once(mode: str, config: dict, finetune: str, dataset: Dataset, args, o
     result = summarise(probe, trainer.passes)
     result.update(steps=total_steps, train_s=time.perf_counter() - started, allocated_before_run_bytes=allocated_before,
                   trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    if trainer.is_fsdp_enabled:  # a sharded checkpoint: model and optimizer shards, the ledger once
+        save_started = time.perf_counter()
+        trainer._save_checkpoint(trainer.model, trial=None)
+        folder = Path(output_dir) / f"checkpoint-{trainer.state.global_step}"
+        result.update(checkpoint_save_s=time.perf_counter() - save_started,
+                      checkpoint_bytes=sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()))
     if isinstance(trainer, DPTrainer):
         report = trainer.privacy_report()
         result.update(epsilon=report["epsilon"], delta=report["delta"], noise_multiplier=report["noise_multiplier"],
@@ -466,7 +473,9 @@ def compare_sharded(plain: dict, sharded: dict) -> tuple[dict, str]:
     memory = "n/a" if ratios["memory"] is None else f"x{ratios['memory']:.2f}"
     return ratios, (f"step x{ratios['step']:.2f}, peak step memory {memory}, ε "
                     f"{'equal' if ratios['epsilon_equal'] else 'DIFFERS'}, weights (sum of squares) differ by "
-                    f"{ratios['weights_relative_difference']:.1e} relative")
+                    f"{ratios['weights_relative_difference']:.1e} relative"
+                    + (f"; sharded checkpoint saved in {sharded['checkpoint_save_s']:.1f} s "
+                       f"({sharded['checkpoint_bytes'] / 2**20:.0f} MiB)" if "checkpoint_save_s" in sharded else ""))
 
 
 def describe(result: dict) -> str:

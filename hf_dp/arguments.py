@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -255,6 +256,8 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(_message([_FP16]))
         if _compiles(self):  # before Trainer sets up compilation
             raise ValueError(_message([_TORCH_COMPILE]))
+        if self.deepspeed or _env_true("ACCELERATE_USE_DEEPSPEED"):  # before Trainer imports DeepSpeed for it
+            raise ValueError(_message([_DEEPSPEED]))
         super().__post_init__()
         self.validate_privacy_fields()
 
@@ -369,9 +372,7 @@ class DPTrainingArguments(TrainingArguments):
                 "cross-entropy for clipping; set it to 0."
             )
         if self.deepspeed:
-            problems.append("deepspeed: its engine owns the backward pass and the gradient reduction, which DP "
-                            "training replaces; shard with FSDP2 instead (accelerate launch --config_file "
-                            "recipes/configs/fsdp.yaml).")
+            problems.append(_DEEPSPEED)
         if self.fsdp and int((self.fsdp_config or {}).get("version", 2)) != 2:
             problems.append("fsdp_config version 1: DP training supports FSDP2 only (fully_shard); set "
                             "fsdp_config={'version': 2}.")
@@ -414,6 +415,16 @@ _TORCH_COMPILE = ("torch_compile=True (or a torch_compile_backend / torch_compil
                   "per-unit clipping hooks into the model's layers, which makes the compiled graph break and "
                   "recompile at every batch shape (slower, not faster); leave torch_compile off and pass an "
                   "uncompiled model.")
+
+
+_DEEPSPEED = ("deepspeed (a --deepspeed config, or accelerate launch with a DeepSpeed config): its engine owns the "
+              "backward pass and the gradient reduction, which DP training replaces, so DP training refuses it "
+              "whether or not DeepSpeed is installed; shard with FSDP2 instead (accelerate launch --config_file "
+              "recipes/configs/fsdp.yaml), or drop the DeepSpeed config for DDP.")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 MAX_MAGNITUDE = 1e6  # above this a clip norm, loss clip or noise multiplier overflows float32 arithmetic

@@ -309,6 +309,21 @@ def _sampler_sentence(report: Mapping[str, Any]) -> str:
             f"δ = {_fmt_sig(added, 2, up=True)}, is included in the stated δ. ")
 
 
+def hub_model_id(name: str | None) -> str | None:
+    """`name` when it reads as a Hub repo id (`owner/name`, or a legacy one-part id such as `gpt2`) and is not a local
+    path; `None` otherwise. A local folder's path is never published: the card says "a local model" instead."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(name, str) or not name or os.path.exists(os.path.expanduser(name)):
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
 def render_privacy_card(
     report: Mapping[str, Any],
     *,
@@ -337,7 +352,8 @@ def render_privacy_card(
             present.
             A report with `non_private: True` gives a card that says there is no guarantee.
             It is copied, field for field, into the front matter's `privacy:` block.
-        base_model (`str`, *optional*): Hub id or path of the pretrained model.
+        base_model (`str`, *optional*): Hub id or path of the pretrained model. Only a Hub id ([`hub_model_id`])
+            goes into the card (`base_model:` and its first sentence); a local path reads "a local model".
         dataset_name (`str`, *optional*): the fine-tuning data set's name or Hub id.
         task (`str`, *optional*, defaults to `"text-classification"`): Hub pipeline tag.
         metric_name (`str`, *optional*, defaults to `"accuracy"`): the metric of the results.
@@ -375,6 +391,7 @@ def render_privacy_card(
     ```
     """
     privacy = _normalised_report(report)
+    hub_id = hub_model_id(base_model)
     non_private = bool(privacy.get("non_private"))
     unit = privacy.get("privacy_unit")
     entry = None if non_private else MECHANISMS[privacy["mechanism"]]
@@ -405,7 +422,7 @@ def render_privacy_card(
     figures = dict(zip(EVAL_KEYS, (eval_result, baseline_result, non_private_result, metric_name)))
     comparison = {k: _plain(figures[k], k) for k in ("metric_name", *EVAL_KEYS[:3]) if figures[k] is not None}
     card_data = ModelCardData(
-        base_model=base_model,
+        base_model=hub_id,
         datasets=[dataset_name] if dataset_name else None,
         library_name=library_name,
         pipeline_tag=task,
@@ -445,7 +462,7 @@ def render_privacy_card(
         card_data=card_data.to_yaml(),
         model_name=model_name,
         non_private=non_private,
-        base_model_md=f"`{base_model}`" if base_model else "an unnamed base model",
+        base_model_md=f"`{hub_id}`" if hub_id else "a local model" if base_model else "an unnamed base model",
         dataset_name=dataset_name,
         task=task,
         privacy_unit=unit,

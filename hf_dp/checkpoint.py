@@ -22,6 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from filelock import FileLock, Timeout
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
+from safetensors import SafetensorError
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -217,7 +223,18 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
                          "Resume from a full checkpoint, or start a new run from these weights.")
     current = plan.fingerprint(args)
     changed = {k: (saved.config.get(k), v) for k, v in current.items() if not same(saved.config.get(k), v)}
+    steps = _saved_max_steps(saved.folder)
+    follows_steps = {"noise_multiplier", "logging_noise_multiplier", "clipping_count_noise"}  # σ and what follows it
+    if "noise_multiplier" in changed and set(changed) <= follows_steps and args.target_epsilon is not None \
+            and steps not in (None, args.max_steps):
+        sigma = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"Checkpoint {saved.folder} was trained for max_steps={steps}, this run plans "
+                         f"max_steps={args.max_steps}: at target_epsilon={args.target_epsilon:g} the noise follows the "
+                         f"number of steps ({sigma}), so the ledger would not stay true; resume with "
+                         f"max_steps={steps} (and the same num_train_epochs), or start a new run.")
     if changed:
+        if steps not in (None, args.max_steps):
+            changed["max_steps"] = (steps, args.max_steps)
         details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
         raise ValueError(f"Checkpoint {saved.folder} was trained under a different privacy configuration ({details}). "
                          "Resume with the same privacy arguments and data, or start a new run.")
@@ -231,6 +248,16 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
                              )
     _note_later_checkpoints(saved.folder)
     return _saved_tracker(saved, plan)
+
+
+def _saved_max_steps(folder: str) -> int | None:
+    """The `max_steps` Trainer saved in the checkpoint's `trainer_state.json` (None if unreadable)."""
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as file:
+            steps = json.load(file).get("max_steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _note_later_checkpoints(folder: str) -> None:
@@ -271,40 +298,80 @@ def _saved_tracker(saved: SavedRun, plan: PrivacyPlan) -> QuantileTracker | None
     return tracker
 
 
+class SaveFailed(OSError, RuntimeError):
+    """A checkpoint that could not be written (an `OSError`, so commands print it as one line; a `RuntimeError` as
+    before)."""
+
+
 @contextlib.contextmanager
 def failure_stated(folder: str):
-    """Turn a failed save (a full disk, a lost mount) into one line that says what is left usable."""
+    """Turn a failed save (a full disk, a lost mount; in torch.save or safetensors) into one line that says what is
+    left usable."""
     try:
         yield
-    except (OSError, RuntimeError) as error:
-        raise RuntimeError(f"Saving {folder} failed ({type(error).__name__}: {str(error).strip()[:200]}): it is "
-                           "incomplete and will not be resumed from; earlier checkpoints are intact.") from error
+    except (OSError, RuntimeError, SafetensorError) as error:
+        reason = " ".join(str(error).split())[:200]
+        raise SaveFailed(f"Saving {folder} failed ({type(error).__name__}: {reason}): it is incomplete and will not "
+                         "be resumed from; earlier checkpoints are intact.") from error
+
+
+class OutputDirInUse(OSError, RuntimeError):
+    """Another live run holds `output_dir`'s lock (an `OSError`, so commands print it as one line)."""
 
 
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str, enabled: bool = True):
-    """Hold an exclusive lock on `output_dir/_hf_dp.lock` while one run writes there.
+    """Hold an exclusive lock on `output_dir/_hf_dp.lock` while one run writes there; the file is removed after.
 
     The OS releases the lock when the process ends, even if it crashes: a leftover file does not block a later run.
+    A run that finds the file removed between opening and locking it (the previous run ending) opens it again.
 
     Raises:
-        RuntimeError: another live run holds the lock.
+        OutputDirInUse (a RuntimeError and an OSError): another live run holds the lock.
     """
     if not enabled:
         yield
         return
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK_FILE)
-    lock = FileLock(path, timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise RuntimeError(f"output_dir={output_dir!r} is in use by another live training run ({path} is locked): "
-                           "wait for it to finish or choose another --output_dir.") from None
+    busy = (f"output_dir={output_dir!r} is in use by another live training run ({path} is locked): wait for it to "
+            "finish or choose another --output_dir.")
+    if fcntl is None:  # pragma: no cover - not POSIX: filelock's lock, its file left in place
+        lock = FileLock(path, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise OutputDirInUse(busy) from None
+        try:
+            yield
+        finally:
+            lock.release()
+        return
+    fd = _lock_file(path, busy)
     try:
         yield
     finally:
-        lock.release()
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still held, so no later run locks a removed file
+        os.close(fd)  # releases the lock
+
+
+def _lock_file(path: str, busy: str) -> int:
+    """A descriptor of `path` holding its exclusive lock (the file at `path` now, not one removed meanwhile)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError: held by a live run
+            os.close(fd)
+            raise OutputDirInUse(busy) from None
+        try:
+            held, current = os.fstat(fd), os.stat(path)
+            if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the run that held it removed it on finishing: lock the new one
 
 
 def read_json(path: str, what: str):

@@ -17,7 +17,8 @@ import transformers
 from accelerate.utils import send_to_device
 from transformers import DataCollatorWithFlattening, Trainer
 
-from .losses import LOSS_FUNC_PACKED, packed_example_ids, per_example_loss
+from .data import user_id_kinds, user_keys
+from .losses import LOSS_FUNC_PACKED, is_causal_lm, packed_example_ids, per_example_loss
 
 # The transformers versions the DP mixin is tested with (pyproject.toml declares the same range).
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"
@@ -122,7 +123,14 @@ def probe_batch(dataset, data_collator, *, rows: int, device) -> dict:
     """The first training rows (`dataset` with only the model's columns) collated like a micro-batch (at most
     `rows`, 2 to 4 of them), for the batch-independence, loss and clipping probes."""
     examples = [dataset[i] for i in range(min(len(dataset), rows, 4))]
-    features = data_collator(examples)
+    try:
+        features = data_collator(examples)
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:  # e.g. rows of several lengths, no padding
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"The data collator ({type(data_collator).__name__}) cannot batch the first training "
+                         f"rows ({type(error).__name__}: {reason}): rows of different lengths need a padding collator; "
+                         "pass processing_class=tokenizer (Trainer then pads with DataCollatorWithPadding) or a "
+                         "data_collator that pads.") from error
     if packed_example_ids(features) is not None:
         # Packed into one row: the probe perturbs one row and watches the others, so give it one example per
         # row (each collated alone, cut to the shortest).
@@ -171,7 +179,12 @@ def verify_clipping(model, clipper, features: dict, *, loss_func, dataset, causa
     try:
         outputs = model(**inputs)
         logits = getattr(outputs, "logits", None)
-        if torch.is_tensor(logits) and logits.dim() == 2 and not labels.is_floating_point() and logits.shape[-1] > 1:
+        if torch.is_tensor(logits) and logits.dim() == 2 and logits.shape[-1] > 1 and labels.dim() == 1:
+            if labels.is_floating_point():
+                raise ValueError(f"The class labels are floats (e.g. {labels[0].item()!r}) for a head of "
+                                 f"{logits.shape[-1]} outputs: cross-entropy needs integer class ids 0.."
+                                 f"{logits.shape[-1] - 1}; cast the label column to int (or use num_labels=1 for "
+                                 "regression).")
             check_class_labels(dataset, logits.shape[-1])
         if loss_func is not None:
             losses = loss_func(outputs, labels, num_items_in_batch=None).float()
@@ -197,8 +210,18 @@ def check_eval_users(eval_dataset, train_dataset, user_id_column: str) -> None:
         if user_id_column not in (getattr(dataset, "column_names", None) or []):
             continue
         if train_users is None:
-            train_users = {_hashable(user) for user in train_dataset[user_id_column]}
-        shared = {_hashable(user) for user in dataset[user_id_column]} & train_users
+            train_ids = train_dataset[user_id_column]
+            train_users, train_kinds = user_keys(train_ids), user_id_kinds(train_ids)
+        eval_ids = dataset[user_id_column]
+        eval_kinds = user_id_kinds(eval_ids)
+        if train_kinds and eval_kinds and set(eval_kinds) != set(train_kinds):
+            raise ValueError(
+                f"{name}'s user ids ({_kinds(eval_kinds)}) are not of the training data's type "
+                f"({_kinds(train_kinds)}) in {user_id_column!r}: the check that they share no user cannot tell 3 "
+                "from '3', and Trainer would log exact metrics on any shared user; give both one type where the "
+                "rows are built (e.g. str(user_id))."
+            )
+        shared = user_keys(eval_ids) & train_users
         if shared:
             raise ValueError(
                 f"{name} shares {len(shared)} user(s) with the training data (by {user_id_column!r}): Trainer would "
@@ -207,8 +230,8 @@ def check_eval_users(eval_dataset, train_dataset, user_id_column: str) -> None:
             )
 
 
-def _hashable(user):
-    return repr(user) if isinstance(user, (dict, list)) else user
+def _kinds(kinds: dict) -> str:
+    return ", ".join(f"{kind}s such as {example!r}" for kind, example in kinds.items())
 
 
 def check_model_state(model) -> None:
@@ -236,10 +259,16 @@ def check_labels(dataset, model) -> None:
     labels = dataset["labels"]
     first = next((label for label in labels if label is not None), None)
     if isinstance(first, list):  # token labels
-        if not any(token != -100 for row in labels if row for token in row):
-            raise ValueError("Every label in the training data is -100 (ignored): every loss would be 0 and the run "
-                             "would train on noise alone. Check the masking (e.g. assistant-only or completion-only "
-                             "labels that match nothing).")
+        start = 1 if is_causal_lm(model) else 0  # a causal LM's first label is never a target (the shift)
+        if not any(token != -100 for row in labels if row for token in row[start:]):
+            raise ValueError("No label in the training data is a target (every label is -100"
+                             + (", or only the first token of a row, which a causal LM never predicts" if start else "")
+                             + "): every loss would be 0 and the run would train on noise alone. Check the masking "
+                             "(e.g. assistant-only or completion-only labels that match nothing) and the truncation "
+                             "(a max_length that cuts every labelled token away).")
+    elif isinstance(first, str):
+        raise ValueError(f"The training labels are strings (e.g. {first!r}): map each class to an integer id 0..n-1 "
+                         "(e.g. with datasets' class_encode_column) before training.")
 
 
 def check_class_labels(dataset, num_classes: int) -> None:

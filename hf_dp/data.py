@@ -69,24 +69,22 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
     ids = dataset[user_id_column]
     missing = sum(_is_missing(u) for u in ids)
     if missing:
-        logger.warning("Dropping %d training rows without a %r value.", missing, user_id_column)
+        logger.warning("Dropping %d training rows without a %r value (None, NaN or an empty string): they are not "
+                       "trained on, and not counted as users.", missing, user_id_column)
     keys = _as_keys(ids)
     _check_one_id_type(keys, user_id_column)
     rows_by_user: dict = {}
     for row, user in enumerate(keys):
         if user is not None:
             rows_by_user.setdefault(user, []).append(row)
+    if not rows_by_user and len(keys) == 0:
+        raise ValueError("The training dataset has no rows: DP training needs at least one user's rows.")
     if not rows_by_user:
         raise ValueError(
             f"No training row has a {user_id_column!r} value: DP training needs at least one user. "
             "Fill the user column or point --user_id_column at the right one."
         )
-    kept = []
-    for user, rows in rows_by_user.items():
-        if contribution_bound is not None and len(rows) > contribution_bound:
-            rng = np.random.default_rng(keyed_seed(secret, user, "rows"))
-            rows = sorted(rng.choice(rows, size=contribution_bound, replace=False).tolist())
-        kept.append(rows)
+    kept = [_draw_rows(rows, contribution_bound, secret, user, "rows") for user, rows in rows_by_user.items()]
     keep = np.sort(np.concatenate([np.asarray(r, dtype=np.int64) for r in kept]))
     position = np.full(len(ids), -1, dtype=np.int64)
     position[keep] = np.arange(len(keep))
@@ -132,8 +130,38 @@ def keyed_uniform(secret, user_id, purpose: str) -> float:
     return keyed_seed(secret, user_id, purpose) / 2.0**64
 
 
+def bound_rows(dataset, user_id_column: str, contribution_bound: int, secret, purpose: str):
+    """`dataset` with at most `contribution_bound` rows per user, drawn from (`secret`, user id, `purpose`) alone like
+    [`partition_by_user`]'s; the user column, the order and the rows without a user id are kept (for a base trainer
+    that prepares, e.g. tokenizes, the rows: it then prepares only rows that can be trained on).
+
+    Raises:
+        TypeError, ValueError: as [`partition_by_user`] (no user column, ids of several types).
+    """
+    check_user_column(dataset, user_id_column)
+    keys = _as_keys(dataset[user_id_column])
+    _check_one_id_type(keys, user_id_column)
+    rows_by_user: dict = {}
+    for row, user in enumerate(keys):
+        rows_by_user.setdefault(user, []).append(row)
+    if all(len(rows) <= contribution_bound for user, rows in rows_by_user.items() if user is not None):
+        return dataset
+    keep = [row for user, rows in rows_by_user.items()
+            for row in (rows if user is None else _draw_rows(rows, contribution_bound, secret, user, purpose))]
+    return dataset.select(sorted(keep))
+
+
+def _draw_rows(rows: list, contribution_bound: int | None, secret, user, purpose: str) -> list:
+    """At most `contribution_bound` of one user's `rows`, drawn from (`secret`, user, `purpose`) alone."""
+    if contribution_bound is None or len(rows) <= contribution_bound:
+        return rows
+    rng = np.random.default_rng(keyed_seed(secret, user, purpose))
+    return sorted(rng.choice(rows, size=contribution_bound, replace=False).tolist())
+
+
 def check_user_column(dataset, user_id_column: str) -> None:
-    """Refuse a training set DP cannot sample users from: streamed, not a `datasets.Dataset`, or no user column."""
+    """Refuse a training dataset DP training cannot partition by user: a streamed one (`TypeError`: materialise it), not
+    a `datasets.Dataset` (`TypeError`), or without the user column (`ValueError`); one line each."""
     if _is_iterable_dataset(dataset):
         raise TypeError(
             f"train_dataset is a streamed dataset ({type(dataset).__name__}, an IterableDataset): Poisson sampling "
@@ -181,6 +209,21 @@ def _check_one_id_type(keys, user_id_column: str) -> None:
                 )
 
 
+def user_id_kinds(ids) -> dict:
+    """The kinds of the present user ids ("string", "number", "list", ...), each with one example id (missing ids
+    skipped): ids of two kinds cannot be compared (3 and "3" may be one person)."""
+    kinds: dict = {}
+    for key in _as_keys(ids):
+        if key is not None:
+            kinds.setdefault(_id_kind(key), key)
+    return kinds
+
+
+def user_keys(ids) -> set:
+    """The present user ids as a set of hashable keys (lists as tuples, dicts by their repr; missing ids skipped)."""
+    return {repr(key) if isinstance(key, dict) else key for key in _as_keys(ids) if key is not None}
+
+
 def _id_kind(user) -> str:
     if isinstance(user, (str, bytes)):
         return "string"
@@ -197,9 +240,12 @@ def _as_keys(ids):
 
 
 def _is_missing(user) -> bool:
-    """`None`, a float or numpy NaN, or pandas' NA / NaT: no user (each NaN would otherwise be a user of its own)."""
+    """`None`, a float or numpy NaN, pandas' NA / NaT, or an empty (or blank) string: no user (each NaN would otherwise
+    be a user of its own, and every row with an empty id one user shared by many people)."""
     if user is None:
         return True
+    if isinstance(user, str):
+        return not user.strip()
     if isinstance(user, (float, np.floating)):
         return bool(np.isnan(user))
     return type(user).__name__ in ("NAType", "NaTType")

@@ -9,7 +9,8 @@ checks that run *before anything is uploaded*:
    block that [`hf_dp.card`] writes (ε, δ, privacy unit, mechanism), with ε and δ written as numbers, and what it
    states is what the ledger saved beside it (`dp_ledger.json`) accounts: ε is recomputed from the ledger and a
    card claiming less (in its front matter or its text), another δ, unit or mechanism, or no ledger at all is
-   refused. A non-private
+   refused, as is a number of its Accounting paragraph below the ledger's, or a local path as `base_model`.
+   A non-private
    run's card is refused unless `allow_non_private=True`: its data has no protection.
 2. the folder holds a model (`config.json` and weights);
 3. [`ensure_hub_reachable`]: not in offline mode (`HF_HUB_OFFLINE=1`) and the Hub endpoint answers; otherwise
@@ -71,6 +72,17 @@ _DELTA_ROW = re.compile(r"^\| δ \(`delta`\) \| *([^|]*?) *\|", re.MULTILINE)
 _FACTOR = re.compile(r"at\s+most\s+a\s+factor\s+exp\(([^()]+)\)")  # the prose's e^ε
 _PROBABILITY = re.compile(r"except\s+with\s+probability\s+at\s+most\s+([0-9][^ ,.\n]*(?:\.[0-9]+)?(?:e-?[0-9]+)?)")
 _TRUE = {"1", "ON", "YES", "TRUE"}
+_FINE_TUNED_FROM = re.compile(r"^Fine-tuned from `([^`]+)`", re.MULTILINE)
+# The Accounting paragraph's numbers: ε's bounds, the noise's reach, and δ's two parts.
+_NUMBER = r"([0-9][0-9.]*(?:e[-+]?[0-9]+)?)"
+_ACCOUNTING = {
+    "lower": re.compile(r"lies\s+between\s+" + _NUMBER + r"\s+\(lower bound\)"),
+    "upper": re.compile(r"and\s+" + _NUMBER + r"\s+\(upper bound\)"),
+    "estimate": re.compile(r"estimate\s+" + _NUMBER),
+    "reach": re.compile(r"reaches\s+" + _NUMBER + r"\s+standard\s+deviations"),
+    "sampler delta": re.compile(r"=\s+" + _NUMBER + r"\s+to\s+δ,\s+included"),
+    "accountant delta": re.compile(r"\(" + _NUMBER + r"\s+from\s+the\s+accountant\)"),
+}
 
 
 class HubUnreachableError(RuntimeError):
@@ -144,6 +156,7 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
         raise PrivacyCardError(
             f"{readme} is not a privacy card: its front matter has no 'privacy:' block. To make one, {_HOW_TO_CARD}."
         )
+    _check_base_model(readme, metadata, card.text)
     if privacy.get("non_private"):
         if not allow_non_private:
             raise PrivacyCardError(
@@ -158,6 +171,22 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
         )
     _check_against_ledger(readme, privacy, card.text)
     return dict(privacy)
+
+
+def _check_base_model(readme: Path, metadata: Mapping, text: str) -> None:
+    """Refuse a card whose `base_model` (or first sentence) is a local path: the Hub expects a repo id there, and a
+    path tells the world a folder of the training machine."""
+    from .card import hub_model_id
+
+    stated = [("base_model", metadata.get("base_model"))] if metadata.get("base_model") is not None else []
+    stated += [("its first sentence", name) for name in _FINE_TUNED_FROM.findall(text)[:1]]
+    for where, name in stated:
+        names = name if isinstance(name, list) else [name]
+        for one in names:
+            if not isinstance(one, str) or hub_model_id(one) is None:
+                raise PrivacyCardError(f"{readme}: {where} names {one!r}, not a Hub model id (owner/name): write the "
+                                       "Hub id of the model it was fine-tuned from, or remove it (the card then "
+                                       f"says 'a local model'); or regenerate the card: {_HOW_TO_CARD}.")
 
 
 def _number(value) -> float | None:
@@ -214,8 +243,10 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
         ledger_delta = _number(ledger["delta"])
         if ledger_delta is None or not 0 < ledger_delta < 1:
             raise ValueError(f"its delta {ledger['delta']!r} is not in (0, 1)")
-        accounted = accountant.epsilon(ledger_delta)
-        ledger_delta += _sampler_delta(ledger, accounted, ledger_delta, accountant.steps)
+        accountant_delta = ledger_delta
+        lower, estimate, accounted = accountant.epsilon_bounds(ledger_delta)
+        added_delta = _sampler_delta(ledger, accounted, ledger_delta, accountant.steps)
+        ledger_delta += added_delta
         ledger_mechanism = _ledger_mechanism(ledger)
     except (ValueError, KeyError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -246,6 +277,36 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
             raise PrivacyCardError(f"{readme}: its text states ({text_epsilon or 'ε'}, {text_delta or 'δ'}), less "
                                    f"than the ledger's (ε = {accounted:.6g}, δ = {ledger_delta:g}). Regenerate "
                                    f"the card: {_HOW_TO_CARD}.")
+    reach = _number((ledger.get("noise") or {}).get("reach"))
+    _check_accounting(readme, text, {"lower": (lower, "down", 3), "upper": (accounted, "up", 3),
+                                     "estimate": (estimate, "up", 3), "reach": (reach, "fixed", 2),
+                                     "sampler delta": (added_delta, "significant", 2),
+                                     "accountant delta": (accountant_delta, "significant", 3)})
+
+
+def _check_accounting(readme: Path, text: str, expected: Mapping[str, tuple]) -> None:
+    """Refuse a card whose Accounting paragraph shows a number below what its ledger gives, as the card rounds it
+    (ε's bounds and estimate, δ's two parts: never understated, like the headline), or another noise reach."""
+    from .formatting import format_lower_bound, format_number, format_significant, format_upper_bound
+
+    section = text.split("### Accounting", 1)[1] if "### Accounting" in text else ""
+    section = re.split(r"\n##", section, maxsplit=1)[0]
+    formats = {"down": format_lower_bound, "up": format_upper_bound,
+               "fixed": lambda value, digits: format_number(value, f".{digits}f"),
+               "significant": lambda value, digits: format_significant(value, digits, up=True)}
+    for name, (value, kind, digits) in expected.items():
+        if value is None:
+            continue
+        def fmt(number, form=formats[kind], digits=digits):
+            return form(number, digits)
+        for number in (n.rstrip(".") for n in _ACCOUNTING[name].findall(section)):
+            if kind == "fixed":
+                wrong = number not in {fmt(value * (1 + slack)) for slack in (-1e-6, 0.0, 1e-6)}
+            else:
+                wrong = not _at_least(number, float(fmt(value * (1 - 1e-6))))
+            if wrong:
+                raise PrivacyCardError(f"{readme}: its Accounting paragraph shows {name} {number}, but its ledger "
+                                       f"gives {fmt(value)}: the card was edited; regenerate it: {_HOW_TO_CARD}.")
 
 
 def _sampler_delta(ledger: Mapping, epsilon: float, delta: float, steps: int) -> float:

@@ -5,7 +5,6 @@ Everything here is post-processing of the plan and the ledger: no effect on ε.
 
 from __future__ import annotations
 
-import os
 
 from . import checkpoint
 from .arguments import DPTrainingArguments
@@ -13,6 +12,7 @@ from .budget import PrivacyBudget
 from .card import round_count
 from .contribution import bound_choice
 from .hub import ensure_hub_reachable
+from .losses import is_causal_lm
 from .accounting.floating_point import NOISE_REACH
 from .noise import noise_source
 from .vocabulary import MECHANISMS
@@ -89,10 +89,10 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
 
 
 def base_model_name(model) -> str | None:
-    """The Hub id the model was loaded from; `None` for a local folder (pass `base_model` to the card)."""
+    """The name or path the model was loaded from (`None` for one built from a config): the card keeps a Hub id
+    and calls a local folder "a local model" ([`~hf_dp.card.hub_model_id`])."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name = getattr(getattr(base, "config", None), "_name_or_path", None)
-    return name if name and not os.path.exists(name) else None
+    return getattr(getattr(base, "config", None), "_name_or_path", None) or None
 
 
 def card_fields(*, model_name, finetuned_from, tasks, dataset_tags, dataset, dataset_args) -> dict:
@@ -159,7 +159,8 @@ class PrivacyReporting:
         `hf-dp publish` checks the card against). Post-processing: no effect on ε."""
         from .card import write_privacy_card
 
-        kwargs = {"base_model": base_model_name(self.model), **self.privacy_card_kwargs, **card_kwargs}
+        task = "text-generation" if is_causal_lm(self.model) else "text-classification"  # the Hub's pipeline tag
+        kwargs = {"base_model": base_model_name(self.model), "task": task, **self.privacy_card_kwargs, **card_kwargs}
         return write_privacy_card(self.privacy_report(), output_dir or self.args.output_dir,
                                   ledger=self.privacy_ledger(), **kwargs)
 

@@ -14,6 +14,9 @@ What SFTTrainer does that DP training cannot keep is refused in one line (`DPSFT
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
 from dataclasses import dataclass, field
 
 try:
@@ -21,13 +24,25 @@ try:
 except ImportError as error:  # pragma: no cover - exercised by the packaging test
     raise ImportError("hf_dp.sft needs TRL: pip install 'hf_dp[trl]'.") from error
 
+from transformers import TrainingArguments
+
+from .accounting.planner import CONTRIBUTION_BOUND_GRID
 from .arguments import DPTrainingArguments
+from .checkpoint import read_checkpoint
+from .data import bound_rows, check_user_column
+from .mechanisms import get_mechanism
 from .trainer import DPTrainerMixin
+
+logger = logging.getLogger(__name__)
 
 # The TRL versions DPSFTTrainer is tested with (pyproject.toml's `trl` extra declares the same range).
 SUPPORTED_TRL = ">=1.16,<1.17"
 # What SFTTrainer logs from the training batch (`compute_loss`): never logged by DPSFTTrainer.
 SFT_TRAINING_METRICS = ("entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
+# transformers 5.24 renames gradient checkpointing to activation checkpointing (the old names are deprecated aliases).
+ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
+CHECKPOINTING = "activation_checkpointing" if ACTIVATION_CHECKPOINTING else "gradient_checkpointing"
+_GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 @dataclass
@@ -35,23 +50,26 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
     r"""
     [`trl.SFTConfig`] plus the privacy fields of [`DPTrainingArguments`], one spelling for each.
 
-    SFTConfig's defaults hold (`bf16`, `gradient_checkpointing`, `max_length`, `assistant_only_loss`, ...), except
+    SFTConfig's defaults hold (`bf16`, activation checkpointing on, `max_length`, `assistant_only_loss`, ...), except
     what DP training needs: `per_device_train_batch_size` is unset (sized from the Poisson sample, see
-    [`DPTrainingArguments`]) and gradient checkpointing is non-reentrant (what the clipping engine supports).
+    [`DPTrainingArguments`]) and activation (gradient) checkpointing is non-reentrant (what the clipping engine
+    supports). Where transformers has `activation_checkpointing` (5.24 and later), SFTConfig's default is set under
+    that name; `gradient_checkpointing` still works as its deprecated alias.
 
     Raises:
         ValueError: besides [`DPTrainingArguments`]' refusals, one line for each SFT setting that would break DP:
             `packing=True` (rows of several users' examples, the user column dropped; `padding_free=True` keeps
             each example its own positions, loss and user), a `loss_type` other than `"nll"` (`"dft"` weights
             tokens inside `compute_loss`, which DP training does not call), `use_liger_kernel` (its fused loss gives
-            no per-example losses), `activation_offloading`, reentrant gradient checkpointing.
+            no per-example losses), `activation_offloading`, reentrant activation checkpointing, a `max_length` below
+            2 (nothing left to learn), `padding_free=True` with a `max_length` (TRL cannot truncate such rows).
 
     Example:
 
     ```python
     >>> args = DPSFTConfig("out", target_epsilon=8.0, expected_batch_size=16, assistant_only_loss=True,
     ...                    report_to="none", use_cpu=True)
-    >>> (args.per_device_train_batch_size, args.packing, args.gradient_checkpointing_kwargs["use_reentrant"])
+    >>> (args.per_device_train_batch_size, args.packing, args.activation_checkpointing_kwargs["use_reentrant"])
     (None, False, False)
 
     ```
@@ -61,12 +79,32 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
         default=None,
         metadata={"help": "Most rows of one physical pass (memory). Unset: sized from the tail of the Poisson batch."},
     )
+    if ACTIVATION_CHECKPOINTING:  # SFTConfig's default (on) goes to the new name, so no deprecation warning is shown
+        gradient_checkpointing: bool | None = field(
+            default=None, metadata={"help": "Deprecated alias of --activation_checkpointing (on by default here).",
+                                    "nargs": "?", "const": True})
 
     def __post_init__(self):
-        if self.gradient_checkpointing_kwargs is None:
+        if ACTIVATION_CHECKPOINTING:
+            if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+                self.activation_checkpointing = True  # SFTConfig's default
+            if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is None:
+                self.activation_checkpointing_kwargs = {"use_reentrant": False}
+        elif self.gradient_checkpointing_kwargs is None:
             self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        max_length = self.max_length
+        if max_length is not None and not (isinstance(max_length, int) and not isinstance(max_length, bool)
+                                           and max_length >= 2):
+            raise ValueError(f"Invalid DPSFTConfig: max_length={max_length!r}: a conversation needs a token and the "
+                             "next one to learn from, and a shorter cut leaves every loss 0 (noise alone, ε spent); "
+                             "use "
+                             "a whole number >= 2 (e.g. 1024), or None for no truncation.")
         super().__post_init__()
         problems = []
+        if self.padding_free and self.max_length is not None:
+            problems.append(f"padding_free=True with max_length={self.max_length}: TRL does not truncate padding-free "
+                            "rows (and packing, which would, is refused under DP); set max_length=None and truncate "
+                            "the conversations beforehand, or padding_free=False.")
         if self.packing:
             problems.append("packing=True: packed rows hold several users' examples and lose the user column; "
                             "use padding_free=True (exact: each example keeps its positions, loss and user) or "
@@ -80,7 +118,7 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
             problems.append("activation_offloading=True: not supported with the per-unit clipping; use "
                             "gradient_checkpointing (non-reentrant) to save memory instead.")
         if self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant", False):
-            problems.append("gradient_checkpointing_kwargs={'use_reentrant': True}: the clipping engine needs "
+            problems.append(f"{CHECKPOINTING}_kwargs={{'use_reentrant': True}}: the clipping engine needs "
                             "non-reentrant checkpointing; set use_reentrant=False.")
         if problems:
             raise ValueError("Invalid DPSFTConfig: " + problems[0] if len(problems) == 1 else
@@ -111,20 +149,74 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                  formatting_func=None, *, privacy_card_kwargs: dict | None = None):
         if not isinstance(args, DPSFTConfig):
             raise TypeError("DPSFTTrainer needs DPSFTConfig arguments (SFTConfig plus the privacy fields).")
-        column = args.user_id_column
-        if train_dataset is not None and column not in (getattr(train_dataset, "column_names", None) or []):
-            raise ValueError(f"The training dataset has no user column {column!r} (columns: "
-                             f"{getattr(train_dataset, 'column_names', None)}): add the id of the user who wrote "
-                             "each conversation, or set user_id_column.")
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class,
-                         compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
-                         preprocess_logits_for_metrics, quantization_config, peft_config, formatting_func,
-                         privacy_card_kwargs=privacy_card_kwargs)
+        if train_dataset is None:
+            raise ValueError("DP training needs a train_dataset with a user column to account privacy.")
+        check_user_column(train_dataset, args.user_id_column)  # a stream, not a Dataset, no user column: one line
+        check_processing_class(model, processing_class)
+        prepares = not (args.dataset_kwargs or {}).get("skip_prepare_dataset", False)
+        if prepares:
+            check_chat_template(processing_class, args)
+            train_dataset = prepare_rows(train_dataset, args, formatting_func, "train_dataset")
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {key: prepare_rows(value, args, formatting_func, f"eval_dataset[{key!r}]")
+                                for key, value in eval_dataset.items()}
+            elif eval_dataset is not None:
+                eval_dataset = prepare_rows(eval_dataset, args, formatting_func, "eval_dataset")
+        self._rows_given = len(train_dataset)  # the rows within the bound, once drawn (_prepare_dataset)
+        try:
+            super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class,
+                             compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
+                             preprocess_logits_for_metrics, quantization_config, peft_config, formatting_func,
+                             privacy_card_kwargs=privacy_card_kwargs)
+        except RuntimeError as error:  # TRL's check of the assistant masks, row by row
+            if "no assistant tokens" not in str(error):
+                raise
+            raise ValueError(_NO_ASSISTANT_MASK) from error
+        except Exception as error:  # the chat template (jinja) failing on a row
+            if not type(error).__module__.startswith("jinja2"):
+                raise
+            reason = (str(error).strip().splitlines() or [""])[0]
+            raise ValueError(f"The chat template failed on a training or evaluation row ({type(error).__name__}: "
+                             f"{reason}): check that every message's role and content are ones this template "
+                             "accepts.") from error
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        """TRL's preparation (chat template, tokenization, truncation), of the training rows within the bound only:
+        at most G rows per user (G's largest value, 256, for `contribution_bound="auto"`, whose ε-DP draw then reads
+        the capped counts), drawn with the run's data secret, so the rows beyond G are never tokenized."""
+        if dataset_name == "train" and isinstance(args, DPSFTConfig):
+            self._train_to_prepare = (dataset, processing_class, args, packing, formatting_func, dataset_name)
+            dataset = bound_before_preparing(dataset, args, self._data_secret)
+            self._rows_given = len(dataset)
+        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+
+    def _resume_privacy_state(self, folder: str) -> None:
+        """A checkpoint with another data secret chose other rows within the bound: prepare those again first."""
+        saved = read_checkpoint(folder).data_secret
+        given = getattr(self, "_train_to_prepare", None)
+        if given is not None and saved is not None and saved != self._data_secret:
+            secret, self._data_secret = self._data_secret, saved
+            try:
+                self._user_dataset = self._prepare_dataset(*given)
+            finally:
+                self._data_secret = secret  # the mixin replaces it, and partitions the rows prepared here
+        super()._resume_privacy_state(folder)
 
     def _partition_users(self, data_secret: str) -> None:
-        column = self.args.user_id_column
-        if column not in self._user_dataset.column_names:
-            raise ValueError(f"SFTTrainer's dataset preparation dropped the user column {column!r} "
+        args = self.args
+        given, prepared = getattr(self, "_rows_given", None), len(self._user_dataset)
+        if given and not prepared:
+            raise ValueError(f"SFTTrainer's preparation left none of the {given} training rows: it drops rows with no "
+                             f"labelled token once truncated to max_length={args.max_length} "
+                             f"(truncation_mode={args.truncation_mode!r}), which cut every reply away; "
+                             "raise max_length "
+                             "(e.g. 1024, or None for no truncation), or check completion_only_loss and "
+                             "assistant_only_loss.")
+        if given and prepared < given:
+            logger.warning("SFTTrainer dropped %d of the %d training rows: no labelled token was left once truncated "
+                           "to max_length=%s (raise it to keep them).", given - prepared, given, args.max_length)
+        if args.user_id_column not in self._user_dataset.column_names:
+            raise ValueError(f"SFTTrainer's dataset preparation dropped the user column {args.user_id_column!r} "
                              f"(columns left: {self._user_dataset.column_names}): with skip_prepare_dataset, keep it "
                              "in the prepared dataset.")
         super()._partition_users(data_secret)
@@ -143,3 +235,141 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         for key in SFT_TRAINING_METRICS:
             logs.pop(key, None)
         super().log(logs, start_time)
+
+
+_NO_ASSISTANT_MASK = (
+    "assistant_only_loss=True, but the chat template marked no assistant token in a training or evaluation row: "
+    "each kept conversation has an assistant turn, so its content must be empty or the template's {% generation %} "
+    "marks miss it; give every assistant turn some content, or set assistant_only_loss=False (prompt/completion rows "
+    "with completion_only_loss need no marks)."
+)
+
+
+def bound_before_preparing(dataset, args: DPSFTConfig, secret):
+    """The training rows SFTTrainer needs to prepare: at most G per user (every row at example level, or without a
+    bound). Each user's rows are drawn from (secret, user id) alone, like the partition's, so the guarantee is the
+    same; the partition after the preparation then keeps them all (fewer where a row had no labelled token left)."""
+    bound = args.contribution_bound
+    if bound is None or not get_mechanism(args.mechanism).protects_users:
+        return dataset
+    cap = CONTRIBUTION_BOUND_GRID[-1] if bound == "auto" else int(bound)
+    return bound_rows(dataset, args.user_id_column, cap, secret, "rows before preparation")
+
+
+def check_processing_class(model, processing_class) -> None:
+    """Without a processing class SFTTrainer loads one from the model's name: refuse a model that has none."""
+    if processing_class is not None or isinstance(model, str):
+        return
+    name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not name:
+        raise ValueError("processing_class=None, and the model has no name or path to load its tokenizer from (it "
+                         "was built from a config): pass processing_class=AutoTokenizer.from_pretrained(...), a "
+                         "tokenizer with a chat template for conversational rows.")
+
+
+def check_chat_template(processing_class, args: DPSFTConfig) -> None:
+    """`assistant_only_loss` needs `{% generation %}` marks in the chat template: refused up front without them."""
+    if not args.assistant_only_loss or processing_class is None:
+        return
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    template = args.chat_template_path or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "{%" in template and not _GENERATION_MARK.search(template):
+        raise ValueError("assistant_only_loss=True, but the tokenizer's chat template has no {% generation %} marks, "
+                         "so no assistant token would be labelled; use prompt/completion rows with "
+                         "completion_only_loss (no marks needed), or a template with the marks.")
+
+
+def prepare_rows(dataset, args: DPSFTConfig, formatting_func, name: str):
+    """Check every row before TRL and the chat template read it, in one line naming the row and what to fix; under
+    `assistant_only_loss`, drop conversations with no assistant turn (nothing to learn; TRL would stop on them).
+
+    Each row is checked on its own content and dropped on it alone (no statistic of the data is used), before the
+    user partition: the privacy accounting is that of the rows kept.
+
+    Raises:
+        TypeError: a streamed dataset (materialise it first).
+        ValueError: no `messages`, `prompt`+`completion` or `dataset_text_field` column; a conversation that is not
+            a non-empty list of messages, each with a string role and a string content (`None` only beside
+            `tool_calls`); an empty completion; a text that is not a string.
+    """
+    if name == "train_dataset":
+        check_user_column(dataset, args.user_id_column)
+    else:
+        _check_stream(dataset, name)
+    columns = list(dataset.column_names)
+    if "input_ids" in columns or formatting_func is not None:
+        return dataset  # already tokenized, or formatted by the caller's function: TRL takes it as is
+    if "messages" in columns:
+        fields = ["messages"]
+    elif "prompt" in columns or "completion" in columns:
+        if not {"prompt", "completion"} <= set(columns):
+            raise ValueError(f"{name} has a {'prompt' if 'prompt' in columns else 'completion'!r} column but no "
+                             f"{'completion' if 'prompt' in columns else 'prompt'!r} column (columns: {columns}): SFT "
+                             "learns a completion from its prompt; give both.")
+        fields = ["prompt", "completion"]
+    elif args.dataset_text_field in columns:
+        fields = [args.dataset_text_field]
+    else:
+        raise ValueError(f"{name} has no {args.dataset_text_field!r} column, nor 'messages' or 'prompt'+'completion' "
+                         f"(columns: {columns}): set dataset_text_field to the text column, or give conversations.")
+    no_reply = []
+    index = 0
+    for batch in dataset.select_columns(fields).iter(batch_size=1000):
+        for values in zip(*(batch[f] for f in fields)):
+            row = dict(zip(fields, values))
+            if fields == [args.dataset_text_field]:
+                if not isinstance(values[0], str):
+                    raise ValueError(f"{name} row {index}: {fields[0]!r} is {_kind(values[0])}, not a string; fill "
+                                     "or drop such rows.")
+            elif fields == ["prompt", "completion"] and all(isinstance(v, str) for v in values):
+                if not values[1]:
+                    raise ValueError(f"{name} row {index}: the completion is an empty string; drop such rows.")
+            else:
+                for key, value in row.items():
+                    check_conversation(value, f"{name} row {index}: {key!r}")
+                if fields == ["messages"] and args.assistant_only_loss and \
+                        not any(m.get("role") == "assistant" for m in row["messages"]):
+                    no_reply.append(index)
+            index += 1
+    if no_reply:
+        logger.warning("Dropping %d of the %d conversations of %s: no assistant turn, so nothing to learn under "
+                       "assistant_only_loss.", len(no_reply), len(dataset), name)
+        dropped = set(no_reply)
+        dataset = dataset.select([i for i in range(len(dataset)) if i not in dropped])
+    return dataset
+
+
+def _check_stream(dataset, name: str) -> None:
+    if getattr(dataset, "column_names", None) is None or not hasattr(dataset, "select_columns") \
+            or not hasattr(dataset, "__len__"):
+        raise TypeError(f"{name} is a {type(dataset).__name__}, not a datasets.Dataset: materialise it (e.g. "
+                        "Dataset.from_generator, or stream.take(n) first for a datasets stream).")
+
+
+def check_conversation(messages, where: str) -> None:
+    """Refuse, in one line starting with `where`, anything but a non-empty list of messages with a string role and
+    string (or list) content, `None` only beside `tool_calls`."""
+    if isinstance(messages, str):
+        raise ValueError(f"{where} is a string, not a conversation (a list of {{'role', 'content'}} messages): use "
+                         "the 'text' column (dataset_text_field) for plain text, or build the messages.")
+    if not isinstance(messages, list) or not messages:
+        shown = "an empty list" if isinstance(messages, list) else _kind(messages)
+        raise ValueError(f"{where} is {shown}, not a conversation: give at least one {{'role', 'content'}} message, "
+                         "or drop the row.")
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}, message {number}, is {_kind(message)}, not a {{'role', 'content'}} dict.")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{where}, message {number}, has no role (found {_kind(role)}): give every message a "
+                             "role such as 'user' or 'assistant'.")
+        if content is None and not message.get("tool_calls"):
+            raise ValueError(f"{where}, message {number} ({role}), has no content: give it a string (an empty one "
+                             "if need be), or drop the row.")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"{where}, message {number} ({role}), has content {_kind(content)}, not a string: the "
+                             "chat template would render it as text it was never meant to be; convert it.")
+
+
+def _kind(value) -> str:
+    return "None" if value is None else f"of type {type(value).__name__}"

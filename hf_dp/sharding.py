@@ -17,6 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch.distributed.tensor import DTensor, Shard
 
 FSDP2_CONFIG = "recipes/configs/fsdp.yaml"
@@ -31,8 +32,8 @@ def is_sharded(tensor) -> bool:
 
 def check_supported(trainer) -> None:
     """Refuse, with one line each, the sharded setups DP training cannot run exactly or that are not tested:
-    DeepSpeed, FSDP1, FSDP's own activation checkpointing, offloading, loading the weights on the main process
-    only, mixed precision, and checkpoints."""
+    DeepSpeed, FSDP1, size-based wrapping, FSDP's own activation checkpointing, offloading, and loading the weights
+    on the main process only."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError(f"DeepSpeed: its engine owns the backward pass and the gradient reduction, which DP training "
                          f"replaces; shard with FSDP2 instead (accelerate launch --config_file {FSDP2_CONFIG}).")
@@ -42,6 +43,12 @@ def check_supported(trainer) -> None:
     if getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError(f"FSDP version {plugin.fsdp_version}: DP training supports FSDP2 only (fully_shard, DTensor "
                          f"parameters); set fsdp_version: 2 in the accelerate config ({FSDP2_CONFIG}).")
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    if getattr(policy, "func", policy) is size_based_auto_wrap_policy:
+        raise ValueError("fsdp_auto_wrap_policy: SIZE_BASED_WRAP picks modules by parameter count, containers such as "
+                         "a ModuleList of layers among them, which FSDP2's fully_shard cannot shard (they have no "
+                         "forward); use TRANSFORMER_BASED_WRAP (one unit per decoder layer, as in "
+                         f"{FSDP2_CONFIG}).")
     if getattr(plugin, "activation_checkpointing", False):
         raise ValueError("fsdp_activation_checkpointing: its checkpoint wrappers recompute layers outside the clipping "
                          "engine's view; set it to false and use gradient_checkpointing=True (transformers' "

@@ -81,10 +81,12 @@ class DPTrainerMixin(PrivacyReporting):
         # What the user asked for, before the plan sets them: a resumed run replans from these.
         self._requested_pass_rows, self._requested_max_steps = args.per_device_train_batch_size, args.max_steps
         args.per_device_train_batch_size = self._pass_rows(args, partition=None)  # provisional: one row per unit
+        # The data secret keys G's private draw and each user's rows; saved with checkpoints, never released. Known
+        # before the base trainer builds: one that prepares rows (DPSFTTrainer) draws each user's G rows with it first.
+        self._data_secret = checkpoint.secret_to_resume(args) or contribution.data_secret(args)
         super().__init__(model, args, data_collator, train_dataset, *trainer_args, **trainer_kwargs)
         self._user_dataset = self.train_dataset  # as the base trainer prepared it (the user column kept)
-        # The data secret keys G's private draw and each user's rows; saved with checkpoints, never released.
-        self._partition_users(checkpoint.secret_to_resume(self.args) or contribution.data_secret(self.args))
+        self._partition_users(self._data_secret)
         compatibility.check_model_state(self.model)
         compatibility.check_labels(self.partition.dataset, base_model(self.model))
         sharding.check_supported(self)  # FSDP2 trains sharded; DeepSpeed and FSDP1 are refused

@@ -62,14 +62,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 
 from hf_dp.parser import ArgumentParser
 from hf_dp.sft import DPSFTConfig, SFTConfig
 from hf_dp.workflows.pretrained import smollm2_path
-from hf_dp.workflows.recipes import RecipeArguments, recipe_run, summary_line
-from hf_dp.workflows.runs import finish_processes, plain_training_arguments
-from hf_dp.workflows.tasks.chat_sft import METRIC_NAME, ChatSFTConfig, run_chat_sft
+from hf_dp.workflows.recipes import RecipeArguments, recipe_run, run_recipe, summary_line
+from hf_dp.workflows.runs import plain_training_arguments
+from hf_dp.workflows.tasks.chat_sft import METRIC_NAME, ChatSFTConfig, load_chat_data, run_chat_sft
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -101,17 +102,18 @@ class ScriptArguments(RecipeArguments):
 
 
 def main(script_args: ScriptArguments, training_args: DPSFTConfig) -> dict:
-    if script_args.model_name_or_path is None:
-        from accelerate import PartialState
-
-        with PartialState().main_process_first():  # one process downloads and converts, the others reuse it
-            script_args.model_name_or_path = str(smollm2_path())
     # The run config from the flags; the SFT arguments stay SFT configs (TRL's SFTConfig when non-private).
     config, _ = recipe_run(ChatSFTConfig, dataclasses.replace(script_args, non_private=False), training_args,
                            max_length=training_args.max_length)
+    data = load_chat_data(config)  # bad data is refused before the model is fetched
+    if config.model_name_or_path is None:
+        from accelerate import PartialState
+
+        with PartialState().main_process_first():  # one process downloads and converts, the others reuse it
+            config = dataclasses.replace(config, model_name_or_path=str(smollm2_path()))
     if script_args.non_private:
         training_args = plain_training_arguments(training_args, SFTConfig)
-    result = run_chat_sft(config, training_args)
+    result = run_chat_sft(config, training_args, data=data)
     print(summary_line(result, METRIC_NAME, training_args.output_dir))
     return result
 
@@ -120,11 +122,8 @@ def make_parser() -> ArgumentParser:
     """`HfArgumentParser` over the recipe's flags and every DPSFTConfig field (SFTConfig's and the privacy
     fields; `None` accepted for optional numbers: `--target_epsilon None --noise_multiplier 1.0` trains at a fixed
     σ and reports the ε it spent)."""
-    return ArgumentParser((ScriptArguments, DPSFTConfig))
+    return ArgumentParser((ScriptArguments, DPSFTConfig), one_line_errors=True)
 
 
 if __name__ == "__main__":
-    parser = make_parser()
-    script_args, training_args = parser.parse_args_into_dataclasses()
-    main(script_args, training_args)
-    finish_processes()
+    sys.exit(run_recipe(make_parser(), main))

@@ -152,8 +152,9 @@ def test_the_output_dir_lock_refuses_a_second_live_run_and_is_released_after(tmp
         with open(output_dir / LOCK_FILE) as other:  # another run trying the same lock
             with pytest.raises(BlockingIOError):
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(output_dir / LOCK_FILE) as other:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on exit
+    assert not (output_dir / LOCK_FILE).exists()  # released and removed on exit: no stray file in the model folder
+    with open(output_dir / LOCK_FILE, "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another live run
         with pytest.raises(RuntimeError, match="in use by another live training run"):
             with output_dir_lock(str(output_dir)):
                 pass
@@ -161,7 +162,10 @@ def test_the_output_dir_lock_refuses_a_second_live_run_and_is_released_after(tmp
     with pytest.raises(KeyError):  # released when the run fails too
         with output_dir_lock(str(output_dir)):
             raise KeyError("training failed")
-    with output_dir_lock(str(output_dir)):  # a leftover lock file does not block
+    assert not (output_dir / LOCK_FILE).exists()
+    (output_dir / LOCK_FILE).write_text("")  # a leftover lock file (a crashed run's) does not block
+    with output_dir_lock(str(output_dir)):
         pass
+    assert not (output_dir / LOCK_FILE).exists()
     with output_dir_lock(str(tmp_path / "other"), enabled=False):  # ranks other than 0 take no lock
         assert not (tmp_path / "other").exists()

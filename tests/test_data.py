@@ -30,6 +30,23 @@ def test_nan_user_ids_are_dropped_like_none(caplog):
     assert len(examples_per_user(data, "user_id")) == 16
 
 
+@pytest.mark.parametrize("blank", ["", "  ", "\t"])
+def test_empty_string_ids_are_dropped_not_merged_into_one_user(caplog, blank):
+    """20 people whose id was lost as an empty string would be one user cut to G rows: dropped like None."""
+    data = user_dataset(user_ids=[f"u{i}" for i in range(16)])
+    for _ in range(20):
+        data = data.add_item({"user_id": blank, "input_ids": [1, 2, 3], "labels": 1})
+    with caplog.at_level(logging.WARNING, logger="hf_dp.data"):
+        partition = partition_by_user(data, "user_id", 2, b"secret")
+    assert partition.num_users == 16 and "Dropping 20 training rows" in caplog.text
+    assert len(examples_per_user(data, "user_id")) == 16
+
+
+def test_an_empty_dataset_is_said_to_have_no_rows():
+    with pytest.raises(ValueError, match="has no rows"):
+        partition_by_user(Dataset.from_dict({"user_id": [], "row": []}), "user_id", None, b"secret")
+
+
 def test_numpy_and_pandas_missing_ids_are_dropped():
     from datasets import Dataset
 

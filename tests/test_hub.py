@@ -348,3 +348,70 @@ def test_publish_checks_the_cards_delta_against_the_ledgers_sampler_term(card_di
     (card_dir / LEDGER_FILE).write_text(json.dumps(ledger))
     with pytest.raises(PrivacyCardError, match="δ = 1e-05 but its ledger"):
         check_privacy_card(card_dir)
+
+
+# ---- a trained run's card: Hub metadata and the Accounting paragraph ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_cards(tmp_path_factory):
+    """A classifier run from a local model folder and a causal-LM run, each trained 2 steps (card and ledger)."""
+    from trainer_fixtures import make_trainer, tiny_bert, tiny_llama, user_dataset
+
+    root = tmp_path_factory.mktemp("trained")
+    classifier = tiny_bert()
+    classifier.config._name_or_path = str(root / "home" / "alice" / "models" / "base")
+    (root / "home" / "alice" / "models" / "base").mkdir(parents=True)
+    make_trainer(root / "clf", model=classifier, max_steps=2).train()
+    make_trainer(root / "lm", model=tiny_llama(), dataset=user_dataset(causal_lm=True), max_steps=2).train()
+    return root
+
+
+def test_a_causal_lm_card_says_text_generation_and_a_local_base_model_is_not_published(trained_cards, tmp_path):
+    from huggingface_hub.repocard import metadata_load
+
+    lm, clf = metadata_load(trained_cards / "lm" / "out" / "README.md"), trained_cards / "clf" / "out"
+    assert lm["pipeline_tag"] == "text-generation"
+    assert "Task: `text-generation`" in (trained_cards / "lm" / "out" / "README.md").read_text()
+    text = (clf / "README.md").read_text()
+    assert metadata_load(clf / "README.md")["pipeline_tag"] == "text-classification"
+    assert "base_model" not in metadata_load(clf / "README.md") and "alice" not in text
+    assert "Fine-tuned from a local model" in text
+    check_privacy_card(clf)
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / LEDGER_FILE).write_text((clf / LEDGER_FILE).read_text())
+    (edited / "README.md").write_text(text.replace("---\n", "---\nbase_model: /home/alice/models/base\n", 1))
+    with pytest.raises(PrivacyCardError, match="base_model names '/home/alice/models/base', not a Hub model id"):
+        check_privacy_card(edited)
+    (edited / "README.md").write_text(text.replace("Fine-tuned from a local model", "Fine-tuned from `/srv/m`"))
+    with pytest.raises(PrivacyCardError, match="its first sentence names '/srv/m'"):
+        check_privacy_card(edited)
+
+
+def _accounting(text: str) -> str:
+    return text.split("### Accounting", 1)[1].split("\n##", 1)[0]
+
+
+@pytest.mark.parametrize("pattern, replacement, words", [
+    (r"between\s+[0-9.]+ \(lower bound\) and [0-9.]+ \(upper bound\)",
+     "between 0.1 (lower bound) and 0.5 (upper bound)", "shows lower 0.1"),
+    (r"and [0-9.]+ \(upper bound\)", "and 0.500 (upper bound)", "shows upper 0.500"),
+    (r"estimate [0-9.]+", "estimate 0.2", "shows estimate 0.2"),
+    (r"reaches [0-9.]+ standard", "reaches 40.00 standard", "shows reach 40.00"),
+    (r"= [0-9.e+-]+ to δ", "= 1e-99 to δ", "shows sampler delta 1e-99"),
+    (r"\([0-9.e+-]+ from the accountant\)", "(1e-09 from the accountant)", "shows accountant delta 1e-09"),
+], ids=["between", "upper", "estimate", "reach", "sampler-delta", "accountant-delta"])
+def test_publish_refuses_an_edited_accounting_paragraph(trained_cards, tmp_path, pattern, replacement, words):
+    source = trained_cards / "clf" / "out"
+    text = (source / "README.md").read_text()
+    section = _accounting(text)
+    edited_section, count = re.subn(pattern, replacement, section, count=1)
+    assert count == 1, section
+    folder = tmp_path / "card"
+    folder.mkdir()
+    (folder / LEDGER_FILE).write_text((source / LEDGER_FILE).read_text())
+    (folder / "README.md").write_text(text.replace(section, edited_section))
+    with pytest.raises(PrivacyCardError, match="its Accounting paragraph " + words) as error:
+        check_privacy_card(folder)
+    assert "\n" not in str(error.value)

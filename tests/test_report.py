@@ -33,7 +33,7 @@ def test_the_report_states_the_ledgers_epsilon_and_the_plan(tmp_path):
     assert (report["steps"], report["delta"], report["sample_rate"]) == (3, plan.delta, plan.sample_rate)
     assert (report["mechanism"], report["sampling"], report["privacy_unit"]) == ("uls", "uls", "user")
     assert report["mechanism_description"] == MECHANISMS["uls"].description
-    assert report["max_grad_norm"] == 0.7 and report["adaptive_clipping"] is False
+    assert report["max_grad_norm"] == 1.0 and report["adaptive_clipping"] is False  # the argument: C
     assert report["final_max_grad_norm"] is None and report["clipping_count_noise"] is None
     assert (report["num_users"], report["num_examples"]) == (1200, 57000)  # rounded: not covered by ε
     assert report["epsilon_group_privacy"] is None and report["contribution_bound_epsilon"] == 0
@@ -103,10 +103,15 @@ def test_card_metadata_is_added_after_the_cards_own(tmp_path):
 
 
 def test_the_base_model_is_named_only_when_it_is_a_hub_id(tmp_path):
+    from hf_dp.card import hub_model_id, render_privacy_card
+
     model = tiny_bert()
     model.config._name_or_path = "org/base-model"
     assert base_model_name(model) == "org/base-model"
-    model.config._name_or_path = str(tmp_path)  # a local folder: not a Hub id
-    assert base_model_name(model) is None
     model.config._name_or_path = ""
     assert base_model_name(model) is None
+    assert [hub_model_id(name) for name in ("org/base-model", "gpt2", str(tmp_path), "/home/alice/model", "~/m",
+                                            "./m", "a/b/c", "", None)] == ["org/base-model", "gpt2"] + [None] * 7
+    card = render_privacy_card(fixed_report("uls", 7.9, 8.0), base_model=str(tmp_path / "smollm2"))
+    assert "base_model" not in card.data.to_dict() and str(tmp_path) not in card.text
+    assert "Fine-tuned from a local model with" in card.text.replace("\n", " ")

@@ -90,6 +90,7 @@ def test_dp_sft_trains_with_the_ledger_card_and_no_batch_metrics(tmp_path, sampl
     assert "dp/epsilon" in keys and not keys & set(SFT_TRAINING_METRICS)
     card = (tmp_path / "out" / "README.md").read_text()
     assert "user-level" in card and "SFTTrainer's training metrics" in card  # the privacy card, not TRL's
+    assert "pipeline_tag: text-generation" in card
     assert check_privacy_card(tmp_path / "out")["epsilon"] == pytest.approx(report["epsilon"], rel=1e-2)
 
 
@@ -169,3 +170,170 @@ def test_the_config_round_trips_through_json(tmp_path):
     args = config(tmp_path, sampling="els", contribution_bound=4)
     state = json.loads(args.to_json_string())
     assert (state["sampling"], state["contribution_bound"], state["assistant_only_loss"]) == ("els", 4, True)
+
+
+# ---- bad inputs: refused before TRL prepares anything, in one line -------------------------------------------------
+
+GOOD = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"}]
+
+
+def chats(bad, good=GOOD, users: int = 12) -> Dataset:
+    """Two conversations per user, the second of user 0 replaced by `bad`."""
+    rows = [good] * (2 * users)
+    rows[1] = bad
+    return Dataset.from_dict({"messages": rows, "user_id": [f"u{i // 2}" for i in range(2 * users)]})
+
+
+@pytest.mark.parametrize("dataset, words", [
+    (lambda: chats([{"role": "user", "content": "w1"}, {"role": "assistant", "content": None}]),
+     r"row 1: 'messages', message 1 \(assistant\), has no content"),
+    (lambda: chats([{"role": None, "content": "w1"}, {"role": "assistant", "content": "w2"}]),
+     "row 1: 'messages', message 0, has no role"),
+    (lambda: chats([]), "row 1: 'messages' is an empty list, not a conversation"),
+    (lambda: Dataset.from_dict({"messages": [[{"role": "user", "content": 5}, {"role": "assistant", "content": 6}]]
+                                * 4, "user_id": ["a", "a", "b", "c"]}), "has content of type int, not a string"),
+    (lambda: Dataset.from_dict({"messages": ["w1 w2"] * 4, "user_id": list("abcd")}),
+     "row 0: 'messages' is a string, not a conversation"),
+    (lambda: Dataset.from_dict({"prompt": [[GOOD[0]]] * 4, "completion": [[GOOD[1]], [], [GOOD[1]], [GOOD[1]]],
+                                "user_id": list("abcd")}), "row 1: 'completion' is an empty list"),
+    (lambda: Dataset.from_dict({"prompt": ["w1"] * 4, "user_id": list("abcd")}), "no 'completion' column"),
+    (lambda: Dataset.from_dict({"body": ["w1 w2"] * 4, "user_id": list("abcd")}), "no 'text' column, nor 'messages'"),
+    (lambda: Dataset.from_dict({"text": ["w1 w2", None, "w3", "w4"], "user_id": list("abcd")}),
+     "row 1: 'text' is None, not a string"),
+    (lambda: conversations().to_iterable_dataset(), "streamed dataset .* materialise it"),
+], ids=["content-none", "no-role", "empty-messages", "int-content", "messages-of-strings", "empty-completion",
+        "prompt-alone", "no-text-field", "text-none", "iterable"])
+def test_malformed_rows_are_refused_before_trl_reads_them(tmp_path, dataset, words):
+    text = dataset().column_names is not None and "messages" not in dataset().column_names
+    with pytest.raises((ValueError, TypeError), match=words) as error:
+        trainer(tmp_path, dataset=dataset(), assistant_only_loss=not text)
+    assert "\n" not in str(error.value)
+
+
+def test_a_malformed_evaluation_row_is_refused_too(tmp_path):
+    with pytest.raises(ValueError, match="^eval_dataset row 1: 'messages' is an empty list"):
+        DPSFTTrainer(model=tiny_chat_model(), args=config(tmp_path), train_dataset=conversations(),
+                     eval_dataset=chats([], users=2).map(lambda row: {"user_id": "held-out-" + row["user_id"]}),
+                     processing_class=chat_tokenizer())
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"max_length": 1}, "max_length=1: a conversation needs a token and the next one"),
+    ({"max_length": 0}, "max_length=0"),
+    ({"max_length": -5}, "max_length=-5"),
+    ({"padding_free": True, "max_length": 64}, "padding_free=True with max_length=64: TRL does not truncate"),
+], ids=["one", "zero", "negative", "padding-free-with-length"])
+def test_lengths_that_leave_nothing_to_learn_are_refused(tmp_path, overrides, words):
+    with pytest.raises(ValueError, match=words) as error:
+        config(tmp_path, **overrides)
+    assert "\n" not in str(error.value) and "packing=True" not in str(error.value)
+
+
+def test_a_length_that_cuts_every_reply_names_max_length_not_the_user_column(tmp_path):
+    with pytest.raises(ValueError, match="left none of the .* training rows: .* max_length=3") as error:
+        trainer(tmp_path, max_length=3)
+    assert "user_id" not in str(error.value)
+
+
+def test_conversations_without_an_assistant_turn_are_dropped_under_assistant_only_loss(tmp_path, caplog):
+    import logging
+
+    data = chats([{"role": "user", "content": "w1"}], users=12)
+    with caplog.at_level(logging.WARNING, logger="hf_dp.sft"):
+        sft = trainer(tmp_path, dataset=data, expected_batch_size=4)
+    assert sft.partition.num_examples == len(data) - 1 and "Dropping 1 of the 24 conversations" in caplog.text
+
+
+def test_assistant_only_loss_without_generation_marks_is_refused_up_front(tmp_path):
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    with pytest.raises(ValueError, match="no {% generation %} marks"):
+        DPSFTTrainer(model=tiny_chat_model(), args=config(tmp_path), train_dataset=conversations(),
+                     processing_class=tokenizer)
+
+
+def test_a_chat_template_error_is_one_line(tmp_path):
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+                               "{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+    data = chats([{"role": "tool", "content": "w1"}, {"role": "assistant", "content": "w2"}])
+    with pytest.raises(ValueError, match="chat template failed on a training or evaluation row .*no tools") as error:
+        DPSFTTrainer(model=tiny_chat_model(), args=config(tmp_path), train_dataset=data, processing_class=tokenizer)
+    assert "\n" not in str(error.value)
+
+
+def test_no_processing_class_for_a_model_without_a_name_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="processing_class=None, and the model has no name or path"):
+        DPSFTTrainer(model=tiny_chat_model(), args=config(tmp_path), train_dataset=conversations())
+
+
+def test_the_default_config_uses_the_new_checkpointing_names(tmp_path):
+    import warnings
+
+    from hf_dp.sft import ACTIVATION_CHECKPOINTING
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        args = DPSFTConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    assert args.gradient_checkpointing is True  # SFTConfig's default, kept
+    if ACTIVATION_CHECKPOINTING:
+        assert args.activation_checkpointing is True
+        assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
+    off = config(tmp_path, gradient_checkpointing=False)  # the deprecated name still works
+    assert off.gradient_checkpointing is False
+
+
+# ---- the bound before TRL's preparation ------------------------------------------------------------------------------
+
+
+def heavy_user_conversations() -> Dataset:
+    """24 users, one of them with 40 conversations."""
+    data = conversations()
+    heavy = Dataset.from_dict({"messages": [GOOD] * 40, "user_id": ["heavy"] * 40})
+    from datasets import concatenate_datasets
+
+    return concatenate_datasets([data, heavy])
+
+
+def test_rows_beyond_the_bound_are_not_prepared(tmp_path, monkeypatch):
+    from trl import SFTTrainer
+
+    prepared = []
+    original = SFTTrainer._prepare_dataset
+
+    def spy(self, dataset, *rest):
+        prepared.append((rest[-1], len(dataset)))
+        return original(self, dataset, *rest)
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_dataset", spy)
+    data = heavy_user_conversations()
+    counts = {user: data["user_id"].count(user) for user in set(data["user_id"])}
+    sft = trainer(tmp_path, dataset=data, contribution_bound=2)
+    assert prepared == [("train", sum(min(n, 2) for n in counts.values()))]
+    assert sft.partition.num_examples == prepared[0][1] and max(len(r) for r in sft.partition.user_rows) == 2
+    prepared.clear()
+    trainer(tmp_path, dataset=data, contribution_bound="auto")  # capped at G's largest value: nothing cut here
+    assert prepared == [("train", len(data))]
+    prepared.clear()
+    trainer(tmp_path, dataset=data, privacy_unit="example", contribution_bound=None)
+    assert prepared == [("train", len(data))]
+
+
+def test_a_resume_with_another_data_secret_prepares_the_checkpoints_rows(tmp_path):
+    """Each construction draws a fresh data secret; resuming from a checkpoint trains on the rows its secret chose."""
+    data = heavy_user_conversations()
+    first = trainer(tmp_path, dataset=data, contribution_bound=2, noise_seed=None, max_steps=2, save_strategy="steps",
+                    save_steps=1)
+    first.train()
+    resumed = trainer(tmp_path, dataset=data, contribution_bound=2, noise_seed=None, max_steps=2)
+    assert resumed._data_secret != first._data_secret
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert resumed._data_secret == first._data_secret
+    assert resumed.partition.dataset["input_ids"] == first.partition.dataset["input_ids"]
+    assert resumed.accountant.steps == 2
+
+
+def test_dict_user_ids_are_refused_before_trl_prepares_the_rows(tmp_path):
+    data = conversations().map(lambda row: {"user_id": {"id": row["user_id"]}})
+    with pytest.raises(ValueError, match="user_id_column 'user_id' holds dicts .* a user id must be one value"):
+        trainer(tmp_path, dataset=data, contribution_bound=2)

@@ -4,19 +4,22 @@ The sharded path itself (reduce-scatter into DTensor shards) runs with two gloo 
 `tests/trainer/test_fsdp.py`; here a one-rank mesh checks the DTensor calls."""
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from transformers.trainer_utils import SaveStrategy
 
 from hf_dp import sharding
 
 
 def _trainer(mixed_precision="no", save_strategy=SaveStrategy.NO, enable_jit_checkpoint=False, **plugin):
-    settings = dict(fsdp_version=2, activation_checkpointing=False, cpu_offload=OffloadPolicy(),
+    settings = dict(fsdp_version=2, auto_wrap_policy=transformer_auto_wrap_policy, activation_checkpointing=False,
+                    cpu_offload=OffloadPolicy(),
                     cpu_ram_efficient_loading=False)
     settings.update(plugin)
     return SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True,
@@ -28,6 +31,8 @@ def _trainer(mixed_precision="no", save_strategy=SaveStrategy.NO, enable_jit_che
 
 @pytest.mark.parametrize("plugin, message", [
     ({"fsdp_version": 1}, "FSDP2 only"),
+    ({"auto_wrap_policy": size_based_auto_wrap_policy}, "use TRANSFORMER_BASED_WRAP"),
+    ({"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=10)}, "SIZE_BASED_WRAP"),
     ({"activation_checkpointing": True}, "gradient_checkpointing=True"),
     ({"cpu_offload": CPUOffloadPolicy()}, "fsdp_offload_params: false"),
     ({"cpu_ram_efficient_loading": True}, "fsdp_cpu_ram_efficient_loading"),
@@ -62,6 +67,19 @@ def test_a_sharded_checkpoint_whose_shards_are_unfinished_is_incomplete(tmp_path
 def test_deepspeed_is_refused_with_a_pointer_to_fsdp2():
     with pytest.raises(ValueError, match="recipes/configs/fsdp.yaml"):
         sharding.check_supported(SimpleNamespace(is_deepspeed_enabled=True))
+
+
+@pytest.mark.parametrize("how", ["argument", "accelerate"])
+def test_a_deepspeed_config_is_refused_as_dp_not_as_a_missing_package(tmp_path, monkeypatch, how):
+    """Without DeepSpeed installed, Trainer would ask for it (which DP training then refuses): refused first."""
+    from hf_dp import DPTrainingArguments
+
+    kwargs = {"deepspeed": {"train_batch_size": 8}} if how == "argument" else {}
+    if how == "accelerate":
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch sets for a DeepSpeed config
+    with pytest.raises(ValueError, match="whether or not DeepSpeed is installed; shard with FSDP2") as error:
+        DPTrainingArguments(str(tmp_path), report_to="none", use_cpu=True, **kwargs)
+    assert "\n" not in str(error.value) and "pip" not in str(error.value)
 
 
 def test_a_one_rank_shard_holds_the_whole_tensor_and_takes_the_whole_sum(tmp_path):

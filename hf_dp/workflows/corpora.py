@@ -274,6 +274,22 @@ def _check_column(dataset: datasets.Dataset, column: str, role: str, argument: s
         )
 
 
+def _check_user_id_kind(dataset: datasets.Dataset, column: str, name: str) -> None:
+    """User ids must be one kind of scalar: a column that mixes numbers and strings (loaded as JSON) or holds dicts
+    or lists is refused naming the column, before pyarrow fails on it (or one user counts as two)."""
+    feature = dataset.features[column]
+    if isinstance(feature, (datasets.Value, datasets.ClassLabel)):
+        return
+    if type(feature).__name__ == "Json":
+        found = "values of several kinds (e.g. numbers and strings, such as 1 and \"2\")"
+    elif isinstance(feature, dict):
+        found = "dicts"
+    else:
+        found = f"{type(feature).__name__} values"
+    raise ValueError(f"{name}: the user column {column!r} holds {found}; write every user id as one value of one "
+                     "kind (e.g. all strings: \"1\", \"2\"), or point --user_id_column at such a column.")
+
+
 def check_data_source(path_or_id: str | os.PathLike, argument: str = "dataset") -> None:
     """Raise `FileNotFoundError` when `path_or_id` names a local file or folder (a data file extension, or a path
     starting with `.`, `~` or the separator) that does not exist; anything else may be a Hub id. `argument` names
@@ -359,6 +375,7 @@ def load_user_dataset(
         _check_column(dataset, label_column, "Label", "label_column", "--label_column", source)
     if len(dataset) == 0:
         raise ValueError(f"{name} has no rows: give a file with one example per row.")
+    _check_user_id_kind(dataset, user_id_column, name)
     roles = {user_id_column: "user id", text_column: "text"}
     if label_column is not None:
         roles[label_column] = "label"

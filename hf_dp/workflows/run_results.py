@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import Mapping
@@ -35,6 +36,10 @@ RESULT_KEYS = (
     "baseline_result", "model_dir", "base_model", "task", "train_seconds", "eval_seconds", "config",
 )
 
+
+# Result keys that hold numbers (`eval_result` and `baseline_result` always; the others a number or null).
+_NUMBER_KEYS = ("eval_result", "baseline_result", "non_private_result", "epsilon", "delta", "target_epsilon",
+                "train_seconds", "eval_seconds")
 
 # The TrainingArguments fields a result records (besides every field DPTrainingArguments adds).
 _TRAINING_KEYS = (
@@ -96,13 +101,25 @@ def save_result(result: Mapping, results_dir) -> Path:
 
 
 def load_result(path) -> dict | None:
-    """A result JSON, or `None` when it is missing or not a complete result (e.g. an interrupted write)."""
+    """A result JSON, or `None` when it is missing or not a complete result (e.g. an interrupted write).
+
+    Raises:
+        ValueError: a complete-looking result whose figure is not a number (e.g. `"eval_result": "high"`), naming
+            the file and the key.
+    """
     try:
         result = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(result, dict) or any(key not in result for key in RESULT_KEYS):
         return None
+    for key in _NUMBER_KEYS:
+        value = result.get(key)
+        optional = key not in ("eval_result", "baseline_result")
+        if (value is None and not optional) or (value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Real))):
+            raise ValueError(f"{path}: {key} is {value!r}, not a number: a result JSON is written by the run; "
+                             "fix the value, or delete the file to run it again.")
     return result
 
 

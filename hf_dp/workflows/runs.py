@@ -296,9 +296,41 @@ def fit(model, training_args, train_dataset, *, data_collator, tokenizer, card: 
         trainer = DPTrainer(model=model, args=training_args, train_dataset=train_dataset,
                             data_collator=data_collator, processing_class=tokenizer, privacy_card_kwargs=card,
                             callbacks=callbacks)
+    announce_plan(trainer)
     start = time.perf_counter()
     trainer.train()
     return trainer, time.perf_counter() - start
+
+
+def plan_line(trainer) -> str | None:
+    """The DP plan of a built DP trainer in one line (G, σ, q, steps, δ, target ε); `None` for a plain Trainer.
+
+    Public settings and the ε-DP choice of G only (no statistic of the data beyond it): printing it costs no ε.
+    """
+    plan = getattr(trainer, "privacy_plan", None)
+    if plan is None:
+        return None
+    from hf_dp.formatting import format_significant
+    from hf_dp.vocabulary import MECHANISMS
+
+    entry, args = MECHANISMS[plan.mechanism], trainer.args
+    spent = trainer.budget.bound_epsilon
+    if plan.contribution_bound is None:
+        bound = "no contribution bound (every row kept)"
+    else:
+        bound = f"G = {plan.contribution_bound}" + (f" (chosen from the data with ε = {spent:g})" if spent else "")
+    target = "fixed σ" if args.target_epsilon is None else f"target ε = {args.target_epsilon:g}"
+    return (f"DP plan ({entry.label}): {bound}, σ = {format_significant(plan.noise_multiplier, 3, up=False)}, "
+            f"q = {format_significant(plan.sample_rate, 3, up=True)} ({args.expected_batch_size:g} "
+            f"{entry.sampled_unit} expected per step), {plan.steps} steps, "
+            f"δ = {format_significant(plan.delta, 3, up=True)}, {target}.")
+
+
+def announce_plan(trainer) -> None:
+    """Print [`plan_line`] once, before training (main process only)."""
+    line = plan_line(trainer)
+    if line is not None and is_main_process():
+        print(line, flush=True)
 
 
 def save_model(model, tokenizer, model_dir, *, adapter_only: bool = False) -> None:

@@ -102,10 +102,39 @@ def test_dict_user_ids_are_refused(tmp_path):
         make_trainer(tmp_path, dataset=data)
 
 
+def test_rows_the_collator_cannot_batch_are_refused_in_one_line(tmp_path):
+    """No processing_class, no data_collator: Trainer's default collator cannot stack rows of several lengths."""
+    with pytest.raises(ValueError, match="cannot batch the first training rows .* need a padding collator") as error:
+        DPTrainer(model=tiny_bert(), args=make_args(tmp_path), train_dataset=user_dataset())
+    assert "\n" not in str(error.value)
+
+
 def test_training_data_with_no_labelled_token_is_refused(tmp_path):
     data = user_dataset(causal_lm=True).map(lambda row: {"labels": [-100] * len(row["labels"])})
-    with pytest.raises(ValueError, match="Every label in the training data is -100"):
+    with pytest.raises(ValueError, match="No label in the training data is a target"):
         make_trainer(tmp_path, model=tiny_llama(), dataset=data)
+
+
+def test_causal_lm_labels_on_the_first_token_only_are_refused(tmp_path):
+    """A causal LM never predicts a row's first token: labels there alone (e.g. max_length=1) train on noise."""
+    data = user_dataset(causal_lm=True).map(
+        lambda row: {"labels": row["labels"][:1] + [-100] * (len(row["labels"]) - 1)})
+    with pytest.raises(ValueError, match="only the first token of a row, which a causal LM never predicts"):
+        make_trainer(tmp_path, model=tiny_llama(), dataset=data)
+    make_trainer(tmp_path, dataset=user_dataset().map(lambda row: {"labels": row["labels"]}))  # class labels: fine
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("float32", "class labels are floats .* cast the label column to int"),
+    ("string", "labels are strings .* map each class to an integer id"),
+])
+def test_class_labels_of_the_wrong_type_are_refused_in_one_line(tmp_path, kind, words):
+    from datasets import Value
+
+    data = user_dataset().cast_column("labels", Value(kind))  # 0.0 / 1.0, or "0" / "1"
+    with pytest.raises(ValueError, match=words) as error:
+        make_trainer(tmp_path, dataset=data)
+    assert "\n" not in str(error.value)
 
 
 def test_class_labels_outside_the_head_are_refused(tmp_path):
@@ -123,6 +152,20 @@ def test_evaluation_on_training_users_is_refused(tmp_path):
             DPTrainer(model=tiny_bert(), args=make_args(tmp_path, eval_strategy="steps", eval_steps=2),
                       train_dataset=train, eval_dataset=eval_dataset, data_collator=pad_collator)
     DPTrainer(model=tiny_bert(), args=make_args(tmp_path), train_dataset=train, eval_dataset=held_out,
+              data_collator=pad_collator)
+
+
+def test_evaluation_ids_of_another_type_than_the_training_ids_are_refused(tmp_path):
+    """Integer training ids against string evaluation ids: 3 and '3' never match, so the shared-users check would
+    pass on the very users it should catch."""
+    train = user_dataset(num_users=24, user_ids=list(range(24)))
+    same_people = user_dataset(num_users=4, seed=1, user_ids=[str(i) for i in range(4)])
+    with pytest.raises(ValueError, match="not of the training data's type .* give both one type") as error:
+        DPTrainer(model=tiny_bert(), args=make_args(tmp_path), train_dataset=train, eval_dataset=same_people,
+                  data_collator=pad_collator)
+    assert "\n" not in str(error.value)
+    others = user_dataset(num_users=4, seed=1, user_ids=list(range(100, 104)))
+    DPTrainer(model=tiny_bert(), args=make_args(tmp_path), train_dataset=train, eval_dataset=others,
               data_collator=pad_collator)
 
 

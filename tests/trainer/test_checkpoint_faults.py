@@ -95,6 +95,23 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp
     _same_weights(straight, resumed)
 
 
+def test_a_full_disk_inside_safetensors_is_one_line_too(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (not an OSError)."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    trainer = make_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    with pytest.raises(RuntimeError, match="checkpoint-2 failed .SafetensorError.*No space left.*earlier "
+                                           "checkpoints are intact") as error:
+        trainer.train()
+    assert "\n" not in str(error.value) and isinstance(error.value, OSError)  # recipes print it as one line
+
+
 class _SigtermDuringStep(TrainerCallback):
     """What Trainer's just-in-time checkpointing does after SIGTERM: a save requested while a step is running is
     made before that step's optimizer update (`on_pre_optimizer_step`), then training stops."""

@@ -120,6 +120,11 @@ def test_resume_with_other_privacy_arguments_is_refused(tmp_path):
     other = make_trainer(tmp_path, max_steps=4, max_grad_norm=0.5)
     with pytest.raises(ValueError, match="different privacy configuration.*max_grad_norm"):
         other.train(resume_from_checkpoint=checkpoint)
+    longer = make_trainer(tmp_path, max_steps=4)  # at a target ε, σ follows the steps: the refusal names the steps
+    with pytest.raises(ValueError, match=r"trained for max_steps=2, this run plans max_steps=4: .*noise_multiplier.* "
+                                         r"resume with max_steps=2") as error:
+        longer.train(resume_from_checkpoint=checkpoint)
+    assert "\n" not in str(error.value)
     os.remove(os.path.join(checkpoint, "dp_ledger.json"))
     same = make_trainer(tmp_path, max_steps=4)
     with pytest.raises(ValueError, match="incomplete or was not written by a DP trainer: it has no dp_ledger.json"):
@@ -236,6 +241,7 @@ def test_a_second_live_run_in_the_same_output_dir_is_refused(tmp_path):
     assert lock_path.exists()  # a stale lock file (lock not held) does not block
     make_trainer(tmp_path, max_steps=1).train()
     make_trainer(tmp_path, max_steps=1).train()  # nor does a finished run
+    assert not lock_path.exists()  # a finished run leaves no lock file in its model folder
 
 
 def test_the_lock_is_released_when_training_fails(tmp_path):
@@ -245,5 +251,6 @@ def test_the_lock_is_released_when_training_fails(tmp_path):
                         data_collator=pad_collator, optimizers=(torch.optim.SGD(stale, lr=0.1), None))
     with pytest.raises(RuntimeError, match="no gradient"):
         trainer.train()
-    with open(tmp_path / "out" / LOCK_FILE) as lock:
+    assert not (tmp_path / "out" / LOCK_FILE).exists()  # released and removed
+    with open(tmp_path / "out" / LOCK_FILE, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again

@@ -102,8 +102,21 @@ def test_prompt_completion_rows_end_on_the_last_assistant_turn():
     assert converted[1]["prompt"] == [{"role": "user", "content": "w7"}]
     with pytest.raises(ValueError, match="No conversations column 'messages'"):
         to_prompt_completion(rows)
-    with pytest.raises(ValueError, match="TRL's format"):
+    with pytest.raises(ValueError, match="Conversation 0 .'messages'. is a string, not a conversation"):
         to_prompt_completion(Dataset.from_dict({"messages": ["plain text"], "user_id": ["a"]}))
+
+
+@pytest.mark.parametrize("bad, words", [
+    ([{"role": "user", "content": "w1"}, {"role": "assistant", "content": None, "tool_calls": [{"f": 1}]}],
+     "message with no content .a tool call"),
+    ([{"content": "w1"}, {"role": "assistant", "content": "w2"}], "message 0, has no role"),
+], ids=["tool-call", "no-role"])
+def test_malformed_conversations_are_refused_naming_the_row_even_past_the_first_hundred(bad, words):
+    good = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+    rows = [good] * 150 + [bad]
+    with pytest.raises(ValueError, match="^Conversation 150 .*" + words) as error:
+        to_prompt_completion(Dataset.from_list([{"messages": m, "user_id": "a"} for m in rows]))
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("max_length", [None, 9])
@@ -135,7 +148,7 @@ def untouched_perplexity(data: TextData, max_length: int) -> float:
 
 
 @pytest.mark.parametrize("mechanism, use_lora", [("uls", True), ("els", False), ("non-private", False)])
-def test_run_chat_sft_end_to_end(tmp_path, mechanism, use_lora):
+def test_run_chat_sft_end_to_end(tmp_path, capsys, mechanism, use_lora):
     config = ChatSFTConfig(run=f"chat-{mechanism}", results_dir=str(tmp_path), model_name_or_path="tiny-chat",
                            use_lora=use_lora, lora_target_modules=["q_proj", "v_proj"], max_length=32,
                            progress=False)
@@ -147,6 +160,11 @@ def test_run_chat_sft_end_to_end(tmp_path, mechanism, use_lora):
                                                   contribution_bound=3, noise_seed=0, **common)
     data = chat_data()
     result = run_chat_sft(config, training_args, model=tiny_chat_model(), tokenizer=chat_tokenizer(), data=data)
+    plans = [line for line in capsys.readouterr().out.splitlines() if line.startswith("DP plan")]
+    if mechanism == "non-private":
+        assert plans == []
+    else:  # printed once, before training: G, σ, q, steps, δ
+        assert len(plans) == 1 and all(word in plans[0] for word in ("G = 3", "σ = ", "q = ", "2 steps", "δ = "))
 
     assert set(RESULT_KEYS) <= set(result)
     assert (result["task"], result["metric_name"], result["mechanism"], result["steps"]) == (
@@ -239,12 +257,13 @@ def test_sft_recipe_main_runs_non_private_with_plain_sft_arguments(tmp_path, mon
     recipe = load_recipe()
     seen = {}
 
-    def fake_run(config, training_args):
+    def fake_run(config, training_args, data=None):
         seen.update(config=config, training_args=training_args)
         return {"run": config.run, "mechanism": "non-private", "epsilon": None, "delta": None, "eval_result": 12.0,
                 "baseline_result": 20.0}
 
     monkeypatch.setattr(recipe, "run_chat_sft", fake_run)
+    monkeypatch.setattr(recipe, "load_chat_data", lambda config: None)
     recipe.main(*recipe.make_parser().parse_args_into_dataclasses([
         "--model_name_or_path", "some/chat-model", "--output_dir", str(tmp_path / "chat-np"), "--dataset",
         "chats.jsonl", "--user_id_column", "author", "--max_length", "128", "--bf16", "false", "--non_private",
@@ -257,6 +276,41 @@ def test_sft_recipe_main_runs_non_private_with_plain_sft_arguments(tmp_path, mon
     assert (config.run, config.dataset, config.user_id_column, config.max_length, config.max_eval_examples) == (
         "chat-np", "chats.jsonl", "author", 128, 20)
     assert "completion perplexity 12; public-only baseline 20" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, content, match", [
+    (["--max_length", "0"], None, "max_length=0: a conversation needs a token and the next one"),
+    (["--packing", "true"], None, "packing=True: packed rows hold several users' examples"),
+    ([], "", "has no rows"),
+    ([], '{"user_id": 1, "messages": []}\n{"user_id": "2", "messages": []}\n', "holds values of several kinds"),
+    (["--user_id_column", "author"], '{"user_id": "a", "messages": []}\n', "User column 'author' not found"),
+], ids=["max-length-0", "packing", "empty-file", "mixed-ids", "no-user-column"])
+def test_sft_recipe_refusals_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, flags, content, match):
+    """`recipes/sft.py` prints `prog: error: <one line>` and exits 2 like the other recipes, before the model is
+    fetched (bad data is read first)."""
+    import hf_dp.workflows.pretrained
+
+    recipe = load_recipe()
+
+    def never():
+        raise AssertionError("the model was fetched before the data was checked")
+
+    monkeypatch.setattr(recipe, "smollm2_path", never)
+    monkeypatch.setattr(hf_dp.workflows.pretrained, "smollm2_path", never)
+    data = tmp_path / "chats.jsonl"
+    if content is not None:
+        data.write_text(content)
+        flags = flags + ["--dataset", str(data)]
+    try:  # a refused flag exits in argparse; refused data returns the status
+        status = recipe.run_recipe(recipe.make_parser(), recipe.main, flags + [
+            "--output_dir", str(tmp_path / "models" / "chat"), "--results_dir", str(tmp_path / "r"), "--report_to",
+            "none", "--use_cpu", "true", "--bf16", "false"])
+    except SystemExit as exit_:
+        status = exit_.code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert status == 2 and len(errors) == 1 and match in errors[0] and "Traceback" not in err, err
+    assert not (tmp_path / "models").exists()
 
 
 @pytest.mark.slow

@@ -517,6 +517,19 @@ def test_rows_without_a_user_id_text_or_label_are_refused(tmp_path, suffix):
         load_user_dataset(path)
 
 
+@pytest.mark.parametrize("ids, words", [
+    ('1, "2"', "holds values of several kinds (e.g. numbers and strings"),
+    ('{"id": 1}, {"id": 2}', "holds dicts"),
+], ids=["mixed", "dicts"])
+def test_user_ids_that_are_not_one_kind_of_value_are_refused_naming_the_column(tmp_path, ids, words):
+    first, second = [part.strip() for part in ids.split(", ", 1)] if "{" not in ids else ('{"id": 1}', '{"id": 2}')
+    path = tmp_path / "d.jsonl"
+    path.write_text(f'{{"user_id": {first}, "text": "a"}}\n{{"user_id": {second}, "text": "b"}}\n')
+    with pytest.raises(ValueError, match=r"the user column 'user_id' " + words.replace("(", r"\(")) as error:
+        load_user_dataset(path)
+    assert "\n" not in str(error.value) and "Arrow" not in str(error.value)
+
+
 def test_a_missing_file_is_refused_naming_the_option(tmp_path):
     from hf_dp.workflows.corpora import check_data_source
 

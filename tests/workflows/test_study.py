@@ -117,6 +117,22 @@ def test_incomplete_json_is_not_a_result(tmp_path):
     assert load_result(tmp_path / "uls-eps8.json") is None
 
 
+def test_a_result_whose_figure_is_not_a_number_is_refused_naming_the_file(tmp_path):
+    from hf_dp.workflows.run_results import RESULT_KEYS
+
+    result = dict.fromkeys(RESULT_KEYS, None) | {"run": "uls-eps8", "eval_result": 0.5, "baseline_result": 0.4,
+                                                 "epsilon": 7.9, "train_seconds": 1.0}
+    path = tmp_path / "uls-eps8.json"
+    path.write_text(json.dumps(result))
+    assert load_result(path)["eval_result"] == 0.5
+    path.write_text(json.dumps(dict(result, eval_result="high")))
+    with pytest.raises(ValueError, match=r"uls-eps8.json: eval_result is 'high', not a number: .* delete the file"):
+        load_result(path)
+    from hf_dp.workflows.app.results import list_runs
+
+    assert list_runs(tmp_path) == []  # the app leaves it out (and logs why)
+
+
 @pytest.mark.slow
 def test_quick_demo_writes_results_summary_and_plot(tmp_path):
     """`python -m hf_dp.workflows.study --quick`: every run's JSON with the schema, summary.json, the PNG."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -19,6 +20,8 @@ from hf_dp.formatting import format_number
 from hf_dp.vocabulary import DP_MECHANISMS
 
 from .common import AppError, error_md, mechanism_label
+
+logger = logging.getLogger(__name__)
 
 # Runs started from the Train tab go here (inside the results folder), apart from the study's runs: they
 # train on small subsets, so they are listed for comparison but left out of the plot and the cost estimate.
@@ -121,7 +124,11 @@ def list_runs(results_dir: str | os.PathLike, *, include_app_runs: bool = True) 
         for path in sorted(folder.glob("*.json")):
             if path.name == "summary.json":
                 continue
-            result = load_result(path)
+            try:
+                result = load_result(path)
+            except ValueError as error:  # a hand-edited result: left out of the page, said in the log
+                logger.warning("%s", error)
+                continue
             if result is not None and result.get("run") is not None:
                 records.append(RunRecord(result, folder, from_app))
     return sorted(records, key=lambda r: (r.from_app, _ORDER.get(r.mechanism, 99),

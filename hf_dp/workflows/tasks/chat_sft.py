@@ -57,7 +57,7 @@ from hf_dp.workflows.run_data import (
     without_plays,
 )
 from hf_dp.workflows.run_results import baseline_record, result_record, save_result
-from hf_dp.workflows.runs import RunConfig, check_user_id_column, mechanism_of_arguments, save_run
+from hf_dp.workflows.runs import RunConfig, announce_plan, check_user_id_column, mechanism_of_arguments, save_run
 from hf_dp.workflows.tasks.language_modeling import CausalLMCollator, TextData, perplexity
 
 __all__ = [
@@ -180,11 +180,18 @@ def to_prompt_completion(dataset, *, messages_column: str = "messages", keep_col
     if messages_column not in dataset.column_names:
         raise ValueError(f"No conversations column {messages_column!r} (columns: {dataset.column_names}): set "
                          "--text_column to the column with the messages.")
-    for messages in dataset.select(range(min(len(dataset), 100)))[messages_column]:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                     for m in messages):
-            raise ValueError(f"Column {messages_column!r} must hold conversations in TRL's format, lists of "
-                             f"{{'role': ..., 'content': ...}} messages; found {str(messages)[:80]!r}.")
+    from hf_dp.sft import check_conversation
+
+    index = 0
+    for batch in dataset.select_columns([messages_column]).iter(batch_size=1000):
+        for messages in batch[messages_column]:
+            if messages != []:  # an empty conversation has no reply: dropped below
+                check_conversation(messages, f"Conversation {index} ({messages_column!r})")
+                if any(m.get("content") is None for m in messages):
+                    raise ValueError(f"Conversation {index} ({messages_column!r}) has a message with no content (a "
+                                     "tool call?): the rows keep each message's role and content only; drop such "
+                                     "conversations or give the message its text.")
+            index += 1
 
     def reply_index(messages) -> int:
         return max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
@@ -306,6 +313,7 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
     set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     trainer = _sft_trainer(model, training_args, data.train.select_columns(columns), tokenizer, card,
                            peft_config=lora_config(config), callbacks=callbacks)
+    announce_plan(trainer)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
