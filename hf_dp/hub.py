@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from .parser import ArgumentParser, run_command
 
 __all__ = [
     "HubUnreachableError",
@@ -471,8 +470,11 @@ class PublishArguments:
         default=False, metadata={"help": "Publish a run trained without DP (its training data has no protection)."})
 
 
-def build_parser() -> ArgumentParser:
-    """The `hf-dp publish` parser, over [`PublishArguments`]."""
+def build_parser():
+    """The `hf-dp publish` parser, over [`PublishArguments`] (the parser is imported here only: the trainer reaches
+    this module for the Hub checks, never the command line)."""
+    from .parser import ArgumentParser
+
     return ArgumentParser(
         PublishArguments, prog="hf-dp publish", one_line_errors=True, formatter_class=argparse.HelpFormatter,
         description="Upload a saved model, its tokenizer and its privacy card (README.md) to the Hub. Checks the "
@@ -482,6 +484,8 @@ def build_parser() -> ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of `python -m hf_dp.hub` (`hf-dp publish` calls [`run`])."""
+    from .parser import run_command
+
     return run_command(build_parser(), run, argv)
 
 

@@ -229,3 +229,15 @@ def test_the_study_never_compares_a_task_name():
         for node in ast.walk(_tree(path)) if _compares_a_mechanism_key(node, TASK_KEYS)
     ]
     assert not violations, _report(violations, "a task name compared outside hf_dp.workflows.tasks")
+
+
+def test_the_trainer_loads_no_command_line_parser():
+    """`hf_dp.report` checks the Hub through `hf_dp.hub`; the publish command's parser is imported only to run it."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_dp.trainer, hf_dp.sft; print(sorted(m for m in sys.modules if m in ('hf_dp.parser', " \
+           "'hf_dp.cli')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"}).stdout
+    assert out.strip() == "[]", out
