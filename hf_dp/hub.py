@@ -64,26 +64,8 @@ _HOW_TO_CARD = (
 )
 # Relative slack for ε recomputed from the ledger (floating point), never for rounding down.
 _EPSILON_RTOL = 1e-6
-# The guarantee as the card's text states it: the headline and the ε and δ rows of the parameter table.
-_HEADLINE = re.compile(r"\*\*\(([^,()*]+), ([^,()*]+)\)-differential privacy")
-_EPSILON_ROW = re.compile(r"^\| ε \(`epsilon`[^|]*\| *([^|]*?) *\|", re.MULTILINE)
-_DELTA_ROW = re.compile(r"^\| δ \(`delta`\) \| *([^|]*?) *\|", re.MULTILINE)
-_FACTOR = re.compile(r"at\s+most\s+a\s+factor\s+exp\(([^()]+)\)")  # the prose's e^ε
-_PROBABILITY = re.compile(r"except\s+with\s+probability\s+at\s+most\s+([0-9][^ ,.\n]*(?:\.[0-9]+)?(?:e-?[0-9]+)?)")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 _FINE_TUNED_FROM = re.compile(r"^Fine-tuned from `([^`]+)`", re.MULTILINE)
-# The Accounting paragraph's numbers: ε's bounds, the noise's reach, and δ's two parts.
-_NUMBER = r"([0-9][0-9.]*(?:e[-+]?[0-9]+)?)"
-_ACCOUNTING = {
-    "lower": re.compile(r"lies\s+between\s+" + _NUMBER + r"\s+\(lower bound\)"),
-    "upper": re.compile(r"and\s+" + _NUMBER + r"\s+\(upper bound\)"),
-    "estimate": re.compile(r"estimate\s+" + _NUMBER),
-    "reach": re.compile(r"reaches\s+" + _NUMBER + r"\s+standard\s+deviations"),
-    "sampler delta": re.compile(r"=\s+" + _NUMBER + r"\s+to\s+δ,\s+included"),
-    "accountant delta": re.compile(r"\(" + _NUMBER + r"\s+from\s+the\s+accountant\)"),
-}
-
-
 class HubUnreachableError(RuntimeError):
     """The Hub cannot be reached (offline mode, or the endpoint does not answer); nothing was uploaded."""
 
@@ -264,48 +246,52 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
         raise PrivacyCardError(f"{readme}: the card claims ε = {epsilon:g} but its ledger proves ε = "
                                f"{accounted:.6g} at δ = {ledger_delta:g}: refusing to publish an understated "
                                f"guarantee. Regenerate the card: {_HOW_TO_CARD}.")
-    stated = [(e, d) for e, d in _HEADLINE.findall(text)]
-    stated += [(e, None) for e in _EPSILON_ROW.findall(text) + _FACTOR.findall(text)]
-    stated += [(None, d) for d in _DELTA_ROW.findall(text) + _PROBABILITY.findall(text)]
-    if not any(e is not None and d is not None for e, d in stated):
-        raise PrivacyCardError(f"{readme}: its text does not state the (ε, δ) guarantee. Regenerate the card: "
-                               f"{_HOW_TO_CARD}.")
-    for text_epsilon, text_delta in stated:
-        if (text_epsilon is not None and not _at_least(text_epsilon, floor)) or \
-                (text_delta is not None and not _at_least(text_delta, ledger_delta * (1 - 1e-9))):
-            raise PrivacyCardError(f"{readme}: its text states ({text_epsilon or 'ε'}, {text_delta or 'δ'}), less "
-                                   f"than the ledger's (ε = {accounted:.6g}, δ = {ledger_delta:g}). Regenerate "
-                                   f"the card: {_HOW_TO_CARD}.")
     reach = _number((ledger.get("noise") or {}).get("reach"))
-    _check_accounting(readme, text, {"lower": (lower, "down", 3), "upper": (accounted, "up", 3),
-                                     "estimate": (estimate, "up", 3), "reach": (reach, "fixed", 2),
-                                     "sampler delta": (added_delta, "significant", 2),
-                                     "accountant delta": (accountant_delta, "significant", 3)})
+    figures = [("epsilon_lower", lower), ("epsilon_estimate", estimate), ("delta_floating_point", added_delta)]
+    for key, bound in figures:  # never understated, like ε
+        shown = _number(privacy.get(key))
+        if shown is not None and bound is not None and shown < bound * (1 - _EPSILON_RTOL):
+            raise PrivacyCardError(f"{readme}: privacy.{key} = {shown:g} is below its ledger's {bound:.6g}: the card "
+                                   f"was edited. Regenerate it: {_HOW_TO_CARD}.")
+    for key, value in [("delta_accountant", accountant_delta), ("noise_reach", reach)]:
+        shown = _number(privacy.get(key))
+        if shown is not None and value is not None and not math.isclose(shown, value, rel_tol=1e-9):
+            raise PrivacyCardError(f"{readme}: privacy.{key} = {shown:g}, but its ledger records {value:g}: the card "
+                                   f"was edited. Regenerate it: {_HOW_TO_CARD}.")
+    _check_text_against_report(readme, privacy, text)
 
 
-def _check_accounting(readme: Path, text: str, expected: Mapping[str, tuple]) -> None:
-    """Refuse a card whose Accounting paragraph shows a number below what its ledger gives, as the card rounds it
-    (ε's bounds and estimate, δ's two parts: never understated, like the headline), or another noise reach."""
-    from .formatting import format_lower_bound, format_number, format_significant, format_upper_bound
+def _check_text_against_report(readme: Path, privacy: Mapping, text: str) -> None:
+    """The card's privacy section must be what its own `privacy:` block (the machine-readable report, checked
+    against the ledger above) renders: no number or word of it is read back from prose."""
+    from huggingface_hub import ModelCard
 
-    section = text.split("### Accounting", 1)[1] if "### Accounting" in text else ""
-    section = re.split(r"\n##", section, maxsplit=1)[0]
-    formats = {"down": format_lower_bound, "up": format_upper_bound,
-               "fixed": lambda value, digits: format_number(value, f".{digits}f"),
-               "significant": lambda value, digits: format_significant(value, digits, up=True)}
-    for name, (value, kind, digits) in expected.items():
-        if value is None:
-            continue
-        def fmt(number, form=formats[kind], digits=digits):
-            return form(number, digits)
-        for number in (n.rstrip(".") for n in _ACCOUNTING[name].findall(section)):
-            if kind == "fixed":
-                wrong = number not in {fmt(value * (1 + slack)) for slack in (-1e-6, 0.0, 1e-6)}
-            else:
-                wrong = not _at_least(number, float(fmt(value * (1 - 1e-6))))
-            if wrong:
-                raise PrivacyCardError(f"{readme}: its Accounting paragraph shows {name} {number}, but its ledger "
-                                       f"gives {fmt(value)}: the card was edited; regenerate it: {_HOW_TO_CARD}.")
+    from .card import render_privacy_card
+
+    try:
+        rendered = ModelCard(str(render_privacy_card(dict(privacy), base_model=None))).text
+    except (ValueError, TypeError, KeyError) as error:
+        raise PrivacyCardError(f"{readme}: its privacy: block does not render a card ({error}). Regenerate it: "
+                               f"{_HOW_TO_CARD}.") from error
+    expected, stated = _privacy_section(rendered), _privacy_section(text)
+    if stated is None:
+        raise PrivacyCardError(f"{readme}: its text has no '## Privacy guarantee' section stating the (ε, δ) "
+                               f"guarantee. Regenerate the card: {_HOW_TO_CARD}.")
+    if stated != expected:
+        lines = zip(stated.splitlines() + [""] * 999, expected.splitlines())
+        first = next(((a, b) for a, b in lines if a.strip() != b.strip()), ("", ""))
+        raise PrivacyCardError(f"{readme}: its privacy section differs from what its privacy: block states (it says "
+                               f"{first[0].strip()[:120]!r} where the block gives {first[1].strip()[:120]!r}): the "
+                               f"card was edited. Regenerate it: {_HOW_TO_CARD}.")
+
+
+def _privacy_section(text: str) -> str | None:
+    """From '## Privacy guarantee' to the next '## ' heading (the guarantee, its parameters, the accounting)."""
+    start = text.find("## Privacy guarantee")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def _sampler_delta(ledger: Mapping, epsilon: float, delta: float, steps: int) -> float:
@@ -320,16 +306,6 @@ def _sampler_delta(ledger: Mapping, epsilon: float, delta: float, steps: int) ->
     if tail is None or not 0 < tail < 1:
         raise ValueError(f"its noise tail_per_draw {noise.get('tail_per_draw')!r} is not in (0, 1)")
     return sampler_delta(epsilon=epsilon, delta=delta, draws=steps * noise["draws_per_step"], tail_per_draw=tail)
-
-
-def _at_least(shown: str, bound: float) -> bool:
-    """Whether a number as the card's text shows it ("7.98", "1e-05", "∞") is at least `bound`."""
-    if shown.strip() == "∞":
-        return True
-    try:
-        return float(shown) >= bound
-    except ValueError:
-        return False
 
 
 def _check_model_files(model_dir: Path) -> None:

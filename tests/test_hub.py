@@ -302,17 +302,27 @@ def test_publish_refuses_a_hand_edited_text(card_dir):
     original = readme.read_text(encoding="utf-8")
     assert "**(7.90, 1e-05)-differential privacy" in original
     readme.write_text(original.replace("**(7.90, 1e-05)", "**(0.01, 1e-05)"), encoding="utf-8")
-    with pytest.raises(PrivacyCardError, match=r"states \(0.01, 1e-05\)"):
+    with pytest.raises(PrivacyCardError, match=r"it says 'Training satisfies \*\*\(0.01, 1e-05\)"):
         check_privacy_card(card_dir)
     readme.write_text(original.replace("| δ (`delta`) | 1e-05 |", "| δ (`delta`) | 1e-09 |"), encoding="utf-8")
-    with pytest.raises(PrivacyCardError, match="its text states"):
+    with pytest.raises(PrivacyCardError, match=r"privacy section differs .* '\| δ \(`delta`\) \| 1e-09 \|'"):
         check_privacy_card(card_dir)
     assert "a factor exp(7.90)" in original and "except with probability at most 1e-05" in original
     readme.write_text(original.replace("a factor exp(7.90)", "a factor exp(1.00)"), encoding="utf-8")
-    with pytest.raises(PrivacyCardError, match=r"its text states \(1.00, δ\)"):  # the prose's e^ε
+    with pytest.raises(PrivacyCardError, match=r"privacy section differs .*exp\(1.00\)"):  # the prose's e^ε
         check_privacy_card(card_dir)
     readme.write_text(original.replace("probability at most 1e-05", "probability at most 1e-09"), encoding="utf-8")
-    with pytest.raises(PrivacyCardError, match=r"its text states \(ε, 1e-09\)"):
+    with pytest.raises(PrivacyCardError, match=r"privacy section differs .*at most 1e-09"):
+        check_privacy_card(card_dir)
+    # Every word and number of the section is the report's, not only those a pattern would look for: σ, q, C too.
+    sigma_row = re.search(r"^\| Noise multiplier σ \(`noise_multiplier`\) \| [^|]+ \|$", original, re.M).group(0)
+    readme.write_text(original.replace(sigma_row, "| Noise multiplier σ (`noise_multiplier`) | 9.99 |"),
+                      encoding="utf-8")
+    with pytest.raises(PrivacyCardError, match=r"privacy section differs .*9\.99"):
+        check_privacy_card(card_dir)
+    # The block itself is checked against the ledger: a lowered estimate there is refused, whatever the text says.
+    readme.write_text(re.sub(r"epsilon_estimate: [0-9.e+-]+", "epsilon_estimate: 0.001", original), encoding="utf-8")
+    with pytest.raises(PrivacyCardError, match="privacy.epsilon_estimate = 0.001 is below its ledger"):
         check_privacy_card(card_dir)
 
 
@@ -395,12 +405,12 @@ def _accounting(text: str) -> str:
 
 @pytest.mark.parametrize("pattern, replacement, words", [
     (r"between\s+[0-9.]+ \(lower bound\) and [0-9.]+ \(upper bound\)",
-     "between 0.1 (lower bound) and 0.5 (upper bound)", "shows lower 0.1"),
-    (r"and [0-9.]+ \(upper bound\)", "and 0.500 (upper bound)", "shows upper 0.500"),
-    (r"estimate [0-9.]+", "estimate 0.2", "shows estimate 0.2"),
-    (r"reaches [0-9.]+ standard", "reaches 40.00 standard", "shows reach 40.00"),
-    (r"= [0-9.e+-]+ to δ", "= 1e-99 to δ", "shows sampler delta 1e-99"),
-    (r"\([0-9.e+-]+ from the accountant\)", "(1e-09 from the accountant)", "shows accountant delta 1e-09"),
+     "between 0.1 (lower bound) and 0.5 (upper bound)", "0.1 (lower bound)"),
+    (r"and [0-9.]+ \(upper bound\)", "and 0.500 (upper bound)", "0.500 (upper bound)"),
+    (r"estimate [0-9.]+", "estimate 0.2", "estimate 0.2"),
+    (r"reaches [0-9.]+ standard", "reaches 40.00 standard", "reaches 40.00"),
+    (r"= [0-9.e+-]+ to δ", "= 1e-99 to δ", "1e-99 to δ"),
+    (r"\([0-9.e+-]+ from the accountant\)", "(1e-09 from the accountant)", "1e-09 from the accountant"),
 ], ids=["between", "upper", "estimate", "reach", "sampler-delta", "accountant-delta"])
 def test_publish_refuses_an_edited_accounting_paragraph(trained_cards, tmp_path, pattern, replacement, words):
     source = trained_cards / "clf" / "out"
@@ -412,6 +422,6 @@ def test_publish_refuses_an_edited_accounting_paragraph(trained_cards, tmp_path,
     folder.mkdir()
     (folder / LEDGER_FILE).write_text((source / LEDGER_FILE).read_text())
     (folder / "README.md").write_text(text.replace(section, edited_section))
-    with pytest.raises(PrivacyCardError, match="its Accounting paragraph " + words) as error:
+    with pytest.raises(PrivacyCardError, match=r"privacy section differs .*" + re.escape(words)) as error:
         check_privacy_card(folder)
     assert "\n" not in str(error.value)
