@@ -30,10 +30,20 @@ def is_sharded(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_quantized(model) -> bool:
+    """Whether bitsandbytes holds some of `model`'s weights (`Params4bit`, `Int8Params`: packed, with their own
+    quantization state), as `from_pretrained(..., quantization_config=BitsAndBytesConfig(...))` loads them."""
+    if model is None:
+        return False
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        return True
+    return any(type(param).__module__.startswith("bitsandbytes") for param in model.parameters())
+
+
 def check_supported(trainer) -> None:
     """Refuse, with one line each, the sharded setups DP training cannot run exactly or that are not tested:
-    DeepSpeed, FSDP1, size-based wrapping, FSDP's own activation checkpointing, offloading, and loading the weights
-    on the main process only."""
+    DeepSpeed, FSDP1, size-based wrapping, FSDP's own activation checkpointing, offloading, loading the weights
+    on the main process only, and a quantized (QLoRA) base."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError(f"DeepSpeed: its engine owns the backward pass and the gradient reduction, which DP training "
                          f"replaces; shard with FSDP2 instead (accelerate launch --config_file {FSDP2_CONFIG}).")
@@ -59,6 +69,10 @@ def check_supported(trainer) -> None:
     if getattr(plugin, "cpu_ram_efficient_loading", False):
         raise ValueError("fsdp_cpu_ram_efficient_loading: the other ranks hold empty weights until sharding, and DP "
                          "training checks the model (batch independence, clipping) before that; set it to false.")
+    if is_quantized(getattr(trainer, "model", None)):
+        raise ValueError("a bitsandbytes-quantized (4-bit or 8-bit) base under FSDP2: fully_shard would split its "
+                         "packed weights and their quantization state, which DP training does not test; train QLoRA "
+                         "on one process, or shard an unquantized (bf16) base.")
 
 
 def reshard(model) -> None:

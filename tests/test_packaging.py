@@ -106,5 +106,5 @@ def test_every_declared_dependency_is_used():
 
 
 def test_the_test_extra_includes_every_workflow_extra():
-    assert _extra("demo") | _extra("app") | _extra("docs") | _extra("trl") <= _extra("test")
+    assert _extra("demo") | _extra("app") | _extra("docs") | _extra("trl") | _extra("qlora") <= _extra("test")
     assert "gradio" in _extra("app") and _extra("demo") <= _extra("app")
