@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import os
@@ -274,6 +275,16 @@ class DPTrainingArguments(TrainingArguments):
             if not dist.is_initialized():
                 PartialState(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
         return super()._setup_devices
+
+    def checked_copy(self) -> DPTrainingArguments:
+        """A checked copy for a trainer (its plan sets `max_steps`, and the caller may reuse its arguments)."""
+        args = copy.copy(self)
+        args.validate_privacy_fields()  # again: a field may have been set after the arguments were built
+        if args.include_num_input_tokens_seen not in ("no", False, None):
+            raise ValueError("include_num_input_tokens_seen: the exact number of tokens in each Poisson sample is "
+                             "data-dependent and not covered by ε; set it to 'no' for DP training.")
+        args.ignore_data_skip = True  # sampling resumes from the ledger's step: no batches to skip
+        return args
 
     def validate_privacy_fields(self) -> None:
         """Check the privacy fields (and the Trainer fields DP training constrains); normalise `contribution_bound`

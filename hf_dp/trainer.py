@@ -9,7 +9,6 @@ checkpoint. This module only wires the stages, each in its own module: `contribu
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
@@ -66,7 +65,7 @@ class DPTrainerMixin(PrivacyReporting):
         compatibility.check_trainer_hooks(base)
         if not isinstance(args, DPTrainingArguments):
             raise TypeError(f"{type(self).__name__} needs DPTrainingArguments (they carry the privacy settings).")
-        args = _dp_arguments(args)
+        args = args.checked_copy()
         compatibility.check_no_loss_override(type(self), self.known_loss_overrides)
         given = inspect.signature(base.__init__).bind_partial(
             None, model, args, data_collator, train_dataset, *trainer_args, **trainer_kwargs).arguments
@@ -442,14 +441,3 @@ def trainer_base(trainer_class: type) -> type:
             return cls
     raise TypeError(f"{trainer_class.__name__} takes DPTrainerMixin but no transformers.Trainer: declare it as "
                     f"class {trainer_class.__name__}(DPTrainerMixin, <a Trainer subclass>).")
-
-
-def _dp_arguments(args: DPTrainingArguments) -> DPTrainingArguments:
-    """A checked copy of the arguments (the plan sets `max_steps`, and the caller may reuse its arguments)."""
-    args = copy.copy(args)
-    args.validate_privacy_fields()  # again: a field may have been set after the arguments were built
-    if args.include_num_input_tokens_seen not in ("no", False, None):
-        raise ValueError("include_num_input_tokens_seen: the exact number of tokens in each Poisson sample is "
-                         "data-dependent and not covered by ε; set it to 'no' for DP training.")
-    args.ignore_data_skip = True  # sampling resumes from the ledger's step: no batches to skip
-    return args

@@ -7,7 +7,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_dp import DPTrainer
-from hf_dp.trainer import DPTrainerMixin, _dp_arguments, trainer_base
+from hf_dp.trainer import DPTrainerMixin, trainer_base
 from trainer_fixtures import make_args, pad_collator, tiny_bert, user_dataset
 
 
@@ -33,15 +33,15 @@ def test_the_base_is_the_first_trainer_after_the_mixin():
 
 def test_the_trainer_takes_a_checked_copy_of_the_arguments(tmp_path):
     args = make_args(tmp_path)
-    copied = _dp_arguments(args)
+    copied = args.checked_copy()
     assert copied is not args and copied.ignore_data_skip is True and args.ignore_data_skip is False
     args.max_grad_norm = -1.0  # set after construction: checked again
     with pytest.raises(ValueError, match="max_grad_norm=-1.0"):
-        _dp_arguments(args)
+        args.checked_copy()
     tokens = make_args(tmp_path)
     tokens.include_num_input_tokens_seen = True
     with pytest.raises(ValueError, match="include_num_input_tokens_seen: the exact number of tokens"):
-        _dp_arguments(tokens)
+        tokens.checked_copy()
 
 
 def test_plain_training_arguments_and_a_missing_dataset_are_refused(tmp_path):
