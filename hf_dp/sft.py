@@ -42,6 +42,7 @@ SFT_TRAINING_METRICS = ("entropy", "mean_token_accuracy", "num_tokens", "aux_los
 # transformers 5.24 renames gradient checkpointing to activation checkpointing (the old names are deprecated aliases).
 ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
 CHECKPOINTING = "activation_checkpointing" if ACTIVATION_CHECKPOINTING else "gradient_checkpointing"
+PREPARE_MARGIN = 4  # rows prepared per row kept: spares for those TRL's truncation leaves without a label
 _GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -246,13 +247,15 @@ _NO_ASSISTANT_MASK = (
 
 
 def bound_before_preparing(dataset, args: DPSFTConfig, secret):
-    """The training rows SFTTrainer needs to prepare: at most G per user (every row at example level, or without a
-    bound). Each user's rows are drawn from (secret, user id) alone, like the partition's, so the guarantee is the
-    same; the partition after the preparation then keeps them all (fewer where a row had no labelled token left)."""
+    """The training rows SFTTrainer needs to prepare: at most `PREPARE_MARGIN`·G per user (every row at example
+    level, or without a bound). Each user's rows are drawn from (secret, user id) alone, like the partition's, which
+    then draws G among those the preparation kept: a row TRL drops (no labelled token left after truncation) rarely
+    costs its user, and the guarantee is the same (what is kept depends on the user's own rows only)."""
     bound = args.contribution_bound
     if bound is None or not get_mechanism(args.mechanism).protects_users:
         return dataset
-    cap = CONTRIBUTION_BOUND_GRID[-1] if bound == "auto" else int(bound)
+    cap = CONTRIBUTION_BOUND_GRID[-1] if bound == "auto" else min(CONTRIBUTION_BOUND_GRID[-1],
+                                                                    PREPARE_MARGIN * int(bound))
     return bound_rows(dataset, args.user_id_column, cap, secret, "rows before preparation")
 
 
