@@ -48,6 +48,13 @@ class AgreedJITCheckpoint(TrainerCallback):
             control.should_training_stop = True
             self.manager.execute_jit_checkpoint()
 
+    def on_train_end(self, args, state, control, **kwargs):
+        """Give SIGTERM back to its handler from before training, as transformers' callback does."""
+        import signal
+
+        if self.manager._original_sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, self.manager._original_sigterm_handler)
+
 
 def agree_on_jit_saves(trainer) -> None:
     """Replace transformers' per-rank just-in-time save callback by [`AgreedJITCheckpoint`] on several ranks."""
