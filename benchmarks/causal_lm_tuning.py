@@ -212,7 +212,7 @@ def main(argv=None) -> dict:
                           seconds_per_step=round(result["train_seconds"] / max(1, result["steps"]), 2),
                           seed=args.seed)
             if result.get("privacy"):
-                record["final_max_grad_norm"] = result["privacy"].get("max_grad_norm")
+                record["final_max_grad_norm"] = result["privacy"].get("final_max_grad_norm")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     record["seconds"] = round(time.perf_counter() - start, 1)

@@ -61,6 +61,8 @@ def study_users() -> int:
 
 
 def main(argv=None) -> dict:
+    from hf_dp.workflows.study_settings import SFT_SYSTEM_PROMPT
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", action="store_true", help="Only the untouched model's proxy NLL.")
     parser.add_argument("--non_private", action="store_true")
@@ -74,9 +76,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--lora_r", type=int, default=8)
     parser.add_argument("--lora_layers", type=int, default=4, help="LoRA on the top k layers (0: all).")
     parser.add_argument("--modules", nargs="+", default=["q_proj", "v_proj"])
-    parser.add_argument("--max_length", type=int, default=128)
-    parser.add_argument("--truncation_mode", default="keep_end", choices=["keep_start", "keep_end"])
-    parser.add_argument("--system_prompt", default=None)
+    parser.add_argument("--max_length", type=int, default=64)
+    parser.add_argument("--truncation_mode", default="keep_start", choices=["keep_start", "keep_end"])
+    parser.add_argument("--system_prompt", default=SFT_SYSTEM_PROMPT)
+    parser.add_argument("--fp32", action="store_true", help="float32 on a CPU (default: the study's bf16 autocast "
+                                                            "where the CPU has native bf16).")
     parser.add_argument("--eval_examples", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -101,6 +105,7 @@ def main(argv=None) -> dict:
     data = proxy_data(args.eval_examples, system_prompt=args.system_prompt)
     layers = list(range(NUM_LAYERS - args.lora_layers, NUM_LAYERS)) if args.lora_layers else None
     record = {"system_prompt": args.system_prompt, "lora_layers": args.lora_layers, "max_length": args.max_length,
+              "users_per_step": args.users_per_step, "lora_r": args.lora_r, "bf16_on_cpu": not args.fp32,
               "truncation_mode": args.truncation_mode,
               "eval_examples": len(data.test), "proxy_train_users": len(set(data.train["user_id"])),
               "proxy_train_rows": len(data.train)}
@@ -110,7 +115,7 @@ def main(argv=None) -> dict:
         config = ChatSFTConfig(run="probe", results_dir=workdir, model_name_or_path=str(smollm2_path()),
                                max_length=args.max_length, lora_r=args.lora_r, lora_alpha=2 * args.lora_r,
                                lora_target_modules=args.modules, lora_layers=layers, eval_batch_size=32,
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, bf16_on_cpu=not args.fp32)
         common = dict(max_steps=0 if args.baseline else args.max_steps, learning_rate=args.learning_rate,
                       seed=args.seed, truncation_mode=args.truncation_mode, output_dir=workdir + "/model",
                       report_to=[], gradient_checkpointing=False, use_cpu=not torch.cuda.is_available())
@@ -119,7 +124,7 @@ def main(argv=None) -> dict:
                                                       **common)
             record["mode"] = "baseline" if args.baseline else "non-private"
         else:
-            count_noise = (args.clipping_count_noise or args.users_per_step / 20) if args.adaptive_clipping else None
+            count_noise = (args.clipping_count_noise or args.users_per_step / 10) if args.adaptive_clipping else None
             sigma, effective = study_noise_multiplier(args.epsilon, args.users_per_step, args.max_steps,
                                                       count_noise=count_noise)
             fields = dict(target_epsilon=None, noise_multiplier=sigma, expected_batch_size=args.users_per_step,
@@ -135,7 +140,7 @@ def main(argv=None) -> dict:
                       steps=result["steps"], train_seconds=round(result["train_seconds"], 1),
                       eval_seconds=round(result["eval_seconds"], 1), seed=args.seed)
         if result.get("privacy"):
-            record["final_max_grad_norm"] = result["privacy"].get("max_grad_norm")
+            record["final_max_grad_norm"] = result["privacy"].get("final_max_grad_norm")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     record["seconds"] = round(time.perf_counter() - start, 1)

@@ -93,13 +93,14 @@ __all__ = ["StudyArguments", "build_parser", "main", "run", "run_study"]
 
 def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool = False, overwrite: bool = False,
               progress: bool = True, log=print, task: str = DEFAULT_TASK, settings: dict | None = None,
-              runs: list[str] | None = None, seeds: int = 1) -> dict:
+              runs: list[str] | None = None, seeds: int = 1, full: bool = False) -> dict:
     """Run (or resume) the study; write every run's JSON, `summary.json` and `privacy_utility.png`.
 
     Args:
         results_dir (`str`): where everything is written; a run whose JSON is there is reused, not rerun.
         grid (`bool`): the full grid of [`plan_runs`], not the demo's subset.
         quick (`bool`): the quick settings (a tiny subset, 2 steps: tests).
+        full (`bool`): the full settings (chat SFT only: more users per step and steps, about an hour on 2 cores).
         overwrite (`bool`): rerun runs whose JSON exists.
         task (`str`): `"sft"` (SmolLM2 chat fine-tuning, the default), `"causal_lm"` (SmolLM2, next-token) or
             `"classification"` (MiniLM, Folio genre).
@@ -115,9 +116,10 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         timings.
 
     Raises:
-        ValueError: an unknown task or run name.
+        ValueError: an unknown task or run name, or a finished run in `results_dir` trained with other settings
+            (another study's, e.g. the default's beside `--full`).
     """
-    settings = settings if settings is not None else study_settings(task, quick)
+    settings = settings if settings is not None else study_settings(task, quick, full)
     entries = plan_runs(grid, task, seeds)
     names = [e.run for e in entries]
     unknown = sorted(set(runs or ()) - set(names))
@@ -133,6 +135,7 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
     for entry in entries:  # finished runs, including those --runs leaves out (their numbers feed the others)
         existing = None if overwrite and entry in selected else load_result(Path(results_dir) / f"{entry.run}.json")
         if existing is not None:
+            _check_same_settings(existing, entry, settings, results_dir)
             results[entry.run] = existing
     for seed in sorted({e.seed for e in selected}, reverse=True):  # every card states its seed's baseline
         baseline = next(e for e in entries if e.mechanism == "public-only" and e.seed == seed)
@@ -167,6 +170,7 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         "dataset": "shakespeare",
         "metric_name": ordered[0]["metric_name"] if ordered else None,
         "quick": quick,
+        "full": full,
         "grid": grid,
         "seeds": seeds,
         "settings": {**settings, **study.extra_settings(ordered)},
@@ -185,6 +189,23 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
 
 
 _SUMMARY_TASK = {"classification": "classification", "causal_lm": "causal-lm", "sft": "chat-sft"}
+_SETTINGS_CHECKED = ("max_steps", "learning_rate", "expected_batch_size", "per_device_train_batch_size")
+
+
+def _check_same_settings(result: dict, entry: StudyRun, settings: dict, results_dir: str) -> None:
+    """Refuse to reuse a finished run trained with other settings than this study's (a default run beside a
+    `--full` one, or an older study's): its numbers would be read as this study's."""
+    if result.get("steps") is None:  # the public-only baseline trains nothing
+        return
+    planned = settings["dp" if MECHANISMS[entry.mechanism].is_private else "non_private"]
+    recorded = result.get("config") or {}
+    differ = [f"{key} {recorded[key]} (this study: {planned[key]})" for key in _SETTINGS_CHECKED
+              if key in planned and key in recorded and recorded[key] != planned[key]
+              and not (key == "expected_batch_size" and MECHANISMS[entry.mechanism].sampled_unit == "examples")]
+    if differ:
+        raise ValueError(f"{Path(results_dir) / entry.run}.json was trained with other settings: "
+                         f"{', '.join(differ)}. Use another --results_dir (--full writes results-full by default), "
+                         "or --overwrite to rerun it.")
 
 
 def headline_table(table: list[dict]) -> list[dict]:
@@ -331,8 +352,11 @@ class StudyArguments:
         default=None,
         metadata={"help": "Train only these runs of the plan (e.g. uls-eps8 els-eps8); the summary and plot still "
                           "show every finished run of the plan.", "metavar": "RUN"})
-    results_dir: str = field(default="results",
-                             metadata={"help": "Folder for the JSONs, models, summary and plot. Default: results"})
+    results_dir: str | None = field(default=None, metadata={
+        "help": "Folder for the JSONs, models, summary and plot. Default: results (results-full with --full)"})
+    full: bool = field(default=False, metadata={"help": "The full chat study (--task sft): more users per step and "
+                                                       "more steps, about an hour on 2 cores; writes results-full "
+                                                       "unless --results_dir is given."})
     quick: bool = field(default=False, metadata={"help": "Tiny subset and 2 steps per run (tests, < 1 minute for "
                                                          "classification, a few for causal_lm)."})
     overwrite: bool = field(default=False, metadata={"help": "Rerun runs whose JSON already exists."})
@@ -345,6 +369,9 @@ class StudyArguments:
     def __post_init__(self):
         check_numbers(self, {"num_threads": "int>=1", "seeds": "int>=1"})
         check_task(self.task)
+        study_settings(self.task, self.quick, self.full)  # --full with another task or --quick: refused here
+        if self.results_dir is None:
+            self.results_dir = "results-full" if self.full else "results"
 
 
 def build_parser() -> ArgumentParser:
@@ -380,7 +407,8 @@ def run(args: StudyArguments) -> int:
 
         torch.set_num_threads(args.num_threads)
     summary = run_study(args.results_dir, grid=args.grid, quick=args.quick, overwrite=args.overwrite,
-                        progress=not args.no_progress, task=args.task, runs=args.runs, seeds=args.seeds)
+                        progress=not args.no_progress, task=args.task, runs=args.runs, seeds=args.seeds,
+                        full=args.full)
     print(_format_table(summary["table"]))
     if summary["headline"]:
         print(_format_headline(summary["headline"]))

@@ -17,7 +17,7 @@ __all__ = ["HEADLINE_RUNS", "StudyRun", "configure_run", "matching_examples_per_
            "run_config_class", "seed_suffix"]
 
 # The runs `--seeds N` repeats with seeds 1, ..., N-1 (seed 0 is the plain run), per task: the documented headline.
-HEADLINE_RUNS = {"sft": ("baseline", "non-private", "uls-eps8-adaptive"),
+HEADLINE_RUNS = {"sft": ("baseline", "non-private", "uls-eps8-adaptive", "uls-eps3-adaptive", "uls-eps1-adaptive"),
                  "causal_lm": ("baseline", "non-private", "uls-eps8-adaptive"),
                  "classification": ("baseline", "non-private", "uls-eps8-adaptive")}
 
@@ -51,9 +51,10 @@ def plan_runs(grid: bool, task: str = "sft", seeds: int = 1) -> list[StudyRun]:
     the [`HEADLINE_RUNS`] again with seeds 1 to `seeds - 1` (named `<run>-seed<k>`; each seed its own test sample,
     training order, initialisation and noise).
 
-    Chat SFT (the default) and classification: ULS at ε = 8 with an adaptive clipping norm (grid: ULS and ELS at
-    ε ∈ {8, 3, 1}, all adaptive, ULS at ε = 8 with the fixed norm beside it, and, for classification, example-level
-    at ε = 8). Causal LM: ULS at ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS and ELS at
+    Chat SFT (the default): ULS at ε ∈ {8, 3, 1} with an adaptive clipping norm, the privacy/utility curve (grid:
+    ELS at the same ε and ULS at ε = 8 with the fixed norm too). Classification: ULS at ε = 8 with an adaptive
+    clipping norm (grid: ULS and ELS at ε ∈ {8, 3, 1}, all adaptive, ULS at ε = 8 with the fixed norm beside it,
+    and example-level at ε = 8). Causal LM: ULS at ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS and ELS at
     ε ∈ {8, 3, 1}, each with a fixed and with an adaptive norm).
     """
     runs = _plan_seed_zero(grid, check_task(task))
@@ -79,7 +80,7 @@ def _adaptive(mechanism: str, epsilons) -> list[StudyRun]:
 _ADAPTIVE_GRID = [*_adaptive("uls", [8]), StudyRun("uls-eps8", "uls", 8.0), *_adaptive("uls", [3, 1]),
                   *_adaptive("els", [8, 3, 1])]
 STUDY_RUNS = {
-    "sft": (_adaptive("uls", [8]), _ADAPTIVE_GRID),
+    "sft": (_adaptive("uls", [8, 3, 1]), _ADAPTIVE_GRID),
     "causal_lm": (_fixed_and_adaptive(["uls"], [8]), _fixed_and_adaptive(["uls", "els"], [8, 3, 1])),
     "classification": (_adaptive("uls", [8]), [*_ADAPTIVE_GRID, *_adaptive("example", [8])]),
 }

@@ -72,7 +72,7 @@ from __future__ import annotations
 from hf_dp.workflows.tasks import TASK_REGISTRY
 
 __all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEFAULT_TASK", "DEMO_SETTINGS", "QUICK_SETTINGS",
-           "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TASKS", "TUNING_EVAL_PLAYS", "TUNING_PLAYS",
+           "SFT_FULL_SETTINGS", "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TASKS", "TUNING_EVAL_PLAYS", "TUNING_PLAYS",
            "TUNING_TRAIN_PLAYS", "check_task", "study_settings"]
 
 # The causal-LM study's tuning proxy: six training plays (two per Folio genre, drawn by
@@ -209,6 +209,7 @@ SFT_SETTINGS = dict(
         exclude_train_plays=list(TUNING_PLAYS),
         max_eval_examples=256,
         eval_batch_size=32,
+        bf16_on_cpu=True,
     ),
     # ULS samples 16 of the training roles per step and one conversation of each (G = 1); ELS the same expected 16
     # conversations; 60 steps. Activation checkpointing (SFTConfig's default) off: it would make the whole
@@ -232,6 +233,15 @@ SFT_SETTINGS = dict(
     ),
 )
 
+# --full (chat SFT only): more users per step and more steps, the opt-in study that needs about an hour on 2 cores:
+# 48 users per step (q ≈ 0.063) for 120 steps, six times the default's conversations; non-private at that compute.
+SFT_FULL_SETTINGS = dict(
+    config=SFT_SETTINGS["config"],
+    dp=dict(SFT_SETTINGS["dp"], expected_batch_size=48, max_steps=120, per_device_train_batch_size=48),
+    adaptive=dict(SFT_SETTINGS["adaptive"], clipping_count_noise=4.8),  # m/10, as the default's 1.6 for 16
+    non_private=dict(SFT_SETTINGS["non_private"], per_device_train_batch_size=48, max_steps=120),
+)
+
 # --task sft --quick: the same code paths on a tiny subset (SmolLM2 itself; the numbers mean nothing).
 SFT_QUICK_SETTINGS = dict(
     config=dict(SFT_SETTINGS["config"], max_length=48, max_train_users=48, max_eval_examples=8),
@@ -245,13 +255,26 @@ DEFAULT_TASK = "sft"
 _SETTINGS = {("classification", False): DEMO_SETTINGS, ("classification", True): QUICK_SETTINGS,
              ("causal_lm", False): CAUSAL_LM_SETTINGS, ("causal_lm", True): CAUSAL_LM_QUICK_SETTINGS,
              ("sft", False): SFT_SETTINGS, ("sft", True): SFT_QUICK_SETTINGS}
+_FULL_SETTINGS = {"sft": SFT_FULL_SETTINGS}
 
 
-def study_settings(task: str = DEFAULT_TASK, quick: bool = False) -> dict:
-    """The settings of a study: [`SFT_SETTINGS`] / [`SFT_QUICK_SETTINGS`] (chat SFT, the default),
-    [`CAUSAL_LM_SETTINGS`] / [`CAUSAL_LM_QUICK_SETTINGS`] or [`DEMO_SETTINGS`] / [`QUICK_SETTINGS`]
-    (classification)."""
-    return _SETTINGS[(check_task(task), bool(quick))]
+def study_settings(task: str = DEFAULT_TASK, quick: bool = False, full: bool = False) -> dict:
+    """The settings of a study: [`SFT_SETTINGS`] / [`SFT_QUICK_SETTINGS`] / [`SFT_FULL_SETTINGS`] (chat SFT, the
+    default), [`CAUSAL_LM_SETTINGS`] / [`CAUSAL_LM_QUICK_SETTINGS`] or [`DEMO_SETTINGS`] / [`QUICK_SETTINGS`]
+    (classification).
+
+    Raises:
+        ValueError: `full` for a task with no full settings, or with `quick`.
+    """
+    check_task(task)
+    if full:
+        if quick:
+            raise ValueError("--full and --quick: choose one (--quick is the tiny test subset).")
+        if task not in _FULL_SETTINGS:
+            raise ValueError(f"--full: only {', '.join(_FULL_SETTINGS)} has a full study; --task {task} has its "
+                             "default settings and --grid.")
+        return _FULL_SETTINGS[task]
+    return _SETTINGS[(task, bool(quick))]
 
 
 def check_task(task: str) -> str:

@@ -219,6 +219,42 @@ def test_training_arguments_are_sft_configs_with_the_run_length():
         config.training_arguments("non-private", target_epsilon=3.0)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_cpu_trains_in_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch, native):
+    from hf_dp.workflows.tasks import chat_sft
+
+    monkeypatch.setattr(chat_sft, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("transformers.utils.is_torch_bf16_gpu_available", lambda: False)
+    args = ChatSFTConfig(run="r", bf16_on_cpu=True).training_arguments("uls", target_epsilon=8.0)
+    assert (args.bf16, args.use_cpu) == (native, native)
+    plain = ChatSFTConfig(run="r").training_arguments("non-private")  # off by default: float32 on a CPU
+    assert plain.bf16 is False
+    chosen = ChatSFTConfig(run="r", bf16_on_cpu=True).training_arguments("non-private", bf16=False)
+    assert chosen.bf16 is False  # an explicit choice wins
+
+
+def test_the_non_private_loss_is_trl_s_completion_nll_without_its_fused_head(tmp_path):
+    """ModelLossSFTTrainer computes TRL's default loss (mean NLL over the completion tokens) from the model's
+    logits: the same value and the same gradient as TRL's own fused path on the same batch."""
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_dp.workflows.tasks.chat_sft import model_loss_sft_trainer
+
+    data = chat_data().train.select_columns(["prompt", "completion"])
+    args = SFTConfig(str(tmp_path), max_length=24, report_to=[], use_cpu=True, per_device_train_batch_size=8,
+                     gradient_checkpointing=False, bf16=False)
+    values = []
+    for trainer_class in (SFTTrainer, model_loss_sft_trainer()):
+        model = tiny_chat_model()
+        trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=chat_tokenizer())
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+        loss = trainer.compute_loss(model, dict(batch))
+        loss.backward()
+        values.append((loss.detach(), model.lm_head.weight.grad.clone()))
+    assert values[0][0] == pytest.approx(values[1][0].item(), rel=1e-5)
+    torch.testing.assert_close(values[0][1], values[1][1], rtol=1e-4, atol=1e-7)
+
+
 # ---- the recipe ----------------------------------------------------------------------------------------------------
 
 

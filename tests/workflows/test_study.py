@@ -40,7 +40,7 @@ def test_parser_flags():
         True, "out", True, True, 1, True)
     dashes = study.build_parser().parse_args(["--results-dir", "out", "--num-threads", "2", "--no-progress"])
     assert (dashes.results_dir, dashes.num_threads, dashes.no_progress) == ("out", 2, True)
-    defaults = study.build_parser().parse_args([])
+    (defaults,) = study.build_parser().parse([])
     assert (defaults.grid, defaults.results_dir, defaults.quick, defaults.overwrite) == (False, "results", False, False)
     assert (defaults.task, defaults.runs, defaults.seeds) == ("sft", None, 1)  # the chat study is the default
     lm = study.build_parser().parse_args(["--task", "causal_lm", "--runs", "baseline", "uls-eps8"])
@@ -110,6 +110,31 @@ def test_completed_runs_are_skipped(tmp_path):
     assert table[2] == {"run": "uls-eps8-adaptive", "mechanism": "uls", "target_epsilon": 8.0, "epsilon": 7.9,
                         "eval_result": 0.5, "train_seconds": 1.0, "adaptive_clipping": True, "max_grad_norm": 12.5,
                         "gap_closed": pytest.approx(0.06 / 0.11)}
+
+
+def test_a_finished_run_of_other_settings_is_refused_not_reused(tmp_path):
+    """`--full` beside the default study's results (same run names, other settings) must not read the default's
+    numbers as its own."""
+    default = study_settings.SFT_SETTINGS["dp"]
+    finished = dict(_fake("uls-eps8-adaptive", "uls", 80.0, 7.99, 8.0), steps=default["max_steps"],
+                    config={k: default[k] for k in ("max_steps", "learning_rate", "expected_batch_size")})
+    save_result(finished, tmp_path)
+    full = study_settings.study_settings("sft", full=True)
+    assert (full["dp"]["max_steps"], full["dp"]["expected_batch_size"]) != (default["max_steps"],
+                                                                             default["expected_batch_size"])
+    with pytest.raises(ValueError, match=r"uls-eps8-adaptive.json was trained with other settings: max_steps"):
+        study.run_study(str(tmp_path), full=True, progress=False, log=lambda line: None, runs=["baseline"])
+
+
+def test_full_study_flags():
+    (args,) = study.build_parser().parse(["--full"])
+    assert (args.full, args.results_dir, args.task) == (True, "results-full", "sft")
+    assert study.build_parser().parse(["--full", "--results_dir", "x"])[0].results_dir == "x"
+    for argv, message in ((["--full", "--task", "classification"], "only sft has a full study"),
+                          (["--full", "--quick"], "--full and --quick")):
+        with pytest.raises(ValueError, match=message):
+            study.StudyArguments(**{"full": True, "task": argv[-1] if argv[1] == "--task" else "sft",
+                                    "quick": "--quick" in argv})
 
 
 def test_incomplete_json_is_not_a_result(tmp_path):
@@ -423,18 +448,19 @@ def test_quick_causal_lm_demo_on_smollm2(tmp_path):
 
 def test_plan_runs_sft_demo_grid_and_seeds():
     demo = study_plan.plan_runs(grid=False)  # the default task
-    assert [r.run for r in demo] == ["baseline", "non-private", "uls-eps8-adaptive"]
+    curve = ["uls-eps8-adaptive", "uls-eps3-adaptive", "uls-eps1-adaptive"]
+    assert [r.run for r in demo] == ["baseline", "non-private", *curve]
+    assert [(r.target_epsilon, r.adaptive) for r in demo[2:]] == [(8.0, True), (3.0, True), (1.0, True)]
     grid = study_plan.plan_runs(grid=True, task="sft")
     assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid} == {
         ("public-only", None, False), ("non-private", None, False), ("uls", 8.0, False),
         *{(m, e, True) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
     }
     seeded = study_plan.plan_runs(grid=False, task="sft", seeds=3)
-    assert [r.run for r in seeded] == ["baseline", "non-private", "uls-eps8-adaptive",
-                                       "baseline-seed1", "non-private-seed1", "uls-eps8-adaptive-seed1",
-                                       "baseline-seed2", "non-private-seed2", "uls-eps8-adaptive-seed2"]
-    assert [r.seed for r in seeded] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert seeded[5] == study_plan.StudyRun("uls-eps8-adaptive-seed1", "uls", 8.0, True, seed=1)
+    five = ["baseline", "non-private", *curve]
+    assert [r.run for r in seeded] == five + [f"{run}-seed{seed}" for seed in (1, 2) for run in five]
+    assert [r.seed for r in seeded] == [0] * 5 + [1] * 5 + [2] * 5
+    assert seeded[7] == study_plan.StudyRun("uls-eps8-adaptive-seed1", "uls", 8.0, True, seed=1)
     assert study_plan.replicate_of("uls-eps8-adaptive-seed12") == ("uls-eps8-adaptive", 12)
     assert study_plan.replicate_of("non-private") == ("non-private", 0)
     with pytest.raises(ValueError, match="seeds=0"):
@@ -442,7 +468,7 @@ def test_plan_runs_sft_demo_grid_and_seeds():
 
 
 def test_a_seed_sets_the_run_configs_seed_and_so_its_sample_and_training():
-    entry = study_plan.plan_runs(grid=False, task="sft", seeds=2)[-1]
+    (entry,) = [e for e in study_plan.plan_runs(grid=False, task="sft", seeds=2) if e.run == "uls-eps8-adaptive-seed1"]
     config, args = study_plan.configure_run(entry, study_settings.SFT_SETTINGS, "/tmp/unused", examples_per_step=16,
                                             task="sft")
     assert (config.seed, args.seed, config.run) == (1, 1, "uls-eps8-adaptive-seed1")
@@ -509,12 +535,12 @@ def test_sft_study_with_seeds_writes_results_cards_and_headline(tiny_chat_study,
     assert results["baseline"]["eval_result"] != results["baseline-seed1"]["eval_result"]  # another test sample
     assert summary["task"] == "chat-sft" and summary["seeds"] == 2
     headline = {row["run"]: row for row in summary["headline"]}
-    assert set(headline) == {"baseline", "non-private", "uls-eps8-adaptive"}
+    assert set(headline) == {"baseline", "non-private", "uls-eps8-adaptive", "uls-eps3-adaptive", "uls-eps1-adaptive"}
     assert headline["non-private"]["gap_closed"]["values"] == [1.0, 1.0]
     gaps = [row["gap_closed"] for row in summary["table"] if row["run"].startswith("uls-eps8-adaptive")]
     assert headline["uls-eps8-adaptive"]["gap_closed"]["values"] == pytest.approx(gaps)
     assert (tmp_path / "privacy_utility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[1/6] baseline" in logged[0]
+    assert "[1/10] baseline" in logged[0]
 
 
 @pytest.mark.slow
@@ -524,7 +550,8 @@ def test_quick_sft_demo_on_smollm2(tmp_path):
     import os
 
     command = [sys.executable, "-m", "hf_dp.workflows.study", "--quick", "--results_dir", str(tmp_path),
-               "--no_progress", "--num_threads", "1"]
+               "--no_progress", "--num_threads", "1",
+               "--runs", "non-private", "uls-eps8-adaptive"]  # ε = 3 and 1: the same path (the tiny study has them)
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT,
                                env={**os.environ, **env})

@@ -64,8 +64,10 @@ __all__ = [
     "METRIC_NAME",
     "ChatSFTConfig",
     "completion_perplexity",
+    "cpu_has_native_bf16",
     "load_chat_data",
     "lora_config",
+    "model_loss_sft_trainer",
     "prepare_chat_tokenizer",
     "run_chat_baseline",
     "run_chat_sft",
@@ -97,6 +99,10 @@ class ChatSFTConfig(RunConfig):
             its own default system message: SmolLM2's adds a 20-token one).
         save_adapter_only (`bool`, *optional*, defaults to `False`): with LoRA, save only the adapter (a few
             hundred kilobytes; it loads onto `model_name_or_path`) instead of the merged model (the app's Train tab).
+        bf16_on_cpu (`bool`, *optional*, defaults to `False`): with no GPU, train in bf16 mixed precision (autocast;
+            float32 weights, gradients and noise) when the CPU has native bf16 matrix instructions
+            ([`cpu_has_native_bf16`]): about 1.7x faster steps for SmolLM2 on the 2-core machine. Evaluation stays
+            float32. SFTConfig's bf16 default covers GPUs only.
     """
 
     text_column: str = "messages"
@@ -104,6 +110,7 @@ class ChatSFTConfig(RunConfig):
     tokenizer_name_or_path: str | None = None
     system_prompt: str | None = None
     save_adapter_only: bool = False
+    bf16_on_cpu: bool = False
 
     DP_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 1e-3, "num_train_epochs": 2.0,
                                             "per_device_train_batch_size": 16}
@@ -118,13 +125,28 @@ class ChatSFTConfig(RunConfig):
 
     def training_arguments(self, mechanism: str = "uls", **fields):
         """[`RunConfig.training_arguments`] as SFT configs, with `max_length` this config's unless given, and `bf16`
-        (SFTConfig's default) only where a GPU supports it, unless `bf16` or `fp16` is given."""
+        (SFTConfig's default) only where a GPU supports it (or, with `bf16_on_cpu`, a CPU), unless `bf16` or `fp16`
+        is given."""
         from transformers.utils import is_torch_bf16_gpu_available
 
         defaults = {"max_length": self.max_length}
         if not {"bf16", "fp16"} & set(fields):
-            defaults["bf16"] = not fields.get("use_cpu") and is_torch_bf16_gpu_available()
+            gpu = not fields.get("use_cpu") and is_torch_bf16_gpu_available()
+            defaults["bf16"] = gpu
+            if not gpu and self.bf16_on_cpu and cpu_has_native_bf16():
+                defaults.update(bf16=True, use_cpu=True)  # transformers takes bf16 without a GPU with use_cpu only
         return super().training_arguments(mechanism, **{**defaults, **fields})
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), as oneDNN reports it: elsewhere bf16
+    autocast is emulated and slower than float32."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -399,12 +421,32 @@ def lora_config(config: ChatSFTConfig):
 
 
 def _sft_trainer(model, training_args, train, tokenizer, card: dict, *, peft_config, callbacks):
-    """[`~hf_dp.sft.DPSFTTrainer`] for DP arguments (the card's fields given), TRL's `SFTTrainer` otherwise."""
-    from hf_dp.sft import DPSFTTrainer, SFTTrainer
+    """[`~hf_dp.sft.DPSFTTrainer`] for DP arguments (the card's fields given), [`ModelLossSFTTrainer`] (TRL's
+    `SFTTrainer`) otherwise."""
+    from hf_dp.sft import DPSFTTrainer
 
     callbacks = list(callbacks) if callbacks else None
     if mechanism_of_arguments(training_args) == "non-private":
-        return SFTTrainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer,
-                          peft_config=peft_config, callbacks=callbacks)
+        return model_loss_sft_trainer()(model=model, args=training_args, train_dataset=train,
+                                        processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     return DPSFTTrainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer,
                         peft_config=peft_config, callbacks=callbacks, privacy_card_kwargs=card)
+
+
+def model_loss_sft_trainer() -> type:
+    """`ModelLossSFTTrainer`: TRL's `SFTTrainer` (its data preparation, collator and loss masks) whose loss is the
+    model's own, as `transformers.Trainer` computes it: the mean cross-entropy over the completion tokens, TRL's
+    `"nll"` loss, from the logits the DP runs compute too. TRL's default path runs the LM head fused with its
+    log-softmax and entropy metrics in chunks, which on a CPU made a non-private step 1.2x a DP step; its
+    `entropy` and `mean_token_accuracy` logs are not kept."""
+    from transformers import Trainer
+
+    from hf_dp.sft import SFTTrainer
+
+    class ModelLossSFTTrainer(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs["use_cache"] = False
+            return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    return ModelLossSFTTrainer
