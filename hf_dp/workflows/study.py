@@ -19,12 +19,12 @@ named by their mechanism ([`~hf_dp.vocabulary.MECHANISMS`]):
 - `non-private`: ordinary fine-tuning (no guarantee), the utility ceiling of the same recipe;
 - `uls-eps8-adaptive`: user-level DP by user-level sampling (ULS) at ε = 8, with private adaptive clipping
   (Andrew et al. 2021: the clipping norm follows the median per-user gradient norm, from noised counts that the
-  accountant composes);
+  accountant composes); for the chat study also `uls-eps3-adaptive` and `uls-eps1-adaptive`, the curve;
 - with `--grid` also `uls-eps8` (the same with a fixed clipping norm), `uls-eps3-adaptive`, `uls-eps1-adaptive`,
   `els-eps8-adaptive`, `els-eps3-adaptive`, `els-eps1-adaptive` (user-level DP by example-level sampling,
   mixture-of-Gaussians accounting) and, for classification, `example-eps8-adaptive` (example-level DP-SGD, which
   protects single speeches, not whole roles);
-- with `--seeds N` also the first three again with seeds 1 to N-1 (`<run>-seed<k>`; each seed its own test
+- with `--seeds N` also the default runs again with seeds 1 to N-1 (`<run>-seed<k>`; each seed its own test
   sample, data order, initialisation and noise), summarised as mean ± standard error (`headline` in the summary).
 
 Then `summary.json` (all runs, the settings, timings) and `privacy_utility.png` (the metric against ε, log x,
@@ -50,8 +50,9 @@ of the baseline-to-non-private NLL gap it closes.
 Example:
 
 ```bash
-hf-dp demo                      # SmolLM2 chat: baseline, non-private, ULS at ε = 8 with adaptive clipping
-hf-dp demo --seeds 3            # the same three runs with three seeds each: mean ± standard error
+hf-dp demo                      # SmolLM2 chat: baseline, non-private, ULS at ε = 8, 3 and 1 (adaptive clipping)
+hf-dp demo --seeds 3            # the same five runs with three seeds each: mean ± standard error
+hf-dp demo --full               # the chat study with 48 users per step for 120 steps (results-full/)
 hf-dp demo --grid               # the full chat study
 hf-dp demo --task classification  # MiniLM, Folio genre
 hf-dp demo --task causal_lm     # SmolLM2: baseline, non-private, ULS at ε = 8 fixed and adaptive
@@ -340,14 +341,15 @@ class StudyArguments:
     task: str = field(
         default=DEFAULT_TASK,
         metadata={"help": "sft (default: SmolLM2-135M-Instruct chat fine-tuning with DPSFTTrainer, completion "
-                          "perplexity; baseline, non-private, ULS at ε=8: ≈ 10 min on 2 cores), causal_lm "
+                          "perplexity; baseline, non-private, ULS at ε = 8, 3, 1: ≈ 12 min on 2 cores), causal_lm "
                           "(SmolLM2, next-token NLL) or classification (MiniLM, Folio genre).",
                   "choices": TASKS})
     grid: bool = field(default=False,
                        metadata={"help": "Run the full study (sft: 9 runs; causal_lm: 14; classification: 10)."})
-    seeds: int = field(default=1, metadata={"help": "Repeat the headline runs (baseline, non-private, ULS at ε=8 "
-                                                     "adaptive) with this many seeds; the table adds mean ± standard "
-                                                     "error. Resumes like the rest."})
+    seeds: int = field(default=1, metadata={"help": "Repeat the headline runs (sft: the default five; others: "
+                                                     "baseline, non-private, ULS at ε=8 adaptive) with this many "
+                                                     "seeds; the table adds mean ± standard error. Resumes like the "
+                                                     "rest."})
     runs: list[str] | None = field(
         default=None,
         metadata={"help": "Train only these runs of the plan (e.g. uls-eps8 els-eps8); the summary and plot still "
@@ -380,9 +382,9 @@ def build_parser() -> ArgumentParser:
         StudyArguments, prog="hf-dp demo", one_line_errors=True, formatter_class=argparse.HelpFormatter,
         description="Privacy/utility study on the embedded default (SmolLM2-135M-Instruct fine-tuned with "
                     "DPSFTTrainer on Shakespeare conversations, one user per role): public-only baseline, "
-                    "user-level DP (ULS) at ε=8 with adaptive clipping and non-private fine-tuning; --grid adds ULS "
-                    "at ε=8 with a fixed clipping norm and ULS and ELS at ε ∈ {1, 3, 8}; --seeds N repeats the "
-                    "headline runs. --task causal_lm: next-token prediction on the same roles; --task "
+                    "non-private fine-tuning and user-level DP (ULS) at ε ∈ {8, 3, 1} with adaptive clipping; "
+                    "--grid adds ULS at ε=8 with a fixed clipping norm and ELS at ε ∈ {1, 3, 8}; --seeds N repeats "
+                    "the headline runs; --full trains more users per step for more steps. --task causal_lm: next-token prediction on the same roles; --task "
                     "classification: the embedded MiniLM on the Folio genre.",
     )
 
