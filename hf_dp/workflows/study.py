@@ -384,7 +384,8 @@ def build_parser() -> ArgumentParser:
                     "DPSFTTrainer on Shakespeare conversations, one user per role): public-only baseline, "
                     "non-private fine-tuning and user-level DP (ULS) at ε ∈ {8, 3, 1} with adaptive clipping; "
                     "--grid adds ULS at ε=8 with a fixed clipping norm and ELS at ε ∈ {1, 3, 8}; --seeds N repeats "
-                    "the headline runs; --full trains more users per step for more steps. --task causal_lm: next-token prediction on the same roles; --task "
+                    "the headline runs; --full trains more users per step for more steps. --task causal_lm: "
+                    "next-token prediction on the same roles; --task "
                     "classification: the embedded MiniLM on the Folio genre.",
     )
 

@@ -54,7 +54,8 @@ def plan_runs(grid: bool, task: str = "sft", seeds: int = 1) -> list[StudyRun]:
     Chat SFT (the default): ULS at ε ∈ {8, 3, 1} with an adaptive clipping norm, the privacy/utility curve (grid:
     ELS at the same ε and ULS at ε = 8 with the fixed norm too). Classification: ULS at ε = 8 with an adaptive
     clipping norm (grid: ULS and ELS at ε ∈ {8, 3, 1}, all adaptive, ULS at ε = 8 with the fixed norm beside it,
-    and example-level at ε = 8). Causal LM: ULS at ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS and ELS at
+    and example-level at ε = 8). Causal LM: ULS at ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS
+    and ELS at
     ε ∈ {8, 3, 1}, each with a fixed and with an adaptive norm).
     """
     runs = _plan_seed_zero(grid, check_task(task))

@@ -72,7 +72,8 @@ from __future__ import annotations
 from hf_dp.workflows.tasks import TASK_REGISTRY
 
 __all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEFAULT_TASK", "DEMO_SETTINGS", "QUICK_SETTINGS",
-           "SFT_FULL_SETTINGS", "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TASKS", "TUNING_EVAL_PLAYS", "TUNING_PLAYS",
+           "SFT_FULL_SETTINGS", "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TASKS", "TUNING_EVAL_PLAYS",
+           "TUNING_PLAYS",
            "TUNING_TRAIN_PLAYS", "check_task", "study_settings"]
 
 # The causal-LM study's tuning proxy: six training plays (two per Folio genre, drawn by
