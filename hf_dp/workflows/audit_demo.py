@@ -1,15 +1,23 @@
 """`hf-dp audit`: an empirical privacy audit of a demo-sized DP run on the embedded default, offline, on a CPU.
 
-`--task sft` (the default) audits the chat study's ULS run as `hf-dp demo` trains it ([`hf_dp.workflows.study`],
-[`~hf_dp.workflows.study_settings.SFT_SETTINGS`]): `DPSFTTrainer` on SmolLM2-135M-Instruct (LoRA on the queries
-and values of the top 4 layers) learns Shakespeare roles' replies, users = speaking roles, with user-level DP
-(ULS, G = 1, adaptive clipping) at `--target_epsilon` (default 8) for 60 steps. Before training, `--canaries` canary
-users are added, each by a fair coin; each canary has `--rows_per_canary` conversations (at most G) in the real
-rows' prompt/completion format, the study's system prompt, a user message of random words and a reply of random
-words. After training each canary is scored by how much its reply's loss dropped from the untouched model to the
-trained one (the reply's tokens only, tokenized as DPSFTTrainer tokenizes them), and the guesses give an ε lower
-bound at the run's δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits the
-classification study's ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
+`--task sft` (the default) audits an audit run of the chat setup `hf-dp demo` trains ([`hf_dp.workflows.study`],
+[`~hf_dp.workflows.study_settings.SFT_SETTINGS`]): `DPSFTTrainer` on SmolLM2-135M-Instruct (LoRA on the queries and
+values of the top 4 layers) learns Shakespeare roles' replies, users = speaking roles, user-level DP (ULS, G = 1,
+adaptive clipping). The audit run is its own configuration, sized for power, and the ε it checks is the accountant's
+for it: `--max_train_users` 32 real roles, `--canaries` 512 (about half included by their coins, so q = 16/N ≈
+0.055 and each included canary is drawn q x 150 ≈ 8 times in `--max_steps` 150), `--target_delta` 1e-5 (room for
+the bound: 512 canaries can show 3.9) and `--target_epsilon` 2. Each canary is one conversation in the real rows'
+format (the study's system prompt, a user message of random words) whose reply is 12 rare tokens of SmolLM2's
+vocabulary used by no other canary ([`~hf_dp.audit.canaries.rare_words`]: new tokens cannot be learnt by LoRA with
+frozen embeddings). After training each canary is scored by how much its reply's loss dropped from the untouched
+model to the trained one (tokenized as DPSFTTrainer tokenizes), and the guesses give an ε lower bound at the run's
+δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits the classification study's
+ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
+
+`--sabotage no-noise` exists only to test the audit: it silently turns the gradient noise of that run off while the
+card and report still claim the accountant's ε ([`sabotage`]). When the lower bound exceeds the proven ε the audit
+FAILED: `audit.json`, the card and the printed table say so, and the command exits with code 3
+([`AUDIT_FAILED_EXIT_CODE`]).
 
 Writes:
 
@@ -21,19 +29,20 @@ Writes:
   upload.
 
 The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
-says so). Expect a lower bound far below ε; one above ε means a bug. Measured once at the default (256 canaries, ULS
-at ε = 8, 60 steps, black-box score, `nice -n 10` on a 2-core machine at load average 5 to 18): lower bound 0.00
-(3 of 5 guesses right; 256 canaries could show at most 2.93 at δ = 0.00011, 95 %), proven ε 7.99;
-79 minutes of wall time, 11.5 of CPU time. Measured before for the classification task (256 canaries, 100 steps, the
-first round's settings): lower bound 0.00, 67 of 128 guesses right, proven ε 8.00, 4.6 minutes. Why so little power,
-and what would give more (`--max_steps`): `docs/audit.md`. `--quick` runs the same pipeline on a tiny subset (for
-tests; its numbers mean nothing).
+says so). Measured at the default with `--target_epsilon 2 --sabotage no-noise` (`nice -n 10`, 2 threads, a 2-core
+machine at load average 4 to 5): lower bound 1.01 (86 of 102 guesses right; ceiling 3.89 at δ = 1e-5, 95 %),
+proven ε 2.00, 8.2 expected visits per included canary, 35.9 minutes: the broken run is seen (the first design,
+shared-word replies at the study's own settings, showed 0.00 of a 2.93 ceiling) but not yet flagged, so this audit
+does not yet catch a run without noise at ε = 2 (rescoring that model by its trained reply loss alone reached 1.87,
+a rule chosen after the fact); the correct run was not measured. `docs/audit.md` has the numbers
+and what would give more power. `--quick` runs the same pipeline on a tiny subset (for tests; its numbers mean
+nothing).
 
 Example:
 
 ```bash
-hf-dp audit                                   # the chat run: 256 canaries, ULS at ε = 8, 60 steps
-hf-dp audit --max_steps 240 --results_dir results   # each canary visited ~4 times instead of ~1
+hf-dp audit                                   # the chat audit run: 512 canaries, ULS at ε = 2, 150 steps
+hf-dp audit --sabotage no-noise               # a run broken on purpose: the audit should FAIL (exit code 3)
 hf-dp audit --task classification             # the MiniLM study's run, 100 steps
 python -m hf_dp.workflows.audit_demo --quick --results_dir /tmp/audit
 ```

@@ -168,7 +168,7 @@ def test_noise_shrunk_behind_the_ledger_is_caught(tmp_path, monkeypatch):
     assert calls, "the trainer no longer adds noise through hf_dp.step.add_noise: update this test's patch"
     assert report.epsilon_upper_bound <= 1.0  # what the ledger claims
     assert report.exceeds_upper_bound and report.epsilon_lower_bound > 1.0, report.to_dict()
-    assert "Warning: this lower bound exceeds the proven" in report.card_section()
+    assert "The audit FAILED: this lower bound exceeds the proven" in report.card_section() and report.failed
 
 
 # ---- canaries: same path as users, kept out of what is counted and released --------------------------------
