@@ -7,7 +7,12 @@ having trained on it. A conversation row (`prompt_column` set: chat SFT data in 
 format) is a user message of a few random words, after the data's system prompt if any, and an
 assistant reply of random words: 16 words drawn from 64 (96 bits) make every row unique without the
 marker, whose 23 tokens would not fit the short conversations chat runs train on; the reply is what
-SFT learns, so membership shows in its loss. Each canary's inclusion is an independent fair coin, as the estimators
+SFT learns, so membership shows in its loss. With `reply_vocabulary` (the chat audit passes [`rare_words`]) each
+reply is instead made of rare in-vocabulary tokens drawn *without replacement* across all canaries: every reply
+token belongs to one canary only, so what the model learns from an included canary (its own tokens' logits going
+up) does not lower an excluded canary's loss, and its high starting loss leaves room to fall. Shared words do not
+have that property: training on half the canaries teaches the word list, and every canary's loss drops alike.
+Each canary's inclusion is an independent fair coin, as the estimators
 assume. The coins are the audit's secret: `training_rows()` hands out rows without them, and
 `Canaries.save` writes them to a file of their own, apart from the training data.
 """
@@ -19,7 +24,7 @@ import re
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -27,7 +32,7 @@ import numpy as np
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["Canaries", "insert", "is_canary_user", "make_canaries", "remove_canaries"]
+__all__ = ["Canaries", "insert", "is_canary_user", "make_canaries", "rare_words", "remove_canaries"]
 
 # Canary users train like any other user (they count in q and δ); the trainer leaves them out of the stated
 # numbers of users and examples because the audit names them (`DPTrainerMixin.uncounted_user_ids`).
@@ -172,6 +177,7 @@ def make_canaries(
     prompt_column: str | None = None,
     system_prompt: str | None = None,
     prompt_words: int = 4,
+    reply_vocabulary: Sequence[str] | None = None,
 ) -> Canaries:
     """Draw m canary users with k rows each, and an independent fair coin for each.
 
@@ -193,6 +199,9 @@ def make_canaries(
             text column holds the reply message); None for text rows.
         system_prompt: A system message put first in each conversation row's prompt, as the real rows have.
         prompt_words: Random words of a conversation row's user message.
+        reply_vocabulary: Words for the conversation replies, each used by one reply only (drawn without
+            replacement; e.g. [`rare_words`]); needs at least m·k·`words_per_row` distinct words. None: replies
+            of words from the shared list.
 
     Returns:
         The `Canaries`.
@@ -212,6 +221,15 @@ def make_canaries(
         raise ValueError("system_prompt is for conversation rows: pass prompt_column too (or no system_prompt).")
     if prompt_column is not None and prompt_column in (user_id_column, text_column, label_column):
         raise ValueError(f"prompt_column={prompt_column!r} must differ from the user, text and label columns.")
+    if reply_vocabulary is not None:
+        if prompt_column is None:
+            raise ValueError("reply_vocabulary is for conversation replies: pass prompt_column too.")
+        reply_vocabulary = list(dict.fromkeys(reply_vocabulary))
+        needed = num_canaries * rows_per_canary * words_per_row
+        if len(reply_vocabulary) < needed:
+            raise ValueError(f"reply_vocabulary has {len(reply_vocabulary)} distinct words; {num_canaries} canaries x "
+                             f"{rows_per_canary} rows x {words_per_row} words need {needed}: pass more words or "
+                             "fewer canaries.")
     if (label_column is None) != (num_labels is None):
         raise ValueError("label_column and num_labels go together; pass both (classification) or neither.")
     if num_labels is not None and (not isinstance(num_labels, int) or num_labels < 2):
@@ -226,6 +244,13 @@ def make_canaries(
     def words(n: int) -> str:
         return " ".join(_WORDS[j] for j in rng.integers(0, len(_WORDS), size=n))
 
+    # Each reply word used once: a fixed permutation of the pool, handed out in order.
+    unique = None if reply_vocabulary is None else iter([reply_vocabulary[j] for j in
+                                                         rng.permutation(len(reply_vocabulary))])
+
+    def reply(n: int) -> str:
+        return words(n) if unique is None else " ".join(next(unique) for _ in range(n))
+
     rows = []
     for user_id in user_ids:
         user_rows = []
@@ -236,7 +261,7 @@ def make_canaries(
             else:
                 prompt = [dict(m) for m in system] + [{"role": "user", "content": words(prompt_words)}]
                 row = {user_id_column: user_id, prompt_column: prompt,
-                       text_column: [{"role": "assistant", "content": words(words_per_row)}]}
+                       text_column: [{"role": "assistant", "content": reply(words_per_row)}]}
             if label_column is not None:
                 row[label_column] = int(rng.integers(0, num_labels))
             user_rows.append(row)
@@ -252,6 +277,34 @@ def make_canaries(
         num_labels=num_labels,
         prompt_column=prompt_column,
     )
+
+
+def rare_words(tokenizer, count: int) -> list[str]:
+    """`count` rare words of the tokenizer's vocabulary, each one token after a space: alphabetic BPE tokens of 4+
+    letters from the end of the vocabulary (the last merges, the rarest).
+
+    Why: a reply of such words has a high loss under the base model (room to fall when trained on) and, joined by
+    spaces, tokenizes into exactly those tokens (the first may split in two), so every canary's reply tokens are its
+    own. Truly new tokens would be stronger still, but a run that trains LoRA adapters with frozen (tied) embeddings
+    cannot learn a new token.
+
+    Raises:
+        ValueError: If the vocabulary has fewer such words.
+    """
+    vocabulary = tokenizer.get_vocab()
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    words = []
+    for token, token_id in sorted(vocabulary.items(), key=lambda item: -item[1]):
+        if token_id in special:
+            continue
+        word = tokenizer.convert_tokens_to_string([token]).strip()
+        if len(word) < 4 or not word.isascii() or not word.isalpha():
+            continue
+        if tokenizer.encode(" " + word, add_special_tokens=False) == [token_id]:
+            words.append(word)
+            if len(words) == count:
+                return words
+    raise ValueError(f"the tokenizer has only {len(words)} rare one-token words; ask for at most that many.")
 
 
 def insert(dataset: datasets.Dataset, canaries: Canaries) -> datasets.Dataset:

@@ -136,6 +136,24 @@ class AuditReport:
         """Whether the audit refutes the proven ε (Steinke's bound above it): a bug in training or accounting."""
         return self.epsilon_upper_bound is not None and self.epsilon_lower_bound > self.epsilon_upper_bound
 
+    @property
+    def failed(self) -> bool:
+        """The audit FAILED: its lower bound exceeds the proven ε (the same as `exceeds_upper_bound`)."""
+        return self.exceeds_upper_bound
+
+    @property
+    def verdict(self) -> str:
+        """One line for the report, the JSON, the CLI and the card: FAILED (lower bound > proven ε) or passed."""
+        lower = _round_down(self.epsilon_lower_bound)
+        if self.epsilon_upper_bound is None:
+            return f"no proven ε to check (trained without DP); lower bound {lower}"
+        upper = _round_up(self.epsilon_upper_bound)
+        if self.failed:
+            return (f"the audit FAILED: lower bound {lower} > proven ε {upper}: the implementation is broken "
+                    "(sampling, clipping, noise or accounting), or the run was not trained as its card says")
+        ceiling = _round_down(self.epsilon_ceiling)
+        return f"the audit passed: lower bound {lower} <= proven ε {upper} (ceiling {ceiling})"
+
     def to_dict(self) -> dict:
         """A JSON-ready dict: the headline numbers first, then each estimator's full result."""
         return {
@@ -143,6 +161,8 @@ class AuditReport:
             "fdp_epsilon_lower_bound": self.fdp_epsilon_lower_bound,
             "epsilon_upper_bound": self.epsilon_upper_bound,
             "exceeds_upper_bound": self.exceeds_upper_bound,
+            "audit_failed": self.failed,
+            "verdict": self.verdict,
             "epsilon_ceiling": self.epsilon_ceiling,
             "delta": self.delta,
             "confidence": self.confidence,
@@ -190,9 +210,10 @@ class AuditReport:
             "a separate training run with this model's configuration and data, plus the canaries"
         rows = "one row" if k == 1 else f"{k} rows"
         lower = _round_down(self.epsilon_lower_bound)
-        lines = [
-            _SECTION_TITLE,
-            "",
+        lines = [_SECTION_TITLE, ""]
+        if self.failed:
+            lines += [f"**WARNING: {self.verdict}.** Do not rely on the stated guarantee until the cause is found.", ""]
+        lines += [
             f"An empirical check of the implementation, not part of the guarantee: a one-run privacy audit (Steinke, "
             f"Nasr and Jagielski 2023) of {run}. {m} canary users with {rows} each (random text that cannot occur in "
             "real data) were each added to the training data by an independent fair coin, recorded apart from the "
@@ -219,11 +240,11 @@ class AuditReport:
         else:
             lines.append(f"**What it shows.** At {_percent(c)} confidence the guesses were no better than chance: the "
                          "audit refutes no ε > 0 and found nothing at odds with the proof.")
-        if self.exceeds_upper_bound:
+        if self.failed:
             lines.append(
-                f"**Warning: this lower bound exceeds the proven ε = {upper}.** The implementation or its accounting "
-                "is broken (or this run was not trained as the card says): do not rely on the stated guarantee until "
-                "the cause is found."
+                f"**The audit FAILED: this lower bound exceeds the proven ε = {upper}.** The implementation or its "
+                "accounting is broken (or this run was not trained as the card says): do not rely on the stated "
+                "guarantee until the cause is found."
             )
         else:
             lines.append(
@@ -373,6 +394,7 @@ def audit_training(
     system_prompt: str | None = None,
     score_tokenize: Callable[[Any], Any] | None = None,
     score_collator: Callable[[list[dict]], dict] | None = None,
+    reply_vocabulary: Sequence[str] | None = None,
 ) -> AuditReport:
     """Insert canary users, train once, score them, and bound ε from below (Steinke, Nasr & Jagielski 2023).
 
@@ -412,6 +434,9 @@ def audit_training(
             dataset (`DPSFTTrainer`: `tokenize=None`) needs the rows tokenized as it tokenizes them. Default:
             `tokenize`.
         score_collator: Batches the scored features. Default: `trainer.data_collator`.
+        reply_vocabulary: For conversation canaries: words each used by one canary's reply only (e.g.
+            [`~hf_dp.audit.canaries.rare_words`] of the tokenizer), so that what a model learns from one canary
+            does not show on another ([`make_canaries`]). Default: replies of shared random words.
 
     Returns:
         [`AuditReport`], also written to `record_dir/report.json`; the canaries and coins are in
@@ -434,7 +459,7 @@ def audit_training(
     canary_set = make_canaries(
         canaries, rows_per_canary, seed=secrets.randbits(63) if seed is None else int(seed),
         user_id_column=user_id_column, text_column=text_column, label_column=label_column, num_labels=num_labels,
-        prompt_column=prompt_column, system_prompt=system_prompt,
+        prompt_column=prompt_column, system_prompt=system_prompt, reply_vocabulary=reply_vocabulary,
     )
     prepare = tokenize or (lambda dataset: dataset)
     training_rows = prepare(insert(train_dataset, canary_set))

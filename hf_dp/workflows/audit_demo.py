@@ -1,15 +1,23 @@
 """`hf-dp audit`: an empirical privacy audit of a demo-sized DP run on the embedded default, offline, on a CPU.
 
-`--task sft` (the default) audits the chat study's ULS run as `hf-dp demo` trains it ([`hf_dp.workflows.study`],
-[`~hf_dp.workflows.study_settings.SFT_SETTINGS`]): `DPSFTTrainer` on SmolLM2-135M-Instruct (LoRA on the queries
-and values of the top 4 layers) learns Shakespeare roles' replies, users = speaking roles, with user-level DP
-(ULS, G = 1, adaptive clipping) at `--target_epsilon` (default 8) for 60 steps. Before training, `--canaries` canary
-users are added, each by a fair coin; each canary has `--rows_per_canary` conversations (at most G) in the real
-rows' prompt/completion format, the study's system prompt, a user message of random words and a reply of random
-words. After training each canary is scored by how much its reply's loss dropped from the untouched model to the
-trained one (the reply's tokens only, tokenized as DPSFTTrainer tokenizes them), and the guesses give an ε lower
-bound at the run's δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits the
-classification study's ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
+`--task sft` (the default) audits an audit run of the chat setup `hf-dp demo` trains ([`hf_dp.workflows.study`],
+[`~hf_dp.workflows.study_settings.SFT_SETTINGS`]): `DPSFTTrainer` on SmolLM2-135M-Instruct (LoRA on the queries and
+values of the top 4 layers) learns Shakespeare roles' replies, users = speaking roles, user-level DP (ULS, G = 1,
+adaptive clipping). The audit run is its own configuration, sized for power, and the ε it checks is the accountant's
+for it: `--max_train_users` 32 real roles, `--canaries` 512 (about half included by their coins, so q = 16/N ≈
+0.055 and each included canary is drawn q x 150 ≈ 8 times in `--max_steps` 150), `--target_delta` 1e-5 (room for
+the bound: 512 canaries can show 3.9) and `--target_epsilon` 2. Each canary is one conversation in the real rows'
+format (the study's system prompt, a user message of random words) whose reply is 12 rare tokens of SmolLM2's
+vocabulary used by no other canary ([`~hf_dp.audit.canaries.rare_words`]: new tokens cannot be learnt by LoRA with
+frozen embeddings). After training each canary is scored by how much its reply's loss dropped from the untouched
+model to the trained one (tokenized as DPSFTTrainer tokenizes), and the guesses give an ε lower bound at the run's
+δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits the classification study's
+ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
+
+`--sabotage no-noise` exists only to test the audit: it silently turns the gradient noise of that run off while the
+card and report still claim the accountant's ε ([`sabotage`]). When the lower bound exceeds the proven ε the audit
+FAILED: `audit.json`, the card and the printed table say so, and the command exits with code 3
+([`AUDIT_FAILED_EXIT_CODE`]).
 
 Writes:
 
@@ -21,19 +29,20 @@ Writes:
   upload.
 
 The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
-says so). Expect a lower bound far below ε; one above ε means a bug. Measured once at the default (256 canaries, ULS
-at ε = 8, 60 steps, black-box score, `nice -n 10` on a 2-core machine at load average 5 to 18): lower bound 0.00
-(3 of 5 guesses right; 256 canaries could show at most 2.93 at δ = 0.00011, 95 %), proven ε 7.99;
-79 minutes of wall time, 11.5 of CPU time. Measured before for the classification task (256 canaries, 100 steps, the
-first round's settings): lower bound 0.00, 67 of 128 guesses right, proven ε 8.00, 4.6 minutes. Why so little power,
-and what would give more (`--max_steps`): `docs/audit.md`. `--quick` runs the same pipeline on a tiny subset (for
-tests; its numbers mean nothing).
+says so). Measured at the default with `--target_epsilon 2 --sabotage no-noise` (`nice -n 10`, 2 threads, a 2-core
+machine at load average 4 to 5): lower bound 1.01 (86 of 102 guesses right; ceiling 3.89 at δ = 1e-5, 95 %),
+proven ε 2.00, 8.2 expected visits per included canary, 35.9 minutes: the broken run is seen (the first design,
+shared-word replies at the study's own settings, showed 0.00 of a 2.93 ceiling) but not yet flagged, so this audit
+does not yet catch a run without noise at ε = 2 (rescoring that model by its trained reply loss alone reached 1.87,
+a rule chosen after the fact); the correct run was not measured. `docs/audit.md` has the numbers
+and what would give more power. `--quick` runs the same pipeline on a tiny subset (for tests; its numbers mean
+nothing).
 
 Example:
 
 ```bash
-hf-dp audit                                   # the chat run: 256 canaries, ULS at ε = 8, 60 steps
-hf-dp audit --max_steps 240 --results_dir results   # each canary visited ~4 times instead of ~1
+hf-dp audit                                   # the chat audit run: 512 canaries, ULS at ε = 2, 150 steps
+hf-dp audit --sabotage no-noise               # a run broken on purpose: the audit should FAIL (exit code 3)
 hf-dp audit --task classification             # the MiniLM study's run, 100 steps
 python -m hf_dp.workflows.audit_demo --quick --results_dir /tmp/audit
 ```
@@ -42,6 +51,7 @@ python -m hf_dp.workflows.audit_demo --quick --results_dir /tmp/audit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -58,9 +68,37 @@ RUN_NAME = "audit"
 TASKS = ("sft", "classification")
 # Steps and test rows of the audited run per task. sft: the study's own ULS run (60 steps). classification: half the
 # study's 200 steps, the same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
-TASK_DEFAULTS = {"sft": dict(max_steps=60, max_eval_examples=256),
-                 "classification": dict(max_steps=100, max_eval_examples=1000)}
+# sft: the audit's own run (the study's ULS settings on fewer real roles, more steps, a smaller δ), sized for power:
+# with N ≈ 32 real roles + ~256 included canaries, q = 16/N ≈ 0.056 and each included canary is drawn ~8 times in
+# 150 steps; δ = 1e-5 leaves the one-run bound room (512 canaries can show up to 3.9 at δ = 1e-5, 1.7 at 5e-4).
+TASK_DEFAULTS = {"sft": dict(max_steps=150, max_eval_examples=64, canaries=512, max_train_users=32,
+                             target_delta=1e-5),
+                 "classification": dict(max_steps=100, max_eval_examples=1000, canaries=256, max_train_users=None,
+                                        target_delta=None)}
 DEMO_MAX_STEPS = TASK_DEFAULTS["classification"]["max_steps"]
+SABOTAGES = ("no-noise",)
+REPLY_WORDS = 12  # rare tokens per canary reply (make_canaries' words_per_row)
+AUDIT_FAILED_EXIT_CODE = 3  # `hf-dp audit` exits with it when the lower bound exceeds the proven ε
+
+
+@contextlib.contextmanager
+def sabotage(kind: str | None):
+    """A deliberately broken DP step, to test the audit only: `"no-noise"` silently skips the gradient noise of
+    every DP step run inside the context (the accountant, the card and the report still claim their ε). Reachable
+    only through `hf-dp audit --sabotage`, never from `DPTrainer`'s arguments; restored on exit."""
+    if kind is None:
+        yield
+        return
+    if kind not in SABOTAGES:
+        raise ValueError(f"sabotage={kind!r}: use one of {SABOTAGES} (or none).")
+    from hf_dp import step
+
+    original = step.add_noise
+    step.add_noise = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        step.add_noise = original
 
 
 def contribution_bound(task: str) -> int:
@@ -68,17 +106,19 @@ def contribution_bound(task: str) -> int:
     return study_settings(task)["dp"]["contribution_bound"]
 
 
-def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 8.0, canaries: int | None = None,
+def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 2.0, canaries: int | None = None,
               rows_per_canary: int = 1, confidence: float = 0.95, score: str = "auto", results_dir: str = "results",
               max_steps: int | None = None, max_eval_examples: int | None = None, canary_seed: int | None = None,
               noise_seed: int | None = None, quick: bool = False, progress: bool = True, log=print,
-              settings: dict | None = None) -> dict:
+              settings: dict | None = None, max_train_users: int | None = None, target_delta: float | None = None,
+              sabotage_run: str | None = None) -> dict:
     """Train the study's ULS run with canaries, audit it, save model, card and `audit.json`; return the result.
 
     Arguments are the flags of [`build_parser`], checked as [`AuditArguments`] checks them (before anything is
-    loaded); `canaries=None` means 256 (16 with `quick`); `max_steps` and `max_eval_examples` default to the
-    task's ([`TASK_DEFAULTS`]); `quick` keeps its own 2 steps and test rows. `settings` replaces the study's
-    ([`~hf_dp.workflows.study_settings.study_settings`]; tests run a tiny model on a few rows with it).
+    loaded); `canaries`, `max_steps`, `max_eval_examples`, `max_train_users` and `target_delta` default to the
+    task's ([`TASK_DEFAULTS`]); `quick` keeps its own 2 steps, rows and δ, with 16 canaries. `sabotage_run`
+    (`--sabotage`) breaks the run on purpose ([`sabotage`]) to test that the audit catches it. `settings` replaces
+    the study's ([`~hf_dp.workflows.study_settings.study_settings`]; tests run a tiny model on a few rows with it).
 
     Returns:
         `dict`: what `results_dir/audit.json` holds (`audit`: the [`~hf_dp.audit.AuditReport`] as a dict).
@@ -89,22 +129,39 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 8.0, canaries
 
     AuditArguments(task=task, target_epsilon=target_epsilon, canaries=canaries, rows_per_canary=rows_per_canary,
                    confidence=confidence, score=score, results_dir=results_dir, max_steps=max_steps,
-                   max_eval_examples=max_eval_examples, canary_seed=canary_seed, noise_seed=noise_seed)  # the checks
+                   max_eval_examples=max_eval_examples, canary_seed=canary_seed, noise_seed=noise_seed,
+                   max_train_users=max_train_users, target_delta=target_delta, sabotage=sabotage_run)  # the checks
     start = time.perf_counter()
+    defaults = TASK_DEFAULTS[task]
     if canaries is None:
-        canaries = 16 if quick else 256
+        canaries = 16 if quick else defaults["canaries"]
     settings = settings or study_settings(task, quick)
     fields = dict(settings["config"])
     training = dict(settings["dp"], **settings["adaptive"], target_epsilon=target_epsilon)  # the study's ULS run
     if not quick:
-        fields["max_eval_examples"] = max_eval_examples or TASK_DEFAULTS[task]["max_eval_examples"]
-        training["max_steps"] = max_steps or TASK_DEFAULTS[task]["max_steps"]
+        fields["max_eval_examples"] = max_eval_examples or defaults["max_eval_examples"]
+        training["max_steps"] = max_steps or defaults["max_steps"]
+        if max_train_users or defaults["max_train_users"]:
+            fields["max_train_users"] = max_train_users or defaults["max_train_users"]
+        if target_delta or defaults["target_delta"]:
+            training["target_delta"] = target_delta or defaults["target_delta"]
+    else:
+        if max_train_users:
+            fields["max_train_users"] = max_train_users
+        if training.get("adaptive_clipping") and training.get("clipping_count_noise") is None:
+            # --quick samples 4 users a step: σ_b = 4/20 would fall below σ_eff/2 at the audit's ε = 2.
+            training["clipping_count_noise"] = 1.0
+    if quick and target_delta:
+        training["target_delta"] = target_delta
     if noise_seed is not None:
         training["noise_seed"] = noise_seed
     audit = dict(canaries=canaries, rows_per_canary=rows_per_canary, confidence=confidence, seed=canary_seed,
                  score=score, progress=progress)
     run_audit = {"sft": _audit_sft, "classification": _audit_classification}[task]  # TASKS, checked above
-    done = run_audit(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
+    if sabotage_run:
+        log(f"[!] --sabotage {sabotage_run}: this run is broken on purpose, to test the audit (no gradient noise)")
+    with sabotage(sabotage_run):
+        done = run_audit(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
     trainer, report, card = done["trainer"], done["report"], done["card"]
     model_dir = Path(trainer.args.output_dir)
     privacy = save_run(trainer, done["tokenizer"], model_dir, eval_result=done["eval_result"], card=card)
@@ -120,6 +177,10 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 8.0, canaries
         "epsilon": privacy["epsilon"],
         "delta": privacy["delta"],
         "audit": report.to_dict(),
+        "audit_failed": report.failed,
+        "verdict": report.verdict,
+        "sabotage": sabotage_run,
+        "visits_per_canary": privacy["sample_rate"] * privacy["steps"],  # expected draws of an included canary
         "privacy": privacy,
         "metric_name": card["metric_name"],
         "eval_result": done["eval_result"],
@@ -132,7 +193,8 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 8.0, canaries
         "audit_record": os.path.relpath(model_dir / AUDIT_DIR / CANARIES_FILE, results_dir),
         "quick": quick,
         "settings": {"config": done["config"], "training": training, "canaries": canaries,
-                     "rows_per_canary": rows_per_canary, "confidence": confidence, "score": score},
+                     "rows_per_canary": rows_per_canary, "confidence": confidence, "score": score,
+                     "sabotage": sabotage_run, "canary_replies": done.get("canary_replies", "text")},
         "train_and_audit_seconds": done["train_and_audit_seconds"],
         "seconds": time.perf_counter() - start,
     }
@@ -206,7 +268,7 @@ def _audit_sft(fields: dict, training: dict, audit: dict, *, results_dir: str, p
 
     from transformers import AutoModelForCausalLM, set_seed
 
-    from hf_dp.audit import audit_training, remove_canaries
+    from hf_dp.audit import audit_training, rare_words, remove_canaries
     from hf_dp.sft import DPSFTTrainer
     from hf_dp.workflows.tasks.chat_sft import (
         METRIC_NAME,
@@ -253,12 +315,19 @@ def _audit_sft(fields: dict, training: dict, audit: dict, *, results_dir: str, p
                                peft_config=lora_config(config), privacy_card_kwargs=card)
         return _started(done, trainer, training, audit, log)
 
-    # Canaries are conversations like the real rows (system prompt, a user message, a reply), scored black box on
-    # the reply tokens only: the trained model's loss against the untouched model's (LoRA starts at zero).
+    # Canaries are conversations like the real rows (system prompt, a user message, a reply), their replies made
+    # of rare tokens each used by one canary only (`rare_words`), scored black box on the reply tokens only: the
+    # trained model's loss against the untouched model's (LoRA starts at zero).
+    try:
+        reply_words = rare_words(tokenizer, audit["canaries"] * audit["rows_per_canary"] * REPLY_WORDS)
+    except ValueError as error:  # a toy vocabulary (tests): replies of shared words, a weaker audit
+        log(f"[!] {error} Canary replies fall back to shared random words (a weaker audit).")
+        reply_words = None
+    done["canary_replies"] = "shared-words" if reply_words is None else "rare-words"
     done["report"] = audit_training(
         make_trainer, data.train.select_columns([user, "prompt", "completion"]), user_id_column=user,
         text_column="completion", prompt_column="prompt", system_prompt=config.system_prompt,
-        score_tokenize=tokenize, score_collator=collator, **audit)
+        score_tokenize=tokenize, score_collator=collator, reply_vocabulary=reply_words, **audit)
     done["train_and_audit_seconds"] = time.perf_counter() - done["train_start"]
     log("[4/4] test completion perplexity of the audited model; saving model, card and audit.json")
     done["eval_result"] = evaluate(done["trainer"].model)
@@ -293,6 +362,8 @@ def format_result(result: dict) -> str:
         ("ε audited (lower bound, Steinke et al.)", down(audit["epsilon_lower_bound"])),
         (f"ceiling of m = {audit['canaries']} (every guess right)", down(audit["epsilon_ceiling"])),
         ("correct guesses", f"{audit['correct']} of {sum(audit['guesses'])}"),
+        ("expected visits per included canary (q x steps)",
+         "-" if result.get("visits_per_canary") is None else f"{result['visits_per_canary']:.1f}"),
         (f"test {metric} (public-only baseline)",
          f"{result['eval_result']:{digits}} ({result['baseline_result']:{digits}})"),
     ]
@@ -303,9 +374,10 @@ def format_result(result: dict) -> str:
         f"δ = {audit['delta']:.2g}, confidence {100 * audit['confidence']:g} %",
     ]
     lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
+    if result.get("sabotage"):
+        lines.append(f"  (--sabotage {result['sabotage']}: this run was broken on purpose to test the audit)")
     if audit["exceeds_upper_bound"]:
-        lines.append("  WARNING: the audited lower bound exceeds the proven ε: the training or its accounting is "
-                     "broken.")
+        lines.append(f"  WARNING: {audit.get('verdict') or 'the audit FAILED: lower bound > proven ε'}.")
     else:
         lines.append("  A lower bound below the proven ε is expected; one above it would reveal a bug.")
     return "\n".join(lines)
@@ -326,9 +398,12 @@ class AuditArguments:
         metadata={"help": "sft (default: the chat study's ULS run, DPSFTTrainer on SmolLM2-135M-Instruct, "
                           "conversation canaries scored on their replies) or classification (the MiniLM study's).",
                   "choices": TASKS})
-    target_epsilon: float = dataclasses.field(default=8.0, metadata={"help": "ε of the audited DP run. Default: 8"})
+    target_epsilon: float = dataclasses.field(
+        default=2.0, metadata={"help": "ε the audited DP run claims (the accountant calibrates its noise to it). "
+                                       "Default: 2, below what the default audit can show (its ceiling 3.9)"})
     canaries: int | None = dataclasses.field(
-        default=None, metadata={"help": "Canary users m. Default: 256 (16 with --quick)"})
+        default=None, metadata={"help": "Canary users m. Default: 512 for sft, 256 for classification (16 with "
+                                        "--quick)"})
     rows_per_canary: int = dataclasses.field(
         default=1,
         metadata={"help": f"Rows per canary k, at most the run's contribution bound G ({contribution_bound('sft')} "
@@ -348,6 +423,21 @@ class AuditArguments:
         metadata={"help": f"Optimizer steps of the audited run (more steps sample each canary more often, at more "
                           f"noise per step). Default: {TASK_DEFAULTS['sft']['max_steps']} for sft (the study's run), "
                           f"{DEMO_MAX_STEPS} for classification (the study's 200 halved)"})
+    max_train_users: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": f"Real users of the audited run (a seeded sample): fewer make the canaries a larger share, "
+                          f"so each is drawn more often (q = users per step / N). Default: "
+                          f"{TASK_DEFAULTS['sft']['max_train_users']} for sft, all for classification"})
+    target_delta: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": f"δ of the audited run (and of its bound; a smaller δ lets the bound go higher). Default: "
+                          f"{TASK_DEFAULTS['sft']['target_delta']:g} for sft, the trainer's 1/(10 N) for "
+                          "classification"})
+    sabotage: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "TESTS THE AUDIT ONLY: no-noise silently turns the gradient noise off while the card and "
+                          "report still claim the accountant's ε; the audit should then FAIL (exit code 3). "
+                          "Default: none", "choices": SABOTAGES})
     max_eval_examples: int | None = dataclasses.field(
         default=None,
         metadata={"help": f"Test rows for the metric (a seeded sample). Default: "
@@ -369,6 +459,7 @@ class AuditArguments:
 
     def __post_init__(self):
         check_numbers(self, {"target_epsilon": "float>0", "canaries": "int>=2", "rows_per_canary": "int>=1",
+                             "max_train_users": "int>=1", "target_delta": "(0,1)",
                              "confidence": "(0,1)", "max_steps": "int>=1", "max_eval_examples": "int>=1",
                              "canary_seed": "int>=0", "noise_seed": "int>=0", "num_threads": "int>=1"})
         if self.task not in TASKS:
@@ -379,6 +470,8 @@ class AuditArguments:
                              f"row{'s' if bound > 1 else ''} per user, so use at most {bound}.")
         if self.score not in ("auto", "black-box", "white-box"):
             raise ValueError(f"--score {self.score!r}: use auto, black-box or white-box.")
+        if self.sabotage is not None and self.sabotage not in SABOTAGES:
+            raise ValueError(f"--sabotage {self.sabotage!r}: use {', '.join(SABOTAGES)} (to test the audit only).")
 
 
 # What each task imports beyond the core (the `demo` extra): LoRA, and the MiniLM package or TRL and gguf (SmolLM2).
@@ -401,7 +494,8 @@ def main(argv=None) -> int:
 
 
 def run(args: AuditArguments) -> int:
-    """Run the audit with parsed [`AuditArguments`] and print its table."""
+    """Run the audit with parsed [`AuditArguments`] and print its table; return 0, or [`AUDIT_FAILED_EXIT_CODE`]
+    (3) when the audit FAILED (its lower bound exceeds the proven ε)."""
     require_extra("demo", *_TASK_MODULES[args.task])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never reach for the Hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -414,10 +508,14 @@ def run(args: AuditArguments) -> int:
                        confidence=args.confidence, score=args.score, results_dir=args.results_dir,
                        max_steps=args.max_steps, max_eval_examples=args.max_eval_examples,
                        canary_seed=args.canary_seed, noise_seed=args.noise_seed, quick=args.quick,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, max_train_users=args.max_train_users,
+                       target_delta=args.target_delta, sabotage_run=args.sabotage)
     print(format_result(result))
     print(f"Results: {args.results_dir}/audit.json; model and card: {args.results_dir}/{result['model_dir']} "
           f"(canary record in its _audit/, never uploaded) ({result['seconds'] / 60:.1f} min)")
+    if result["audit_failed"]:
+        print(f"hf-dp audit: {result['verdict']} (exit code {AUDIT_FAILED_EXIT_CODE})", file=sys.stderr)
+        return AUDIT_FAILED_EXIT_CODE
     return 0
 
 

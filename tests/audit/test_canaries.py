@@ -216,3 +216,60 @@ def test_conversation_canaries_fit_the_chat_study_rows_whole():
     whole = tokenize_prompt_completion(rows, tokenizer, max_length=None)
     assert max(len(ids) for ids in whole["input_ids"]) <= max_length
     assert tokenize_prompt_completion(rows, tokenizer, max_length=max_length)["labels"] == whole["labels"]
+
+
+# ---- canaries built to be memorised: each reply token belongs to one canary ---------------------------------
+
+
+def test_reply_vocabulary_gives_every_canary_its_own_reply_words():
+    pool = [f"w{i:04d}" for i in range(1000)]
+    canaries = make_canaries(40, 2, seed=3, text_column="completion", prompt_column="prompt", system_prompt=SYSTEM,
+                             words_per_row=12, reply_vocabulary=pool)
+    words_of = [{w for row in canaries.rows_of(i) for w in row["completion"][0]["content"].split()}
+                for i in range(40)]
+    assert all(len(words) == 24 for words in words_of)  # 2 rows x 12 words, none repeated within a canary
+    assert len(set().union(*words_of)) == 40 * 24  # nor across canaries: every word is one canary's
+    assert set().union(*words_of) <= set(pool)
+    # The prompt keeps its format (system prompt, a user message of shared words); the coins do not move.
+    assert canaries.rows_of(0)[0]["prompt"][0] == {"role": "system", "content": SYSTEM}
+    np.testing.assert_array_equal(canaries.included, make_canaries(40, 2, seed=3).included)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_column="prompt", reply_vocabulary=["a", "b", "c"]), "reply_vocabulary has 3 distinct words"),
+    (dict(prompt_column="prompt", reply_vocabulary=["a"] * 100), "reply_vocabulary has 1 distinct words"),
+    (dict(reply_vocabulary=[str(i) for i in range(100)]), "reply_vocabulary is for conversation replies"),
+])
+def test_reply_vocabulary_is_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_canaries(4, 1, seed=0, words_per_row=2, **kwargs)
+
+
+@pytest.mark.slow
+def test_rare_word_replies_tokenize_into_their_own_rare_tokens_like_real_rows():
+    """SmolLM2's tokenizer: each rare word is one token after a space, so a canary's reply labels (tokenized as
+    DPSFTTrainer tokenizes real rows) are its own words' tokens, shared with no other canary, and fit max_length."""
+    from transformers import AutoTokenizer
+
+    from hf_dp.audit import rare_words
+    from hf_dp.workflows.pretrained import smollm2_path
+    from hf_dp.workflows.tasks.chat_sft import tokenize_prompt_completion
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    pool = rare_words(tokenizer, 50 * 12)
+    assert len(set(pool)) == 600 and all(w.isalpha() and len(w) >= 4 for w in pool)
+    assert all(tokenizer.encode(" " + w, add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("Ġ" + w)]
+               for w in pool)
+    canaries = make_canaries(50, 1, seed=1, text_column="completion", prompt_column="prompt", system_prompt=SYSTEM,
+                             reply_vocabulary=pool)
+    rows = datasets.Dataset.from_list([row for i in range(50) for row in canaries.rows_of(i)])
+    tokens = tokenize_prompt_completion(rows, tokenizer, max_length=64)
+    assert max(len(ids) for ids in tokens["input_ids"]) <= 64  # never cut: the whole reply is trained and scored
+    seen: set = set()
+    for row, labels in zip(rows, tokens["labels"]):
+        words = row["completion"][0]["content"].split()
+        own = [tokenizer.convert_tokens_to_ids("Ġ" + w) for w in words[1:]]  # the first word has no space before
+        labelled = [t for t in labels if t != -100]
+        assert all(t in labelled for t in own) and len(set(own)) == 11
+        assert not seen & set(own)  # no other canary's reply holds these tokens
+        seen |= set(own)

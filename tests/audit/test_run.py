@@ -168,7 +168,7 @@ def test_noise_shrunk_behind_the_ledger_is_caught(tmp_path, monkeypatch):
     assert calls, "the trainer no longer adds noise through hf_dp.step.add_noise: update this test's patch"
     assert report.epsilon_upper_bound <= 1.0  # what the ledger claims
     assert report.exceeds_upper_bound and report.epsilon_lower_bound > 1.0, report.to_dict()
-    assert "Warning: this lower bound exceeds the proven" in report.card_section()
+    assert "The audit FAILED: this lower bound exceeds the proven" in report.card_section() and report.failed
 
 
 # ---- canaries: same path as users, kept out of what is counted and released --------------------------------
@@ -318,8 +318,19 @@ def test_report_dict_round_trip_and_card_section():
 def test_report_flags_a_lower_bound_above_the_claim():
     scores, included = _separated()
     report = audit_report(scores, included, delta=1e-5, epsilon_upper_bound=0.5)
-    assert report.exceeds_upper_bound
-    assert "Warning: this lower bound exceeds the proven ε = 0.50" in report.card_section()
+    assert report.exceeds_upper_bound and report.failed
+    lower = f"{math.floor(report.epsilon_lower_bound * 100) / 100:.2f}"
+    loud = f"the audit FAILED: lower bound {lower} > proven ε 0.50: the implementation is broken"
+    assert report.verdict.startswith(loud)
+    section = report.card_section()
+    assert section.splitlines()[2].startswith(f"**WARNING: {loud}")  # first, above the table
+    assert "The audit FAILED: this lower bound exceeds the proven ε = 0.50" in section
+    as_dict = report.to_dict()
+    assert as_dict["audit_failed"] is True and as_dict["verdict"].startswith(loud)
+    # The same guesses against a claim they do not refute: passed, nothing loud.
+    passed = audit_report(scores, included, delta=1e-5, epsilon_upper_bound=report.epsilon_lower_bound + 0.01)
+    assert not passed.failed and "FAILED" not in passed.card_section() and passed.verdict.startswith("the audit passed")
+    assert passed.to_dict()["audit_failed"] is False
     non_private = audit_report(scores, included, delta=1e-5)
     assert not non_private.exceeds_upper_bound and "∞ (trained without DP" in non_private.card_section()
     pure = audit_report(scores, included, delta=0.0)

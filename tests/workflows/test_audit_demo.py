@@ -22,7 +22,13 @@ def test_parser_flags_use_the_training_argument_names():
         ("white-box", 50, 3, True, True)
     defaults = audit_demo.build_parser().parse_args([])
     assert (defaults.target_epsilon, defaults.canaries, defaults.confidence, defaults.score) == \
-        (8.0, None, 0.95, "auto")
+        (2.0, None, 0.95, "auto")
+    assert (defaults.sabotage, defaults.max_train_users, defaults.target_delta) == (None, None, None)
+    more = audit_demo.build_parser().parse_args(["--sabotage", "no-noise", "--max_train_users", "16",
+                                                 "--target_delta", "1e-6"])
+    assert (more.sabotage, more.max_train_users, more.target_delta) == ("no-noise", 16, 1e-6)
+    with pytest.raises(SystemExit):  # only the named sabotage exists
+        audit_demo.build_parser().parse_args(["--sabotage", "no-clipping"])
     # As `hf-dp audit` registers it: the same dataclass on a subparser, `run` as the handler.
     from hf_dp import cli
 
@@ -38,8 +44,76 @@ def test_format_result_warns_only_above_the_proven_epsilon():
               "base_model": "m", "dataset": "d"}
     table = audit_demo.format_result(result)
     assert "7 of 13" in table and "7.99" in table and "WARNING" not in table
-    result["audit"] = dict(audit, epsilon_lower_bound=9.0, exceeds_upper_bound=True)
-    assert "WARNING" in audit_demo.format_result(result)
+    result["audit"] = dict(audit, epsilon_lower_bound=9.0, exceeds_upper_bound=True,
+                           verdict="the audit FAILED: lower bound 9.00 > proven ε 7.99: the implementation is broken")
+    assert "WARNING: the audit FAILED: lower bound 9.00 > proven ε 7.99" in audit_demo.format_result(result)
+
+
+# ---- the deliberately broken run, and the failure it must raise -----------------------------------------------
+
+
+def _aggregate(step_grad_of_zero=True):
+    """DPStep.aggregate on one parameter whose clipped sum is zero: what is left in .grad is the noise alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_dp.step import DPStep
+
+    param = torch.nn.Parameter(torch.zeros(1000))
+    fake = SimpleNamespace(settings=SimpleNamespace(distributed=False, secure_noise=False),
+                           plan=SimpleNamespace(noise_multiplier=1.0, expected_batch_size=4), seed=7)
+    DPStep.aggregate(fake, [param], ["w"], None, max_grad_norm=1.0, step=0)
+    return param.grad
+
+
+def test_sabotage_no_noise_removes_the_gradient_noise_only_inside_its_run():
+    import torch
+
+    from hf_dp import step
+
+    assert _aggregate().std() > 0.2  # σ·C/(q·N) = 1/4 per element
+    with audit_demo.sabotage("no-noise"):
+        assert torch.count_nonzero(_aggregate()) == 0  # the step ran and added nothing
+    assert _aggregate().std() > 0.2 and step.add_noise.__module__ == "hf_dp.noise"  # restored after the run
+    with audit_demo.sabotage(None):
+        assert _aggregate().std() > 0.2
+    with pytest.raises(ValueError, match="sabotage='no-clipping'"):
+        with audit_demo.sabotage("no-clipping"):
+            pass
+    from hf_dp import DPTrainingArguments
+
+    assert not any("sabotage" in f for f in DPTrainingArguments.__dataclass_fields__)  # no public switch
+
+
+def test_a_failed_audit_is_loud_and_exits_with_code_3(monkeypatch, capsys):
+    """`hf-dp audit` returns AUDIT_FAILED_EXIT_CODE (3) when the lower bound exceeds the proven ε, 0 otherwise."""
+    import numpy as np
+
+    from hf_dp.audit import audit_report
+
+    rng = np.random.default_rng(0)
+    included = rng.random(1000) < 0.5
+    perfect = audit_report(included.astype(float), included, delta=1e-5, epsilon_upper_bound=1.0)
+
+    def fake_run_audit(report):
+        def run_audit(**kwargs):
+            return {"audit": report.to_dict(), "audit_failed": report.failed, "verdict": report.verdict,
+                    "epsilon": report.epsilon_upper_bound, "eval_result": 20.0, "baseline_result": 21.0,
+                    "metric_name": "completion perplexity", "base_model": "m", "dataset": "d", "seconds": 1.0,
+                    "model_dir": "models/audit", "visits_per_canary": 8.3, "sabotage": kwargs["sabotage_run"]}
+        return run_audit
+
+    monkeypatch.setattr(audit_demo, "run_audit", fake_run_audit(perfect))
+    assert audit_demo.main(["--sabotage", "no-noise", "--no_progress"]) == audit_demo.AUDIT_FAILED_EXIT_CODE == 3
+    captured = capsys.readouterr()
+    assert "WARNING: the audit FAILED: lower bound" in captured.out and "> proven ε 1.00" in captured.out
+    assert "the audit FAILED" in captured.err and "exit code 3" in captured.err
+    assert "--sabotage no-noise" in captured.out and "8.3" in captured.out
+    passed = audit_report(included.astype(float), included, delta=1e-5, epsilon_upper_bound=8.0)
+    monkeypatch.setattr(audit_demo, "run_audit", fake_run_audit(passed))
+    assert audit_demo.main(["--no_progress"]) == 0
+    assert "FAILED" not in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -172,6 +246,10 @@ def test_quick_sft_audit_on_a_tiny_chat_model(tmp_path, tiny_chat_settings, caps
     _check_sft_audit(tmp_path, result, canaries=16, train_users=24)
     assert json.loads((tmp_path / "audit.json").read_text())["audit"] == result["audit"]
     assert result["settings"]["training"]["max_steps"] == 2  # --quick keeps the settings' steps
+    assert result["audit_failed"] == result["audit"]["audit_failed"] and "verdict" in result
+    assert result["visits_per_canary"] == pytest.approx(result["privacy"]["sample_rate"] * 2)
+    # The toy word-level vocabulary has no rare words to spare: replies fall back to shared words, and say so.
+    assert result["settings"]["canary_replies"] == "shared-words" and any("fall back" in line for line in logged)
     assert any("[3/4]" in line and "16 canary users" in line for line in logged)
     table = audit_demo.format_result(result)
     assert "test completion perplexity (public-only baseline)" in table and "ceiling of m = 16" in table
@@ -183,5 +261,12 @@ def test_quick_sft_audit_on_smollm2_writes_audit_json_and_card(tmp_path, capsys)
                             "--noise_seed", "2"]) == 0
     result = json.loads((tmp_path / "audit.json").read_text())
     _check_sft_audit(tmp_path, result, canaries=16, train_users=48)
+    # SmolLM2's vocabulary: each canary's reply is rare words that no other canary's reply holds.
+    from hf_dp.audit import Canaries
+
+    assert result["settings"]["canary_replies"] == "rare-words"
+    record = Canaries.load(tmp_path / result["audit_record"])
+    words = [w for i in range(16) for row in record.rows_of(i) for w in row["completion"][0]["content"].split()]
+    assert len(words) == 16 * audit_demo.REPLY_WORDS and len(set(words)) == len(words)
     out = capsys.readouterr().out
     assert "ε audited (lower bound, Steinke et al.)" in out and "completion perplexity" in out
