@@ -10,18 +10,20 @@ parts: `"config"` (fields of the task's run config), `"dp"` (the training argume
 SmolLM2-135M-Instruct fine-tuned with `DPSFTTrainer` (TRL's `SFTTrainer` for the non-private run) on the Shakespeare
 conversations ([`hf_dp.workflows.chat_data.load_shakespeare_chat`]: a speech and the reply of another role, the
 user the replying role), the six [`TUNING_PLAYS`] left out of training (817 of 1,098 roles remain, 19,416
-conversations, δ = 1/(10·817) = 1.2e-4), the loss on the reply only. Its optimisation settings are the causal-LM
-study's, carried over rather than tuned again (same model, same roles' lines; that study chose them on the tuning
-plays only, see below): LoRA r = 8 on the attention queries and values of the top 4 of the 30 layers, ULS with 16
-roles per step (q = 0.0196) and G = 1 conversation each, 60 steps, Adam at 1e-2 with linear decay, C₀ = 0.1 with
-adaptive clipping towards the median (σ_b = 1.6); non-private: 60 steps of 16 conversations at 1e-2. Two choices are
-the chat study's own, both for time on a 2-core machine and both public: conversations are cut to 64 tokens
-(SFTTrainer's `max_length`, keeping the start; 16 rows of 64 tokens make a step), and a short system prompt
-([`SFT_SYSTEM_PROMPT`]) replaces SmolLM2's default one, which would take 20 of the 64 tokens. Activation
-checkpointing (SFTConfig's default) is off: with adapters in the top 4 layers only, it would make the whole network
-take part in the backward pass. `benchmarks/chat_sft_tuning.py` is the same tuning proxy for this task (train on
-the conversations of three tuning plays, evaluate on the other three, with the study's noise), for changing these
-values without touching a training role.
+conversations, δ = 1/(10·817) = 1.2e-4), the loss on the reply only. Its optimisation settings started as the
+causal-LM study's (same model, same roles' lines; chosen there on the tuning plays only, see below) and were
+checked on this task's own proxy, `benchmarks/chat_sft_tuning.py` (train on the conversations of three tuning
+plays, evaluate on the other three, with the study's noise): at the same compute, 32 or 48 users per step for 30 or
+20 steps and a doubled learning rate were level or worse (docs/studies.md has the table). So: LoRA r = 8 on the
+attention queries and values of the top 4 of the 30 layers, ULS with 16 roles per step (q = 0.0210 over the 762
+roles that keep a reply) and G = 1 conversation each, 60 steps, Adam at 1e-2 with linear decay, C₀ = 0.1 with
+adaptive clipping towards the median (σ_b = 1.6); non-private: 60 steps of 16 conversations at 1e-2. Three choices
+are for time on a 2-core machine, all public: conversations are cut to 64 tokens (SFTTrainer's `max_length`,
+keeping the start; 16 rows of 64 tokens make a step), a short system prompt ([`SFT_SYSTEM_PROMPT`]) replaces
+SmolLM2's default one, which would take 20 of the 64 tokens, and training runs in bf16 autocast where the CPU
+multiplies bf16 natively (`bf16_on_cpu`: a step 2.2 s instead of 3.9). Activation checkpointing (SFTConfig's
+default) is off: with adapters in the top 4 layers only, it would make the whole network take part in the backward
+pass. [`SFT_FULL_SETTINGS`] (`--full`) trains 48 roles per step for 120 steps.
 
 **Classification** ([`DEMO_SETTINGS`], and [`QUICK_SETTINGS`] for `--quick`). The fine-tuned classifier *starts as
 the public-only baseline*: mean-pooled MiniLM embeddings, a head whose rows are the label descriptions' embeddings,
