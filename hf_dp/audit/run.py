@@ -54,17 +54,8 @@ from hf_dp.audit.canaries import Canaries, insert, make_canaries
 from hf_dp.audit.estimator import AuditResult, epsilon_lower_bound, fdp_epsilon_lower_bound
 from hf_dp.audit.scoring import gradient_alignment_scores, loss_scores, per_row_losses, trainable_parameters
 
-__all__ = [
-    "AUDIT_DIR",
-    "CANARIES_FILE",
-    "REPORT_FILE",
-    "AuditReport",
-    "SCORES",
-    "audit_guesses",
-    "audit_report",
-    "audit_training",
-    "choose_score",
-]
+__all__ = ["AUDIT_DIR", "CANARIES_FILE", "REPORT_FILE", "AuditReport",
+           "SCORES", "audit_guesses", "audit_report", "audit_training", "choose_score"]
 
 AUDIT_DIR = "_audit"  # under output_dir; `_*` is never uploaded
 CANARIES_FILE = "canaries.json"
