@@ -79,7 +79,7 @@ _MODULE_COMMANDS = {
     "demo": ("workflows.study", "StudyArguments",
              "the privacy/utility study on the embedded default (SmolLM2 chat fine-tuning; --task causal_lm, "
              "--task classification)",
-             "Public-only baseline, user-level DP (ULS) at ε=8 with adaptive clipping and non-private chat "
+             "Public-only baseline, user-level DP (ULS) at ε = 8, 3 and 1 with adaptive clipping and non-private chat "
              "fine-tuning (TRL's SFTTrainer, LoRA) of the embedded SmolLM2-135M-Instruct on Shakespeare "
              "conversations by role; --task causal_lm: next-token prediction; --task classification: the embedded "
              "MiniLM on the Folio genre; --grid runs the full study, --seeds N repeats the headline runs."),

@@ -52,7 +52,8 @@ import numpy as np
 
 from hf_dp.audit.canaries import Canaries, insert, make_canaries
 from hf_dp.audit.estimator import AuditResult, epsilon_lower_bound, fdp_epsilon_lower_bound
-from hf_dp.audit.scoring import gradient_alignment_scores, loss_scores, per_row_losses, trainable_parameters
+from hf_dp.audit.scoring import (gradient_alignment_scores, loss_scores, per_row_losses, trainable_parameters,
+                                 trained_loss_scores)
 
 __all__ = ["AUDIT_DIR", "CANARIES_FILE", "REPORT_FILE", "AuditReport",
            "SCORES", "audit_guesses", "audit_report", "audit_training", "choose_score"]
@@ -60,12 +61,13 @@ __all__ = ["AUDIT_DIR", "CANARIES_FILE", "REPORT_FILE", "AuditReport",
 AUDIT_DIR = "_audit"  # under output_dir; `_*` is never uploaded
 CANARIES_FILE = "canaries.json"
 REPORT_FILE = "report.json"
-SCORES = ("auto", "white-box", "black-box")
+SCORES = ("auto", "white-box", "black-box", "trained-loss")
 _SECTION_TITLE = "## Empirical audit"
 _SCORE_TEXT = {
     "white-box": "white box: how far the training update went along the canary's own loss gradient at the start, "
                  "−<θ_T − θ_0, ∇L(θ_0)> / ‖∇L(θ_0)‖ over the trainable weights",
     "black-box": "black box: the drop of the canary's loss from the public-only base model to the trained model",
+    "trained-loss": "black box: the canary's loss under the trained model alone (lower = guessed trained on)",
 }
 
 
@@ -81,7 +83,7 @@ class AuditReport:
             kept in the JSON, never reported as a bound (the card and the summary report Steinke's alone). None when
             δ = 0.
         rows_per_canary: Rows of each canary user k.
-        score: `"white-box"` or `"black-box"`.
+        score: `"white-box"`, `"black-box"` or `"trained-loss"`.
         epsilon_upper_bound: The accountant's ε for the audited run (None: trained without DP).
         epsilon_ceiling: The largest Steinke bound this audit could have shown (every guess right): with m
             canaries no audit result exceeds it, whatever the training algorithm.
@@ -283,7 +285,7 @@ class AuditReport:
 
 
 def choose_score(score: str) -> str:
-    """`"white-box"` or `"black-box"`: `score` itself, or for `"auto"` the black-box score.
+    """`"white-box"`, `"black-box"` or `"trained-loss"`: `score` itself, or for `"auto"` the black-box score.
 
     Why black box by default, even where the white-box score is cheap: on our measurements it was the stronger
     attack with text canaries, and the cheaper one. A tiny causal LM with negligible noise (full fine-tuning, 256
@@ -292,7 +294,8 @@ def choose_score(score: str) -> str:
     white-box score takes it at θ_0 only, and fine-tuning moves far from θ_0. On the embedded MiniLM with LoRA the
     black-box score needs two batched forward passes over the canaries, the white-box one a backward pass per
     canary (10x the time). White box stays available (`score="white-box"`) for settings where the update is
-    closer to linear, e.g. few steps at a small learning rate.
+    closer to linear, e.g. few steps at a small learning rate; `"trained-loss"` (the trained loss alone) for
+    canaries drawn alike whose base losses vary more than training moves them (rare-token replies).
 
     Args:
         score: One of [`SCORES`].
@@ -307,13 +310,15 @@ def choose_score(score: str) -> str:
 
 def audit_guesses(num_canaries: int) -> list[tuple[int, int]]:
     """The (k_plus, k_minus) guess counts an audit tries: (k, k) for k = 5, 10, 25 and 50 % of the canaries and
-    (k, 0) for k = 2, 5 and 10 % (at least 1 each).
+    (k, 0) for k = 2, 5, 10, 20 and 25 % (at least 1 each).
 
     Few pairs, because the confidence is split among them (union bound) and, at δ > 0, Steinke et al.'s p-value
     carries a floor of about 2·m·δ·α: with the 48 pairs of [`default_guess_grid`] a run's δ near 1e-4 leaves no
     room below the split level and the audit can show nothing (its ceiling falls to 0 at m = 256, δ = 3e-4, against
     2.1 with these 7). Symmetric guesses serve signals spread over all canaries, "in"-only guesses a few
-    memorised ones; on simulated Gaussian and randomized-response scores these 7 pairs match or beat the 48.
+    memorised ones; on simulated Gaussian and randomized-response scores these pairs match or beat the 48. The
+    20 and 25 % "in" guesses serve memorised canaries that are many but not all perfectly ranked: with 512
+    canaries, 98 right of 102 "in" refutes ε = 2.0 at δ = 1e-5, where the best of the other 7 pairs gave 1.6.
 
     Args:
         num_canaries: m, at least 2.
@@ -322,7 +327,7 @@ def audit_guesses(num_canaries: int) -> list[tuple[int, int]]:
         The pairs, sorted.
     """
     pairs = {(max(1, round(f * num_canaries)),) * 2 for f in (0.05, 0.1, 0.25, 0.5)}
-    pairs |= {(max(1, round(f * num_canaries)), 0) for f in (0.02, 0.05, 0.1)}
+    pairs |= {(max(1, round(f * num_canaries)), 0) for f in (0.02, 0.05, 0.1, 0.2, 0.25)}
     return sorted(p for p in pairs if sum(p) <= num_canaries)
 
 
@@ -413,7 +418,7 @@ def audit_training(
         tokenize: Maps a `datasets.Dataset` of raw rows to the trainer's features, row for row, keeping the user
             column (e.g. `lambda d: d.map(tokenizer_fn, batched=True, remove_columns=["text"])`). Default: none
             (the data collator takes raw rows).
-        score: `"black-box"`, `"white-box"` or `"auto"` (black box, [`choose_score`] says why).
+        score: `"black-box"`, `"white-box"`, `"trained-loss"` or `"auto"` (black box, [`choose_score`] says why).
         record_dir: Where the canary record and the report go. Default: `trainer.args.output_dir/_audit`.
         progress: Progress bars for the scoring.
         prompt_column: For prompt/completion conversations (TRL's conversational format, e.g. `"prompt"`, with
@@ -484,7 +489,7 @@ def audit_training(
     flat_rows = [row for rows in canary_rows for row in rows]
     if kind == "black-box":
         base_losses = per_row_losses(model, flat_rows, collator)
-    else:
+    elif kind == "white-box":
         initial = {name: p.detach().clone() for name, p in trainable_parameters(model).items()}
     trainer.train()
     model = trainer.model
@@ -493,6 +498,8 @@ def audit_training(
         if kind == "black-box":
             trained_losses = per_row_losses(model, flat_rows, collator)
             scores = loss_scores(_per_canary(trained_losses, canary_rows), _per_canary(base_losses, canary_rows))
+        elif kind == "trained-loss":
+            scores = trained_loss_scores(_per_canary(per_row_losses(model, flat_rows, collator), canary_rows))
         else:
             scores = gradient_alignment_scores(model, initial, canary_rows, collator, progress=progress)
 

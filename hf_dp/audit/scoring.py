@@ -2,7 +2,9 @@
 
 Black box (`loss_scores`, from `per_row_losses`): a canary user's mean loss under the base (pre-fine-tuning)
 model minus its mean loss under the trained model. Subtracting the base loss removes how easy the text is a
-priori, so what is left is mostly what training on the canary did.
+priori, so what is left is mostly what training on the canary did. `trained_loss_scores` is the trained loss alone
+(negated): better where canaries are drawn alike (their base losses carry no membership signal) but vary more a
+priori than training moves them, as rare-token replies do.
 
 White box (`gradient_alignment_scores`): how far the training update θ_T − θ_0 went down the canary's own loss
 gradient at the start, −<θ_T − θ_0, ∇L_i(θ_0)> / ‖∇L_i(θ_0)‖ over the trainable parameters. DP-SGD adds each
@@ -18,7 +20,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["gradient_alignment_scores", "loss_scores", "per_row_losses", "row_losses", "trainable_parameters"]
+__all__ = ["gradient_alignment_scores", "loss_scores", "per_row_losses", "row_losses", "trainable_parameters",
+           "trained_loss_scores"]
 
 
 def loss_scores(trained_losses: Sequence[Sequence[float]], base_losses: Sequence[Sequence[float]]) -> np.ndarray:
@@ -51,6 +54,29 @@ def loss_scores(trained_losses: Sequence[Sequence[float]], base_losses: Sequence
         if not (np.all(np.isfinite(trained)) and np.all(np.isfinite(base))):
             raise ValueError(f"canary {i} has a non-finite loss; check the model and the rows' labels.")
         scores[i] = base.mean() - trained.mean()
+    return scores
+
+
+def trained_loss_scores(trained_losses: Sequence[Sequence[float]]) -> np.ndarray:
+    """Per-canary score: minus the mean trained loss over the canary's rows (lower loss = "looks trained on").
+
+    Args:
+        trained_losses: trained_losses[i] holds the per-row losses of canary i under the trained model.
+
+    Returns:
+        Array of m scores.
+
+    Raises:
+        ValueError: If a canary has no rows or a loss is not finite.
+    """
+    scores = np.empty(len(trained_losses))
+    for i, trained in enumerate(trained_losses):
+        trained = np.asarray(trained, dtype=float).reshape(-1)
+        if len(trained) == 0:
+            raise ValueError(f"canary {i} has no rows; every canary needs at least one.")
+        if not np.all(np.isfinite(trained)):
+            raise ValueError(f"canary {i} has a non-finite loss; check the model and the rows' labels.")
+        scores[i] = -trained.mean()
     return scores
 
 

@@ -5,14 +5,14 @@
 values of the top 4 layers) learns Shakespeare roles' replies, users = speaking roles, user-level DP (ULS, G = 1,
 adaptive clipping). The audit run is its own configuration, sized for power, and the ε it checks is the accountant's
 for it: `--max_train_users` 32 real roles, `--canaries` 512 (about half included by their coins, so q = 16/N ≈
-0.055 and each included canary is drawn q x 150 ≈ 8 times in `--max_steps` 150), `--target_delta` 1e-5 (room for
-the bound: 512 canaries can show 3.9) and `--target_epsilon` 2. Each canary is one conversation in the real rows'
+0.055 and each included canary is drawn q x 300 ≈ 16 times in `--max_steps` 300), `--target_delta` 1e-5 (room for
+the bound: 512 canaries can show 3.8) and `--target_epsilon` 2. Each canary is one conversation in the real rows'
 format (the study's system prompt, a user message of random words) whose reply is 12 rare tokens of SmolLM2's
 vocabulary used by no other canary ([`~hf_dp.audit.canaries.rare_words`]: new tokens cannot be learnt by LoRA with
-frozen embeddings). After training each canary is scored by how much its reply's loss dropped from the untouched
-model to the trained one (tokenized as DPSFTTrainer tokenizes), and the guesses give an ε lower bound at the run's
-δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits the classification study's
-ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
+frozen embeddings). After training each canary is scored by its reply's loss under the trained model alone
+(`--score trained-loss`, tokenized as DPSFTTrainer tokenizes; lower = guessed "in"), and the guesses give an ε
+lower bound at the run's δ with `--confidence` ([`hf_dp.audit.audit_training`]). `--task classification` audits
+the classification study's ULS run on the embedded MiniLM instead (100 of its 200 steps), as before.
 
 `--sabotage no-noise` exists only to test the audit: it silently turns the gradient noise of that run off while the
 card and report still claim the accountant's ε ([`sabotage`]). When the lower bound exceeds the proven ε the audit
@@ -29,19 +29,16 @@ Writes:
   upload.
 
 The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
-says so). Measured at the default with `--target_epsilon 2 --sabotage no-noise` (`nice -n 10`, 2 threads, a 2-core
-machine at load average 4 to 5): lower bound 1.01 (86 of 102 guesses right; ceiling 3.89 at δ = 1e-5, 95 %),
-proven ε 2.00, 8.2 expected visits per included canary, 35.9 minutes: the broken run is seen (the first design,
-shared-word replies at the study's own settings, showed 0.00 of a 2.93 ceiling) but not yet flagged, so this audit
-does not yet catch a run without noise at ε = 2 (rescoring that model by its trained reply loss alone reached 1.87,
-a rule chosen after the fact); the correct run was not measured. `docs/audit.md` has the numbers
-and what would give more power. `--quick` runs the same pipeline on a tiny subset (for tests; its numbers mean
-nothing).
+says so). Measured at the default on the 2-core machine (2 threads, nothing else running): with `--sabotage
+no-noise` the lower bound is 3.28 (254 of 256 guesses right; ceiling 3.84 at δ = 1e-5, 95 %) against the proven ε
+2.00, so the audit FAILED as it should, in 11.0 minutes; the correct run's bound (fresh canaries) is 0.00 (16 of 26
+right; ceiling 4.21), below the proven 2.00, in 10.8 minutes. `docs/audit.md` has the numbers and how the score was
+chosen. `--quick` runs the same pipeline on a tiny subset (for tests; its numbers mean nothing).
 
 Example:
 
 ```bash
-hf-dp audit                                   # the chat audit run: 512 canaries, ULS at ε = 2, 150 steps
+hf-dp audit                                   # the chat audit run: 512 canaries, ULS at ε = 2, 300 steps
 hf-dp audit --sabotage no-noise               # a run broken on purpose: the audit should FAIL (exit code 3)
 hf-dp audit --task classification             # the MiniLM study's run, 100 steps
 python -m hf_dp.workflows.audit_demo --quick --results_dir /tmp/audit
@@ -66,15 +63,17 @@ __all__ = ["AuditArguments", "build_parser", "main", "run", "run_audit"]
 
 RUN_NAME = "audit"
 TASKS = ("sft", "classification")
-# Steps and test rows of the audited run per task. sft: the study's own ULS run (60 steps). classification: half the
-# study's 200 steps, the same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
+# Steps, test rows, canaries and score of the audited run per task. classification: half the study's 200 steps, the
+# same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
 # sft: the audit's own run (the study's ULS settings on fewer real roles, more steps, a smaller δ), sized for power:
-# with N ≈ 32 real roles + ~256 included canaries, q = 16/N ≈ 0.056 and each included canary is drawn ~8 times in
-# 150 steps; δ = 1e-5 leaves the one-run bound room (512 canaries can show up to 3.9 at δ = 1e-5, 1.7 at 5e-4).
-TASK_DEFAULTS = {"sft": dict(max_steps=150, max_eval_examples=64, canaries=512, max_train_users=32,
-                             target_delta=1e-5),
+# with N ≈ 32 real roles + ~256 included canaries, q = 16/N ≈ 0.055; δ = 1e-5 leaves the one-run bound room (512
+# canaries can show up to 3.8 at δ = 1e-5, 1.7 at 5e-4).
+# Its score, the trained reply loss alone, was chosen on a first broken run (seed 1, 150 steps) before the runs
+# measured with it; 300 steps draw each included canary ~16 times.
+TASK_DEFAULTS = {"sft": dict(max_steps=300, max_eval_examples=64, canaries=512, max_train_users=32,
+                             target_delta=1e-5, score="trained-loss"),
                  "classification": dict(max_steps=100, max_eval_examples=1000, canaries=256, max_train_users=None,
-                                        target_delta=None)}
+                                        target_delta=None, score="black-box")}
 DEMO_MAX_STEPS = TASK_DEFAULTS["classification"]["max_steps"]
 SABOTAGES = ("no-noise",)
 REPLY_WORDS = 12  # rare tokens per canary reply (make_canaries' words_per_row)
@@ -133,6 +132,7 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 2.0, canaries
                    max_train_users=max_train_users, target_delta=target_delta, sabotage=sabotage_run)  # the checks
     start = time.perf_counter()
     defaults = TASK_DEFAULTS[task]
+    score = defaults["score"] if score == "auto" else score
     if canaries is None:
         canaries = 16 if quick else defaults["canaries"]
     settings = settings or study_settings(task, quick)
@@ -412,10 +412,10 @@ class AuditArguments:
         default=0.95, metadata={"help": "Probability that the reported lower bounds hold. Default: 0.95"})
     score: str = dataclasses.field(
         default="auto",
-        metadata={"help": "Canary score: black box (loss drop from the base model) or white box (how far the update "
-                          "went along the canary's gradient); auto = black box, the stronger and cheaper here. "
-                          "Default: auto",
-                  "choices": ("auto", "black-box", "white-box")})
+        metadata={"help": "Canary score: trained-loss (the trained model's loss on the canary), black-box (its drop "
+                          "from the base model) or white-box (how far the update went along the canary's gradient); "
+                          "auto = the task's: trained-loss for sft, black-box for classification. Default: auto",
+                  "choices": ("auto", "trained-loss", "black-box", "white-box")})
     results_dir: str = dataclasses.field(
         default="results", metadata={"help": "Folder for audit.json and models/audit/. Default: results"})
     max_steps: int | None = dataclasses.field(
@@ -468,8 +468,8 @@ class AuditArguments:
         if self.rows_per_canary > bound:
             raise ValueError(f"--rows_per_canary {self.rows_per_canary}: the audited run keeps at most G = {bound} "
                              f"row{'s' if bound > 1 else ''} per user, so use at most {bound}.")
-        if self.score not in ("auto", "black-box", "white-box"):
-            raise ValueError(f"--score {self.score!r}: use auto, black-box or white-box.")
+        if self.score not in ("auto", "trained-loss", "black-box", "white-box"):
+            raise ValueError(f"--score {self.score!r}: use auto, trained-loss, black-box or white-box.")
         if self.sabotage is not None and self.sabotage not in SABOTAGES:
             raise ValueError(f"--sabotage {self.sabotage!r}: use {', '.join(SABOTAGES)} (to test the audit only).")
 

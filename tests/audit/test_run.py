@@ -153,6 +153,14 @@ def test_white_box_score_sees_negligible_noise_too(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_trained_loss_score_sees_negligible_noise(tmp_path, monkeypatch):
+    _shrink_noise(monkeypatch, 1e-3)
+    report = _audit(tmp_path, score="trained-loss", target_epsilon=8.0)
+    assert report.score == "trained-loss" and report.epsilon_lower_bound > 1.0, report.to_dict()
+    assert "loss under the trained model alone" in report.card_section()
+
+
+@pytest.mark.slow
 def test_dp_at_epsilon_one_stays_at_most_one(tmp_path):
     report = _audit(tmp_path, target_epsilon=1.0)
     assert report.epsilon_upper_bound <= 1.0
@@ -342,11 +350,26 @@ def test_report_flags_a_lower_bound_above_the_claim():
 def test_audit_guesses_are_few_and_valid():
     for m in (2, 3, 16, 256, 1000):
         pairs = audit_guesses(m)
-        assert 1 <= len(pairs) <= 7 and all(1 <= kp + km <= m and kp >= 1 for kp, km in pairs)
-    # With 7 pairs a perfect guesser can show ε > 2.5 at m = 256 and δ = 1e-4 (48 pairs leave about 1.5).
+        assert 1 <= len(pairs) <= 9 and all(1 <= kp + km <= m and kp >= 1 for kp, km in pairs)
+    # With 9 pairs a perfect guesser can show ε > 2.5 at m = 256 and δ = 1e-4 (48 pairs leave about 1.5).
     _, included = _separated()
     perfect = audit_report(included.astype(float), included, delta=1e-4)
     assert perfect.epsilon_lower_bound == perfect.epsilon_ceiling > 2.5
+
+
+def test_many_memorised_canaries_refute_two_with_the_wide_in_guesses():
+    """512 canaries, 262 included, the top 102 scores holding 98 included (the rest shuffled): the 20 % "in" guess
+    refutes ε = 2 at δ = 1e-5, where the other pairs stop at about 1.6 (the fact behind the 20 and 25 % pairs)."""
+    rng = np.random.default_rng(0)
+    included = np.zeros(512, dtype=bool)
+    included[:262] = True
+    scores = rng.normal(size=512)
+    top = np.r_[np.arange(98), 262 + np.arange(4)]
+    scores[top] = 100 + rng.permutation(len(top))
+    report = audit_report(scores, included, delta=1e-5)
+    assert report.epsilon_lower_bound > 2.0 and tuple(report.steinke.guesses) == (102, 0), report.to_dict()
+    narrow = audit_report(scores, included, delta=1e-5, guesses=[p for p in audit_guesses(512) if p[0] < 102])
+    assert narrow.epsilon_lower_bound < 1.7
 
 
 # ---- refusals, all before any training --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dp.audit import loss_scores, per_row_losses
+from hf_dp.audit import loss_scores, per_row_losses, trained_loss_scores
 
 
 def test_loss_scores():
@@ -16,6 +16,14 @@ def test_loss_scores():
         loss_scores([[1.0, 2.0]], [[1.0]])
     with pytest.raises(ValueError, match="non-finite"):
         loss_scores([[float("nan")]], [[1.0]])
+
+
+def test_trained_loss_scores():
+    np.testing.assert_allclose(trained_loss_scores([[1.0, 2.0], [3.0]]), [-1.5, -3.0])
+    with pytest.raises(ValueError, match="canary 1 has no rows"):
+        trained_loss_scores([[1.0], []])
+    with pytest.raises(ValueError, match="non-finite"):
+        trained_loss_scores([[float("inf")]])
 
 
 def _pad(rows, pad_id=0):

@@ -220,7 +220,7 @@ def _check_sft_audit(tmp_path, result, *, canaries: int, train_users: int):
 
     audit = result["audit"]
     assert result["audited_task"] == "sft" and result["metric_name"] == "completion perplexity"
-    assert audit["canaries"] == canaries and audit["rows_per_canary"] == 1 and audit["score"] == "black-box"
+    assert audit["canaries"] == canaries and audit["rows_per_canary"] == 1 and audit["score"] == "trained-loss"
     assert 0 <= audit["epsilon_lower_bound"] <= audit["epsilon_ceiling"]
     assert 0 < result["epsilon"] <= 8.0 and audit["epsilon_upper_bound"] == result["epsilon"]
     assert audit["delta"] == result["delta"] == result["privacy"]["delta"]

@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -433,12 +434,13 @@ def _sft_trainer(model, training_args, train, tokenizer, card: dict, *, peft_con
                         peft_config=peft_config, callbacks=callbacks, privacy_card_kwargs=card)
 
 
+@functools.cache
 def model_loss_sft_trainer() -> type:
     """`ModelLossSFTTrainer`: TRL's `SFTTrainer` (its data preparation, collator and loss masks) whose loss is the
     model's own, as `transformers.Trainer` computes it: the mean cross-entropy over the completion tokens, TRL's
     `"nll"` loss, from the logits the DP runs compute too. TRL's default path runs the LM head fused with its
     log-softmax and entropy metrics in chunks, which on a CPU made a non-private step 1.2x a DP step; its
-    `entropy` and `mean_token_accuracy` logs are not kept."""
+    `entropy` and `mean_token_accuracy` logs are not kept. Built once (TRL is imported only when it is needed)."""
     from transformers import Trainer
 
     from hf_dp.sft import SFTTrainer
