@@ -73,6 +73,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
     parser.add_argument("--adaptive_clipping", action="store_true")
     parser.add_argument("--clipping_count_noise", type=float, default=None)
+    parser.add_argument("--target_unclipped_quantile", type=float, default=0.5, help="Adaptive clipping's target.")
     parser.add_argument("--lora_r", type=int, default=8)
     parser.add_argument("--lora_layers", type=int, default=4, help="LoRA on the top k layers (0: all).")
     parser.add_argument("--modules", nargs="+", default=["q_proj", "v_proj"])
@@ -131,7 +132,9 @@ def main(argv=None) -> dict:
                           contribution_bound=1, max_grad_norm=args.max_grad_norm, per_device_train_batch_size=16,
                           max_loss=10.0)
             if args.adaptive_clipping:
-                fields.update(adaptive_clipping=True, clipping_count_noise=count_noise)
+                fields.update(adaptive_clipping=True, clipping_count_noise=count_noise,
+                              target_unclipped_quantile=args.target_unclipped_quantile)
+                record["target_unclipped_quantile"] = args.target_unclipped_quantile
             training_args = config.training_arguments("uls", **fields, **common)
             record.update(mode="uls", epsilon_of_study=args.epsilon, noise_multiplier=sigma,
                           adaptive_clipping=args.adaptive_clipping, max_grad_norm=args.max_grad_norm)
