@@ -44,17 +44,12 @@ def loss_scores(trained_losses: Sequence[Sequence[float]], base_losses: Sequence
             f"trained_losses and base_losses must have one entry per canary (got {len(trained_losses)} and "
             f"{len(base_losses)}); score the same canaries under both models."
         )
-    scores = np.empty(len(trained_losses))
     for i, (trained, base) in enumerate(zip(trained_losses, base_losses)):
-        trained, base = np.asarray(trained, dtype=float).reshape(-1), np.asarray(base, dtype=float).reshape(-1)
-        if len(trained) != len(base) or len(trained) == 0:
+        rows, base_rows = np.size(trained), np.size(base)
+        if rows != base_rows or rows == 0:
             raise ValueError(
-                f"canary {i} has {len(trained)} trained and {len(base)} base losses; pass the same, non-empty rows."
-            )
-        if not (np.all(np.isfinite(trained)) and np.all(np.isfinite(base))):
-            raise ValueError(f"canary {i} has a non-finite loss; check the model and the rows' labels.")
-        scores[i] = base.mean() - trained.mean()
-    return scores
+                f"canary {i} has {rows} trained and {base_rows} base losses; pass the same, non-empty rows.")
+    return _mean_losses(base_losses) - _mean_losses(trained_losses)
 
 
 def trained_loss_scores(trained_losses: Sequence[Sequence[float]]) -> np.ndarray:
@@ -69,15 +64,20 @@ def trained_loss_scores(trained_losses: Sequence[Sequence[float]]) -> np.ndarray
     Raises:
         ValueError: If a canary has no rows or a loss is not finite.
     """
-    scores = np.empty(len(trained_losses))
-    for i, trained in enumerate(trained_losses):
-        trained = np.asarray(trained, dtype=float).reshape(-1)
-        if len(trained) == 0:
+    return -_mean_losses(trained_losses)
+
+
+def _mean_losses(losses: Sequence[Sequence[float]]) -> np.ndarray:
+    """Each canary's mean loss over its rows; a canary with no rows or a non-finite loss is an error."""
+    means = np.empty(len(losses))
+    for i, rows in enumerate(losses):
+        rows = np.asarray(rows, dtype=float).reshape(-1)
+        if len(rows) == 0:
             raise ValueError(f"canary {i} has no rows; every canary needs at least one.")
-        if not np.all(np.isfinite(trained)):
+        if not np.all(np.isfinite(rows)):
             raise ValueError(f"canary {i} has a non-finite loss; check the model and the rows' labels.")
-        scores[i] = -trained.mean()
-    return scores
+        means[i] = rows.mean()
+    return means
 
 
 def per_row_losses(

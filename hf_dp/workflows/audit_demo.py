@@ -76,6 +76,7 @@ TASK_DEFAULTS = {"sft": dict(max_steps=300, max_eval_examples=64, canaries=512, 
                                         target_delta=None, score="black-box")}
 DEMO_MAX_STEPS = TASK_DEFAULTS["classification"]["max_steps"]
 SABOTAGES = ("no-noise",)
+SCORE_CHOICES = ("auto", "trained-loss", "black-box", "white-box")  # --score
 REPLY_WORDS = 12  # rare tokens per canary reply (make_canaries' words_per_row)
 AUDIT_FAILED_EXIT_CODE = 3  # `hf-dp audit` exits with it when the lower bound exceeds the proven ε
 
@@ -415,7 +416,7 @@ class AuditArguments:
         metadata={"help": "Canary score: trained-loss (the trained model's loss on the canary), black-box (its drop "
                           "from the base model) or white-box (how far the update went along the canary's gradient); "
                           "auto = the task's: trained-loss for sft, black-box for classification. Default: auto",
-                  "choices": ("auto", "trained-loss", "black-box", "white-box")})
+                  "choices": SCORE_CHOICES})
     results_dir: str = dataclasses.field(
         default="results", metadata={"help": "Folder for audit.json and models/audit/. Default: results"})
     max_steps: int | None = dataclasses.field(
@@ -468,8 +469,8 @@ class AuditArguments:
         if self.rows_per_canary > bound:
             raise ValueError(f"--rows_per_canary {self.rows_per_canary}: the audited run keeps at most G = {bound} "
                              f"row{'s' if bound > 1 else ''} per user, so use at most {bound}.")
-        if self.score not in ("auto", "trained-loss", "black-box", "white-box"):
-            raise ValueError(f"--score {self.score!r}: use auto, trained-loss, black-box or white-box.")
+        if self.score not in SCORE_CHOICES:
+            raise ValueError(f"--score {self.score!r}: use {', '.join(SCORE_CHOICES)}.")
         if self.sabotage is not None and self.sabotage not in SABOTAGES:
             raise ValueError(f"--sabotage {self.sabotage!r}: use {', '.join(SABOTAGES)} (to test the audit only).")
 
