@@ -16,6 +16,8 @@ Examples (SmolLM2-135M-Instruct, LoRA r = 8 on q/v of the top 4 layers, 16 users
     python benchmarks/chat_sft_tuning.py --baseline
     python benchmarks/chat_sft_tuning.py --learning_rate 1e-2 --max_grad_norm 0.1 --adaptive_clipping
     python benchmarks/chat_sft_tuning.py --non_private --learning_rate 1e-2
+    python benchmarks/chat_sft_tuning.py --adaptive_clipping --contribution_bound 4   # G = 4 rows per role
+    python benchmarks/chat_sft_tuning.py --no_noise --max_grad_norm 1e6   # a measurement only: no privacy at all
 """
 from __future__ import annotations
 
@@ -74,6 +76,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--adaptive_clipping", action="store_true")
     parser.add_argument("--clipping_count_noise", type=float, default=None)
     parser.add_argument("--target_unclipped_quantile", type=float, default=0.5, help="Adaptive clipping's target.")
+    parser.add_argument("--contribution_bound", type=int, default=1, help="G: conversations per sampled role.")
+    parser.add_argument("--no_noise", action="store_true",
+                        help="Decomposition only: the DP step with its gradient noise off (sampling and clipping "
+                             "kept), to measure what the noise costs. Its result has no privacy at all.")
     parser.add_argument("--lora_r", type=int, default=8)
     parser.add_argument("--lora_layers", type=int, default=4, help="LoRA on the top k layers (0: all).")
     parser.add_argument("--modules", nargs="+", default=["q_proj", "v_proj"])
@@ -129,16 +135,21 @@ def main(argv=None) -> dict:
             sigma, effective = study_noise_multiplier(args.epsilon, args.users_per_step, args.max_steps,
                                                       count_noise=count_noise)
             fields = dict(target_epsilon=None, noise_multiplier=sigma, expected_batch_size=args.users_per_step,
-                          contribution_bound=1, max_grad_norm=args.max_grad_norm, per_device_train_batch_size=16,
+                          contribution_bound=args.contribution_bound, max_grad_norm=args.max_grad_norm,
+                          per_device_train_batch_size=16,
                           max_loss=10.0)
             if args.adaptive_clipping:
                 fields.update(adaptive_clipping=True, clipping_count_noise=count_noise,
                               target_unclipped_quantile=args.target_unclipped_quantile)
                 record["target_unclipped_quantile"] = args.target_unclipped_quantile
             training_args = config.training_arguments("uls", **fields, **common)
-            record.update(mode="uls", epsilon_of_study=args.epsilon, noise_multiplier=sigma,
+            record.update(mode="uls-no-noise" if args.no_noise else "uls", epsilon_of_study=args.epsilon,
+                          noise_multiplier=0.0 if args.no_noise else sigma, contribution_bound=args.contribution_bound,
                           adaptive_clipping=args.adaptive_clipping, max_grad_norm=args.max_grad_norm)
-        result = run_chat_sft(config, training_args, data=data)
+        from hf_dp.workflows.audit_demo import sabotage
+
+        with sabotage("no-noise" if args.no_noise else None):
+            result = run_chat_sft(config, training_args, data=data)
         record.update(baseline_nll=result["baseline_nll"], nll=result["eval_nll"], learning_rate=args.learning_rate,
                       steps=result["steps"], train_seconds=round(result["train_seconds"], 1),
                       eval_seconds=round(result["eval_seconds"], 1), seed=args.seed)
