@@ -136,8 +136,7 @@ def main(argv=None) -> dict:
                                                       count_noise=count_noise)
             fields = dict(target_epsilon=None, noise_multiplier=sigma, expected_batch_size=args.users_per_step,
                           contribution_bound=args.contribution_bound, max_grad_norm=args.max_grad_norm,
-                          per_device_train_batch_size=16,
-                          max_loss=10.0)
+                          per_device_train_batch_size=16, max_loss=10.0)
             if args.adaptive_clipping:
                 fields.update(adaptive_clipping=True, clipping_count_noise=count_noise,
                               target_unclipped_quantile=args.target_unclipped_quantile)

@@ -85,7 +85,8 @@ AUDIT_FAILED_EXIT_CODE = 3  # `hf-dp audit` exits with it when the lower bound e
 def sabotage(kind: str | None):
     """A deliberately broken DP step, to test the audit only: `"no-noise"` silently skips the gradient noise of
     every DP step run inside the context (the accountant, the card and the report still claim their ε). Reachable
-    only through `hf-dp audit --sabotage`, never from `DPTrainer`'s arguments; restored on exit."""
+    only through `hf-dp audit --sabotage` and the tuning probe's `--no_noise` measurement
+    (`benchmarks/chat_sft_tuning.py`), never from `DPTrainer`'s arguments; restored on exit."""
     if kind is None:
         yield
         return
