@@ -18,6 +18,7 @@ Examples (SmolLM2-135M-Instruct, LoRA r = 8 on q/v of the top 4 layers, 16 users
     python benchmarks/chat_sft_tuning.py --non_private --learning_rate 1e-2
     python benchmarks/chat_sft_tuning.py --adaptive_clipping --contribution_bound 4   # G = 4 rows per role
     python benchmarks/chat_sft_tuning.py --no_noise --max_grad_norm 1e6   # a measurement only: no privacy at all
+    python benchmarks/chat_sft_tuning.py --adaptive_clipping --redraw_rows   # G = 1, a fresh conversation each step
 """
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--clipping_count_noise", type=float, default=None)
     parser.add_argument("--target_unclipped_quantile", type=float, default=0.5, help="Adaptive clipping's target.")
     parser.add_argument("--contribution_bound", type=int, default=1, help="G: conversations per sampled role.")
+    parser.add_argument("--redraw_rows", action="store_true",
+                        help="Draw each sampled role's G conversations afresh every step (ULS's redraw_rows).")
     parser.add_argument("--no_noise", action="store_true",
                         help="Decomposition only: the DP step with its gradient noise off (sampling and clipping "
                              "kept), to measure what the noise costs. Its result has no privacy at all.")
@@ -136,7 +139,7 @@ def main(argv=None) -> dict:
                                                       count_noise=count_noise)
             fields = dict(target_epsilon=None, noise_multiplier=sigma, expected_batch_size=args.users_per_step,
                           contribution_bound=args.contribution_bound, max_grad_norm=args.max_grad_norm,
-                          per_device_train_batch_size=16, max_loss=10.0)
+                          per_device_train_batch_size=16, max_loss=10.0, redraw_rows=args.redraw_rows)
             if args.adaptive_clipping:
                 fields.update(adaptive_clipping=True, clipping_count_noise=count_noise,
                               target_unclipped_quantile=args.target_unclipped_quantile)
@@ -144,7 +147,8 @@ def main(argv=None) -> dict:
             training_args = config.training_arguments("uls", **fields, **common)
             record.update(mode="uls-no-noise" if args.no_noise else "uls", epsilon_of_study=args.epsilon,
                           noise_multiplier=0.0 if args.no_noise else sigma, contribution_bound=args.contribution_bound,
-                          adaptive_clipping=args.adaptive_clipping, max_grad_norm=args.max_grad_norm)
+                          adaptive_clipping=args.adaptive_clipping, max_grad_norm=args.max_grad_norm,
+                          redraw_rows=args.redraw_rows)
         from hf_dp.workflows.audit_demo import sabotage
 
         with sabotage("no-noise" if args.no_noise else None):

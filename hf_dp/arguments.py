@@ -68,6 +68,12 @@ class DPTrainingArguments(TrainingArguments):
             ([`~hf_dp.accounting.planner.private_contribution_bound`]) run on that DP median. Not used for
             example-level.
             `None` (every row kept) is refused for ELS, whose user-level accounting needs G.
+        redraw_rows (`bool`, *optional*, defaults to `False`):
+            ULS only: draw each sampled user's (at most G) rows afresh every step, from all of that user's rows
+            (keyed by the run's secret, the user and the step), instead of once before training. A user still
+            brings one clipped gradient to a step, so ε is the same; a user with more than G rows is then trained
+            on all of them over the run rather than on one fixed subset. ELS accounts a user's G fixed rows, so it
+            refuses this.
         contribution_bound_epsilon (`float`, *optional*, defaults to `0.1`):
             ε spent choosing G when `contribution_bound="auto"` (the exponential mechanism); it is part of
             `target_epsilon` (DP-SGD gets the rest) and is recorded in the ledger. Unused for a given G.
@@ -194,6 +200,11 @@ class DPTrainingArguments(TrainingArguments):
         default="auto",
         metadata={"help": "G, the most rows kept per user: an integer, or 'auto' (an ε-DP median of the rows per user "
                           "on a public grid; ULS then applies the noise-prediction heuristic to it)."},
+    )
+    redraw_rows: bool = field(
+        default=False,
+        metadata={"help": "ULS: draw each sampled user's ≤ G rows afresh every step from all their rows, instead of "
+                          "once before training (ε unchanged: still one clipped gradient per user per step)."},
     )
     contribution_bound_epsilon: float = field(
         default=0.1,
@@ -398,6 +409,12 @@ class DPTrainingArguments(TrainingArguments):
             problems.append(f"contribution_bound=None with sampling={self.sampling!r}: {mechanism.presentation.name} "
                             "accounts users through the bound G; set contribution_bound to an integer or 'auto'.")
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
+        if self.redraw_rows and mechanism is not None and not mechanism.rows_may_be_redrawn:
+            problems.append(f"redraw_rows=True with {mechanism.presentation.name}: its accounting holds for rows "
+                            "fixed before training; use sampling='uls' (privacy_unit='user'), or redraw_rows=False.")
+        elif self.redraw_rows and self.contribution_bound is None:
+            problems.append("redraw_rows=True with contribution_bound=None: every row of a sampled user is already "
+                            "used each step; set contribution_bound (an integer or 'auto'), or redraw_rows=False.")
         if mechanism is not None and not mechanism.protects_users and isinstance(self.contribution_bound, int):
             problems.append(f"contribution_bound={self.contribution_bound} with privacy_unit='example': example-level "
                             "DP-SGD keeps every row (a bound would drop rows the report counts as kept); leave "

@@ -59,15 +59,19 @@ class LogicalBatches(torch.utils.data.Dataset):
     Args:
         dataset: training rows (a `datasets.Dataset` without the user column).
         unit_rows (`list`, *optional*): rows of each unit, when units are users (ULS); `None` when a unit is a row.
+        redraw ([`~hf_dp.data.RowRedraw`], *optional*): draws the rows a sampled user trains on at each step (among
+            `unit_rows`); `None`: all of `unit_rows`.
         data_collator: turns a list of row dicts into model features.
         micro_batch_size (`int`): rows per physical micro-batch (a user with more rows goes alone).
         align_passes (`bool`): give every rank as many passes as the rank with the most (padding passes), as
             sharded training (FSDP2) needs: its collectives run in every forward and backward pass.
     """
 
-    def __init__(self, dataset, unit_rows, data_collator, micro_batch_size: int, align_passes: bool = False):
+    def __init__(self, dataset, unit_rows, data_collator, micro_batch_size: int, align_passes: bool = False,
+                 redraw=None):
         self.dataset = dataset
         self.unit_rows = unit_rows
+        self.redraw = redraw
         self.data_collator = data_collator
         self.micro_batch_size = micro_batch_size
         self.align_passes = align_passes
@@ -82,7 +86,7 @@ class LogicalBatches(torch.utils.data.Dataset):
                 batch.micro_batches.append(MicroBatch(self._collate([int(r) for r in part]), num_examples=len(part)))
         else:
             for group in self._groups(sampled.units):
-                batch.micro_batches.append(self._user_micro_batch([self.unit_rows[unit] for unit in group]))
+                batch.micro_batches.append(self._user_micro_batch([self._rows(unit, sampled.step) for unit in group]))
         if self.align_passes:  # every rank's passes are known on the host: they all draw the same sample
             passes = max(len(self._groups(share)) for share in sampled.shares)
             while len(batch.micro_batches) < passes:
@@ -92,8 +96,17 @@ class LogicalBatches(torch.utils.data.Dataset):
 
     def _groups(self, units) -> list[list]:
         """`units` in the fewest balanced passes of at most `micro_batch_size` rows (a user whole)."""
-        sizes = [1] * len(units) if self.unit_rows is None else [len(self.unit_rows[unit]) for unit in units]
+        if self.unit_rows is None:
+            sizes = [1] * len(units)
+        else:
+            size = len if self.redraw is None else self.redraw.size
+            sizes = [size(self.unit_rows[unit]) for unit in units]
         return _balanced(list(units), sizes, math.ceil(sum(sizes) / self.micro_batch_size))
+
+    def _rows(self, unit: int, step: int):
+        """The rows user `unit` trains on at `step`."""
+        rows = self.unit_rows[unit]
+        return rows if self.redraw is None else self.redraw.rows(unit, rows, step)
 
     def _user_micro_batch(self, users) -> MicroBatch:
         rows = [int(r) for user_rows in users for r in user_rows]

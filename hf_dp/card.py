@@ -59,8 +59,8 @@ REPORT_KEYS = (
     "noise_reach", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy", "noise_multiplier",
     "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "final_max_grad_norm",
-    "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "num_users",
-    "num_examples", "accountant", "mechanism_description", "noise_seed", "noise_source",
+    "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "redraw_rows",
+    "num_users", "num_examples", "accountant", "mechanism_description", "noise_seed", "noise_source",
 )
 # Required when `adaptive_clipping` is true: what the card says about how C was chosen.
 _ADAPTIVE_KEYS = (
@@ -439,7 +439,10 @@ def render_privacy_card(
     if expected is None and population_size is not None and privacy.get("sample_rate") is not None:
         expected = privacy["sample_rate"] * population_size
     bound = privacy.get("contribution_bound")
-    if bound is not None:
+    if bound is not None and privacy.get("redraw_rows"):
+        contribution_md = (f"all of their rows (a step that samples them trains on at most G = {bound} of them, "
+                           "drawn afresh each step)")
+    elif bound is not None:
         contribution_md = (f"all of their rows, at most G = {bound} examples (rows beyond G were dropped before "
                            "training)")
     else:

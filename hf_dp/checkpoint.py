@@ -199,6 +199,10 @@ def newest_complete_checkpoint(output_dir: str) -> tuple[str, list[str]]:
                      + " | ".join(skipped))
 
 
+# Fingerprint fields added after checkpoints were first written, with the value such a checkpoint trained under.
+ADDED_FIELDS = {"redraw_rows": False}
+
+
 def secret_to_resume(args: DPTrainingArguments) -> str | None:
     """The data secret of `args.resume_from_checkpoint` (read and verified before G is drawn), or None: a run that
     says where it resumes from draws G and the rows once, with the checkpoint's secret."""
@@ -222,7 +226,8 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
                          "restart the optimizer from scratch, so the run would differ from an uninterrupted one. "
                          "Resume from a full checkpoint, or start a new run from these weights.")
     current = plan.fingerprint(args)
-    changed = {k: (saved.config.get(k), v) for k, v in current.items() if not same(saved.config.get(k), v)}
+    saved_config = {**ADDED_FIELDS, **saved.config}  # a checkpoint from before a field existed had its default
+    changed = {k: (saved_config.get(k), v) for k, v in current.items() if not same(saved_config.get(k), v)}
     steps = _saved_max_steps(saved.folder)
     follows_steps = {"noise_multiplier", "logging_noise_multiplier", "clipping_count_noise"}  # σ and what follows it
     if "noise_multiplier" in changed and set(changed) <= follows_steps and args.target_epsilon is not None \

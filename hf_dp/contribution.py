@@ -34,8 +34,9 @@ def data_secret(args: DPTrainingArguments) -> str:
 
 
 def partition(dataset, args: DPTrainingArguments, secret: str) -> UserPartition:
-    """Rows grouped by user under the bound G, G and every user's rows drawn with `secret`."""
-    return partition_by_user(dataset, args.user_id_column, contribution_bound(dataset, args, secret), secret)
+    """Rows grouped by user under the bound G, G and every user's rows (once, or each step) drawn with `secret`."""
+    return partition_by_user(dataset, args.user_id_column, contribution_bound(dataset, args, secret), secret,
+                             redraw_rows=args.redraw_rows)
 
 
 def bound_epsilon(args: DPTrainingArguments) -> float:
@@ -72,12 +73,13 @@ def bound_choice(args: DPTrainingArguments, mechanism: str, spent: float) -> str
     """How G was chosen, for the report and the card (`spent`: the ε of its choice)."""
     if not get_mechanism(mechanism).protects_users or args.contribution_bound is None:
         return "none: every row is kept"
+    redrawn = "; a sampled user's G rows are drawn afresh each step, from all their rows" if args.redraw_rows else ""
     if not spent:
-        return "given (contribution_bound): not read from the data"
+        return "given (contribution_bound): not read from the data" + redrawn
     rule = get_mechanism(mechanism).bound_rule()
     return (f"auto: an ε-DP median of the rows per user (exponential mechanism over the public grid "
             f"{', '.join(map(str, planner.CONTRIBUTION_BOUND_GRID))}; ε = {spent:g}, in the ledger), "
-            f"then {rule}")
+            f"then {rule}{redrawn}")
 
 
 def counts_of(dataset, user_id_column: str, bound: int | None, user_ids) -> tuple[int, int]:

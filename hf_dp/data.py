@@ -26,12 +26,15 @@ class UserPartition:
         row_user: `(num_rows,)` int array, the user index (0..num_users-1) of every kept row.
         user_rows: for each user index, the array of its row positions in `dataset`.
         contribution_bound: G applied (`None` if no bound was applied).
+        redraw: with `redraw_rows`, each step's draw of G among a user's rows (`user_rows` then holds them all);
+            `None` when the rows were drawn once, here.
     """
 
     dataset: object
     row_user: np.ndarray
     user_rows: list
     contribution_bound: int | None
+    redraw: RowRedraw | None = None
 
     @property
     def num_users(self) -> int:
@@ -45,6 +48,29 @@ class UserPartition:
         return np.array([len(rows) for rows in self.user_rows])
 
 
+@dataclass(frozen=True)
+class RowRedraw:
+    """A step's draw of at most `bound` of a user's rows, from (the user's key, the step) alone.
+
+    The keys come from (secret, user id) like the rows drawn once ([`keyed_seed`]): a user's draws depend on no
+    other user, and a resumed run redraws the same rows at the same step.
+    """
+
+    keys: np.ndarray  # (num_users,) uint64
+    bound: int
+
+    def rows(self, user: int, rows, step: int):
+        """`rows` of user index `user` trained on at `step`: all of them if at most `bound`, else `bound` drawn."""
+        if len(rows) <= self.bound:
+            return rows
+        rng = np.random.default_rng([int(self.keys[user]), int(step)])
+        return np.sort(rng.choice(rows, size=self.bound, replace=False))
+
+    def size(self, rows) -> int:
+        """How many rows a step trains on of a user with `rows` (known without drawing)."""
+        return min(len(rows), self.bound)
+
+
 def examples_per_user(dataset, user_id_column: str) -> np.ndarray:
     """Rows per user (ignoring rows without a user id): what the contribution-bound heuristics read."""
     check_user_column(dataset, user_id_column)
@@ -54,8 +80,10 @@ def examples_per_user(dataset, user_id_column: str) -> np.ndarray:
     return np.array(sorted(counts.values()), dtype=np.int64)
 
 
-def partition_by_user(dataset, user_id_column: str, contribution_bound: int | None, secret) -> UserPartition:
-    """Group rows by user and keep at most `contribution_bound` random rows per user.
+def partition_by_user(dataset, user_id_column: str, contribution_bound: int | None, secret,
+                      redraw_rows: bool = False) -> UserPartition:
+    """Group rows by user and keep at most `contribution_bound` random rows per user, or with `redraw_rows` keep
+    every row and draw the bound's rows afresh each step ([`RowRedraw`]).
 
     A user's rows are drawn from (`secret`, user id) alone ([`keyed_seed`]): adding or removing a user
     changes no other user's rows. Keep `secret` out of anything released (it picks the rows).
@@ -84,7 +112,12 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
             f"No training row has a {user_id_column!r} value: DP training needs at least one user. "
             "Fill the user column or point --user_id_column at the right one."
         )
-    kept = [_draw_rows(rows, contribution_bound, secret, user, "rows") for user, rows in rows_by_user.items()]
+    redraw = None
+    if redraw_rows and contribution_bound is not None:
+        keys = np.array([keyed_seed(secret, user, "redrawn rows") for user in rows_by_user], dtype=np.uint64)
+        redraw = RowRedraw(keys=keys, bound=int(contribution_bound))
+    kept = [rows if redraw else _draw_rows(rows, contribution_bound, secret, user, "rows")
+            for user, rows in rows_by_user.items()]
     keep = np.sort(np.concatenate([np.asarray(r, dtype=np.int64) for r in kept]))
     position = np.full(len(ids), -1, dtype=np.int64)
     position[keep] = np.arange(len(keep))
@@ -97,7 +130,8 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
     dataset = dataset.remove_columns(user_id_column)
     if len(keep) < len(ids):
         dataset = dataset.select(keep.tolist())
-    return UserPartition(dataset=dataset, row_user=row_user, user_rows=user_rows, contribution_bound=contribution_bound)
+    return UserPartition(dataset=dataset, row_user=row_user, user_rows=user_rows, contribution_bound=contribution_bound,
+                         redraw=redraw)
 
 
 def keyed_seed(secret, user_id, purpose: str) -> int:

@@ -33,6 +33,8 @@ class DPMechanism:
     protects_users: bool = True
     # Whether the accountant needs G (ELS: a user moves up to G sampled rows).
     requires_contribution_bound: bool = False
+    # Whether a unit's rows may be drawn afresh each step (`redraw_rows`): the accounting does not rest on fixed rows.
+    rows_may_be_redrawn: bool = False
     accountant_note: str = ""  # appended to the report's accountant name
     card_step: str = ""  # the privacy card's account of one step
 
@@ -107,6 +109,7 @@ class ULS(DPMechanism):
 
     key = "uls"
     samples_users = True
+    rows_may_be_redrawn = True
     card_step = ("Each step Poisson-samples users, each independently with probability q; a sampled user's gradient "
                  "is\nthe gradient of the mean loss over their (at most G) examples, clipped to norm C; Gaussian noise"
                  "\nN(0, σ²C²I) is added once to the sum, which is divided by the expected number of users per step"

@@ -93,6 +93,7 @@ class PrivacyPlan:
             "max_loss": args.max_loss if self.private_logging else None,
             "sample_rate": self.sample_rate,
             "contribution_bound": self.contribution_bound,
+            "redraw_rows": args.redraw_rows,
             "target_epsilon": args.target_epsilon,
             "target_delta": self.delta,
             "num_units": self.num_units,

@@ -80,6 +80,8 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
         "noise_source": noise_source(args.secure_noise, device_type),
     }
+    if args.redraw_rows:  # listed only when set: each step draws G among a user's rows (the card says so)
+        report["redraw_rows"] = True
     loose = plan.dp_mechanism.group_privacy_epsilon(
         sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps,
         delta=plan.delta, group_size=plan.group_size) if steps else None

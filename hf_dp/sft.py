@@ -250,9 +250,10 @@ def bound_before_preparing(dataset, args: DPSFTConfig, secret):
     """The training rows SFTTrainer needs to prepare: at most `PREPARE_MARGIN`·G per user (every row at example
     level, or without a bound). Each user's rows are drawn from (secret, user id) alone, like the partition's, which
     then draws G among those the preparation kept: a row TRL drops (no labelled token left after truncation) rarely
-    costs its user, and the guarantee is the same (what is kept depends on the user's own rows only)."""
+    costs its user, and the guarantee is the same (what is kept depends on the user's own rows only). With
+    `redraw_rows` every row is prepared: each step draws G among them all."""
     bound = args.contribution_bound
-    if bound is None or not get_mechanism(args.mechanism).protects_users:
+    if bound is None or not get_mechanism(args.mechanism).protects_users or args.redraw_rows:
         return dataset
     cap = CONTRIBUTION_BOUND_GRID[-1] if bound == "auto" else min(CONTRIBUTION_BOUND_GRID[-1],
                                                                     PREPARE_MARGIN * int(bound))

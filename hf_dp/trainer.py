@@ -170,8 +170,8 @@ class DPTrainerMixin(PrivacyReporting):
     @property
     def canary_counts(self) -> tuple[int, int]:
         """(users, kept rows) of `uncounted_user_ids`: trained on, left out of the stated counts."""
-        return contribution.counts_of(self._user_dataset, self.args.user_id_column, self.partition.contribution_bound,
-                                      self.uncounted_user_ids)
+        kept = None if self.partition.redraw else self.partition.contribution_bound  # redrawn: every row is trained
+        return contribution.counts_of(self._user_dataset, self.args.user_id_column, kept, self.uncounted_user_ids)
 
     def _shared_seed(self) -> int:
         seed = self.args.noise_seed if self.args.noise_seed is not None else fresh_seed()
@@ -188,7 +188,7 @@ class DPTrainerMixin(PrivacyReporting):
         plan = self.privacy_plan
         dataset = self._remove_unused_columns(self.partition.dataset, description="training")
         batches = LogicalBatches(dataset, unit_rows=plan.dp_mechanism.unit_rows(self.partition),
-                                 data_collator=self.data_collator,
+                                 redraw=self.partition.redraw, data_collator=self.data_collator,
                                  micro_batch_size=self.args.per_device_train_batch_size,
                                  align_passes=self.is_fsdp_enabled)
         sampler = PoissonBatchSampler(

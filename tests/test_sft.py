@@ -319,6 +319,10 @@ def test_rows_beyond_the_bound_are_not_prepared(tmp_path, monkeypatch):
     prepared.clear()
     trainer(tmp_path, dataset=data, privacy_unit="example", contribution_bound=None)
     assert prepared == [("train", len(data))]
+    prepared.clear()
+    redrawn = trainer(tmp_path, dataset=data, contribution_bound=2, redraw_rows=True)  # each step draws among all
+    assert prepared == [("train", len(data))] and redrawn.partition.num_examples == len(data)
+    assert redrawn.partition.redraw.bound == 2
 
 
 def test_a_resume_with_another_data_secret_prepares_the_checkpoints_rows(tmp_path):
