@@ -338,7 +338,7 @@ class DPTrainingArguments(TrainingArguments):
         elif self.max_grad_norm > MAX_MAGNITUDE:
             problems.append(f"max_grad_norm={self.max_grad_norm:g}: above {MAX_MAGNITUDE:g}, σ·C overflows the "
                             "gradients' precision; typical values are 0.1 to 10.")
-        for name in ("adaptive_clipping", "private_logging", "secure_noise"):
+        for name in ("adaptive_clipping", "private_logging", "secure_noise", "redraw_rows"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: use True or False (a string such as 'no' would be "
                                 "read as True).")

@@ -36,6 +36,7 @@ BAD_FIELD_VALUES = {
     "noise_seed": [(-1, "noise_seed="), (1.5, "noise_seed="), ("abc", "noise_seed=")],
     "private_logging": [("no", "private_logging="), (0, "private_logging=")],
     "secure_noise": [("yes", "secure_noise="), (1, "secure_noise=")],
+    "redraw_rows": [("yes", "redraw_rows="), (1, "redraw_rows=")],
     "logging_noise_ratio": [(0.0, "logging_noise_ratio="), (math.inf, "logging_noise_ratio=")],
     "max_loss": [(0.0, "max_loss="), (1e300, "max_loss="), (math.nan, "max_loss=")],
 }

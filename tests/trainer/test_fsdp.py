@@ -83,16 +83,18 @@ def test_two_sharded_processes_reproduce_one(tmp_path, sampling, variant):
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling, variant", [("uls", "bf16-full"), ("els", "bf16-lora")])
 def test_bf16_under_fsdp2_matches_one_rank_and_one_process(tmp_path, sampling, variant):
-    """accelerate's bf16 policy (parameters gathered in bf16): 2 ranks equal 1 rank under the same policy to float32
-    rounding, since the norms, clipped sums, their reduce-scatter and the noise stay float32; one plain process
-    under bf16 autocast (what DDP runs) rounds other ops to bf16, so the updates agree to about one bf16 step."""
+    """accelerate's bf16 policy (parameters gathered in bf16): 2 ranks equal 1 rank under the same policy to within
+    one bf16 rounding of the update: the norms, clipped sums, their reduce-scatter and the noise stay float32, but a
+    rank's bf16 forward over half the rows may round differently from one over all of them (measured with the
+    libraries of 2026-12-03: 2.4e-5 on a LoRA update of 0.12, ELS); one plain process under bf16 autocast (what DDP
+    runs) rounds other ops to bf16 too, so its updates agree to about one bf16 step as well."""
     one_rank = launch(tmp_path / "fsdp1.pt", 1, sampling, variant)
     two_ranks = launch(tmp_path / "fsdp2.pt", 2, sampling, variant)
     assert (one_rank["param_dtype"], two_ranks["param_dtype"]) == ("torch.bfloat16", "torch.bfloat16")
     assert (one_rank["world_size"], one_rank["fsdp"], two_ranks["world_size"]) == (1, True, 2)
     assert two_ranks["sharded"] == [True] * 4 and two_ranks["epsilon"] == one_rank["epsilon"]
-    assert_same_weights(one_rank, two_ranks)
     assert all(value.dtype == torch.float32 for value in two_ranks["state"].values())  # float32 master weights
+    assert_same_weights(one_rank, two_ranks, rtol=0, atol=2**-7 * largest_update(two_ranks))
     if variant == "bf16-full":
         autocast = launch(tmp_path / "plain.pt", None, sampling, variant)
         assert autocast["mixed_precision"] == "bf16" and autocast["epsilon"] == two_ranks["epsilon"]
