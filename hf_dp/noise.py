@@ -200,8 +200,11 @@ def standard_normal(seed: int, step: int, segments, *, device="cpu", secure: boo
 
 
 def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step: int, scale: float = 1.0,
-              secure: bool = False, names=None) -> None:
+              secure: bool = False, names=None, grads=None) -> None:
     """Add N(0, (σ·C·scale)²) to every `p.grad`, summed in float64 and rounded once (see the module docstring).
+
+    `grads`, when given, are the tensors noised in place instead of the `.grad`s, one per parameter (the step's
+    float32 sums of bf16/fp16 parameters, [`~hf_dp.clipping.accumulate.ClippedGrads`]); the noise is the same.
 
     `names`, the parameters' names (the same on every rank and under every wrapper), number the parameters in their
     sorted order, so the noise of a parameter does not depend on the order of `params`; without them a parameter is
@@ -221,8 +224,11 @@ def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step
     elif not std > 0:
         raise ValueError(f"add_noise: the noise's standard deviation σ·C·scale = {std!r} must be positive.")
     pieces = []  # (parameter number, first element, this rank's flat elements)
-    for param, name in zip(params, names):
-        flat, first, _ = local_elements(_contiguous_grad(param))
+    grads = [_contiguous_grad(param) for param in params] if grads is None else list(grads)
+    if len(grads) != len(params):
+        raise ValueError("add_noise: one tensor to noise per parameter.")
+    for grad, name in zip(grads, names):
+        flat, first, _ = local_elements(grad)
         size = _block_size(flat.device, secure)
         pieces += [(number[name], first + start, flat[start : start + size])
                    for start in range(0, flat.numel(), size)]

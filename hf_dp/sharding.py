@@ -2,9 +2,10 @@
 
 Ghost clipping needs nothing from the weights: each rank computes its own units' norms and clipped sums from the
 activations and output gradients of whole (all-gathered) layers, so the norms are exact. A clipped sum has the
-shape of the whole weight; [`add_to_shard`] reduce-scatters it at once (summed over ranks) and keeps this rank's
-rows of it in the sharded `.grad`, so no rank ever holds the whole model's gradient. The noise is then added to
-each shard alone ([`local_elements`] says which elements of the whole tensor a rank holds).
+shape of the whole weight; [`reduce_scatter_rows`] reduce-scatters it at once (summed over ranks, in float32) and
+this rank keeps its rows of it (in the sharded `.grad`, or in a float32 buffer for a bf16 parameter), so no rank
+ever holds the whole model's gradient. The noise is then added to each shard alone ([`local_elements`] says which
+elements of the whole tensor a rank holds).
 
 Every collective must run the same number of times on every rank: the passes of a step are padded to the same
 count on all ranks ([`~hf_dp.batching.LogicalBatches`]), and every parameter is reduce-scattered in each pass.
@@ -95,9 +96,9 @@ def check_sharded(params) -> None:
                              "parallelism).")
 
 
-def add_to_shard(param: DTensor, full: torch.Tensor) -> None:
-    """Sum `full` (this rank's clipped sum, the shape of the whole parameter) over the ranks and add this rank's rows
-    of the result to `param.grad`: one reduce-scatter, with the rows padded as FSDP2 pads its shards."""
+def reduce_scatter_rows(param: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of `full` (this rank's clipped sum, the shape of the whole parameter) summed over the ranks:
+    one reduce-scatter in `full`'s dtype (float32 for the clipped sums), the rows padded as FSDP2 pads its shards."""
     group = param.device_mesh.get_group()
     world = dist.get_world_size(group)
     rows = full.shape[0]
@@ -106,7 +107,12 @@ def add_to_shard(param: DTensor, full: torch.Tensor) -> None:
         full = torch.cat([full, full.new_zeros((per_rank * world - rows, *full.shape[1:]))])
     out = full.new_empty((per_rank, *full.shape[1:]))
     _reduce_scatter(out, full.contiguous(), group=group)
-    out = out[: param.to_local().shape[0]]
+    return out[: param.to_local().shape[0]]
+
+
+def add_to_shard(param: DTensor, full: torch.Tensor) -> None:
+    """Sum `full` over the ranks ([`reduce_scatter_rows`]) and add this rank's rows of the result to `param.grad`."""
+    out = reduce_scatter_rows(param, full).to(param.dtype)
     if param.grad is None:
         param.grad = DTensor.from_local(out.contiguous(), param.device_mesh, param.placements, run_check=False,
                                         shape=param.shape, stride=param.stride())

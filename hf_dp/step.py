@@ -24,6 +24,7 @@ import torch
 
 from .budget import PrivacyBudget
 from .clipping import GhostClipper
+from .clipping.accumulate import ClippedGrads
 from .clipping.adaptive import QuantileTracker
 from .compatibility import check_per_example
 from .losses import PACKED_NEEDS_TOKEN_HEAD, LOSS_FUNC_PACKED, base_model, examples_lost, packed_example_ids
@@ -129,11 +130,13 @@ class DPStep:
             raise ValueError(examples_lost(losses.shape[0], micro_batch.num_examples))
         return losses, example_ids
 
-    def clip(self, model, micro_batches, max_grad_norm) -> StepSums:
+    def clip(self, model, micro_batches, max_grad_norm, into: ClippedGrads | None = None) -> StepSums:
         """Forward and clipped backward of every micro-batch: each unit's gradient clipped to `max_grad_norm` and
-        summed into `.grad`, divided by the expected batch size; returns the step's summed scalar statistics."""
+        summed into `into` (float32 whatever the parameters' dtype; unset: rounded into `.grad` at the end),
+        divided by the expected batch size; returns the step's summed scalar statistics."""
         expected_batch_size, settings = self.plan.expected_batch_size, self.settings
         sums = StepSums(settings.device)
+        clipped = ClippedGrads() if into is None else into
         with settings.backward_context(model):
             for micro_batch in micro_batches:
                 losses, example_ids = self.losses(model, micro_batch)
@@ -141,28 +144,34 @@ class DPStep:
                 if micro_batch.loss_weights is not None:  # ULS: a user's gradient is that of their mean loss
                     losses = losses * to_device(micro_batch.loss_weights, losses.device)
                 norms = self.clipper.backward(losses, unit_ids=units, max_grad_norm=max_grad_norm,
-                                              example_ids=example_ids, grad_scale=1.0 / expected_batch_size)
+                                              example_ids=example_ids, grad_scale=1.0 / expected_batch_size,
+                                              into=clipped)
                 unit_losses = losses.detach().float()
                 if units is not None:  # ULS: the user's mean loss, in the order of `norms` (the unit index owns it)
                     unit_losses = units.sum_examples(unit_losses)
                 if not micro_batch.padding:  # a padding pass (FSDP2) contributes zero and releases nothing
                     sums.add(unit_losses, norms, max_grad_norm, settings.max_loss)
+        if into is None:
+            clipped.round_into_grads()
         return sums
 
-    def aggregate(self, params: list, names: list, sums: StepSums, *, max_grad_norm, step: int) -> None:
+    def aggregate(self, params: list, names: list, sums: StepSums, *, max_grad_norm, step: int,
+                  clipped: ClippedGrads | None = None) -> None:
         """All-reduce the clipped sums (sharded gradients were reduce-scattered already, pass by pass), then add
-        N(0, (σ·C/(q·N))²) once to every gradient element, keyed by the parameters' `names`."""
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
+        N(0, (σ·C/(q·N))²) once to every gradient element, keyed by the parameters' `names`, and round each sum once
+        into its parameter's `.grad` (sums of bf16/fp16 parameters stay float32 until then)."""
+        clipped = ClippedGrads() if clipped is None else clipped
+        grads = clipped.grads(params)  # float32 buffers of narrow parameters, else `.grad` (zeros where missing)
         if self.settings.distributed:
-            for param in params:
-                if not is_sharded(param.grad):
-                    torch.distributed.all_reduce(param.grad)
+            for grad in grads:
+                if not is_sharded(grad):
+                    torch.distributed.all_reduce(grad)
             sums.all_reduce()
         plan = self.plan
         add_noise(params, names=names, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
-                  seed=self.seed, step=step, scale=1.0 / plan.expected_batch_size, secure=self.settings.secure_noise)
+                  seed=self.seed, step=step, scale=1.0 / plan.expected_batch_size, secure=self.settings.secure_noise,
+                  grads=grads)
+        clipped.round_into_grads()
 
     def record(self) -> bool:
         """The step's entry in the ledger; `False` when one more step would exceed the target ε."""
@@ -180,9 +189,10 @@ class DPStep:
         without private logging, and whether training may go on). `before_record` runs between the noise and the
         ledger entry (a just-in-time save there keeps the state before this step)."""
         max_grad_norm = self.clipping_norm(self.settings.device if self.quantile_tracker is not None else None)
-        sums = self.clip(model, batch.micro_batches, max_grad_norm)
-        check_some_gradient(params, batch.micro_batches)
-        self.aggregate(params, names, sums, max_grad_norm=max_grad_norm, step=batch.step)
+        clipped = ClippedGrads()  # the clipped sums, float32 until the noise is added
+        sums = self.clip(model, batch.micro_batches, max_grad_norm, into=clipped)
+        check_some_gradient(params, batch.micro_batches, clipped)
+        self.aggregate(params, names, sums, max_grad_norm=max_grad_norm, step=batch.step, clipped=clipped)
         if before_record is not None:
             before_record()
         keep_going = self.record()
@@ -192,9 +202,10 @@ class DPStep:
         return (loss_sum / self.plan.expected_batch_size).to(torch.float32), keep_going
 
 
-def check_some_gradient(params: list, micro_batches) -> None:
+def check_some_gradient(params: list, micro_batches, clipped: ClippedGrads | None = None) -> None:
     """A non-empty sample that produced no gradient means the optimizer's parameters are not the model's."""
-    if micro_batches and not any(param.grad is not None for param in params):
+    buffers = clipped.buffers if clipped is not None else {}
+    if micro_batches and not any(param.grad is not None or param in buffers for param in params):
         raise RuntimeError(
             "A non-empty batch produced no gradient for any parameter the optimizer updates: the trainable "
             "parameters are not those in the forward pass (e.g. LoRA adapters replaced after the optimizer was "

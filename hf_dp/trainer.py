@@ -212,7 +212,7 @@ class DPTrainerMixin(PrivacyReporting):
         names = self._parameter_names(params)  # before any forward: FSDP2 swaps in whole parameters while one runs
         if self.is_fsdp_enabled and not self._sharded_clipping:  # accelerate has sharded the model by now
             sharding.check_sharded(params)
-            self.clipper.shard(sharding.add_to_shard)
+            self.clipper.shard(sharding.reduce_scatter_rows)
             self._sharded_clipping = True
         if self._probe is not None:  # the first step: the model as it trains, with every hook Trainer.train attached
             check_batch_independence(model, self._probe, half_precision=self.args.bf16 or self.args.fp16)

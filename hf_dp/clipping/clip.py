@@ -5,7 +5,9 @@ the captured inputs and output gradients ([`ClippingStep`]) go through the layer
 factored per-example gradients, [`~hf_dp.clipping.terms`] turns them into per-unit squared norms
 and "reducers" (functions from per-unit weights to a weighted gradient sum), and the update
 grad_scale · Σ_u min(1, C/‖g_u‖)·g_u is formed from those factors (book-keeping, Bu et al. 2023)
-and added to `.grad`: no per-unit gradient of the whole model is ever held.
+and added to the step's sums ([`~hf_dp.clipping.accumulate.ClippedGrads`], float32 whatever the
+parameters' dtype): no per-unit gradient of the whole model is ever held. A unit whose loss or norm
+is not finite contributes exactly zero.
 
 In the steady state nothing here reads a device value back to the host: the units and packed rows
 are host data, every layer's norms are combined once on the device, and C may be a device tensor
@@ -21,10 +23,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 from torch import Tensor, nn
 
+from .accumulate import ClippedGrads
 from .capture import Capture
 from .packing import PackedRows
 from .rows import batch_first
-from .terms import GradTerm, Reducer, norm_sq_and_reducer
+from .terms import GradTerm, Reducer, compute_dtype, norm_sq_and_reducer
 from .units import UnitIndex
 
 
@@ -44,6 +47,7 @@ class ClippingStep:
     max_grad_norm: Union[float, Tensor]  # C: a float, or a 0-dim tensor kept on the device
     grad_scale: float  # multiplies the clipped sum (the trainer's 1 / expected batch size)
     device: torch.device
+    finite_units: Optional[Tensor] = None  # (U,) bool: every loss of the unit is finite (on the device)
     coverage_params: List[nn.Parameter] = field(default_factory=list)  # checked against autograd (first step)
     output_grads: Sequence[Optional[Tensor]] = ()  # per capture: the loss's gradient at the layer's output
     coverage_grads: Sequence[Optional[Tensor]] = ()  # autograd's gradient of each of `coverage_params`
@@ -65,11 +69,12 @@ class ClippingStep:
         units = unit_ids if isinstance(unit_ids, UnitIndex) else UnitIndex(unit_ids, losses.shape[0])
         if units.batch_size != losses.shape[0]:
             raise ValueError(f"unit_ids cover {units.batch_size} examples, the losses {losses.shape[0]}")
+        non_finite = units.sum_examples((~torch.isfinite(losses.detach())).to(torch.float32))  # (U,) on the device
         return cls(
             captures=captures, units=units, packing=packing,
             batch_size=losses.shape[0] if packing is None else packing.rows,
             max_grad_norm=max_grad_norm, grad_scale=grad_scale, device=losses.device,
-            coverage_params=coverage_params,
+            finite_units=non_finite == 0, coverage_params=coverage_params,
         )
 
 
@@ -123,42 +128,40 @@ def unit_norms(
 
 def add_clipped_sums(
     norm_sq_parts: List[Tensor], reducers: Dict[nn.Parameter, Reducer], step: ClippingStep,
-    params: Sequence[nn.Parameter], sink: Optional[Callable[[nn.Parameter, Tensor], None]] = None,
+    params: Sequence[nn.Parameter], into: ClippedGrads, sink: Optional[Callable[[nn.Parameter, Tensor], Tensor]] = None,
 ) -> Tensor:
-    """Adds grad_scale · Σ_u min(1, C/‖g_u‖)·g_u to each parameter's `.grad` (zeros for `params` that got
-    nothing); returns the `(U,)` float32 pre-clip norms over all parameters jointly.
+    """Adds grad_scale · Σ_u min(1, C/‖g_u‖)·g_u, in the compute dtype, to each parameter's sum in `into` (zeros for
+    `params` that got nothing); returns the `(U,)` float32 pre-clip norms over all parameters jointly.
 
-    With `sink` (sharded parameters), `sink(param, clipped_sum)` takes each parameter's clipped sum instead, for
-    every one of `params` in their order (zeros where nothing reached it), so that every rank calls it alike."""
+    A unit whose loss or norm is not finite (inf or NaN anywhere in its terms) gets weight 0 and adds exactly zero:
+    otherwise one unit's inf would reach every parameter as 0·inf = NaN, an event that exists only with that unit.
+    Its returned norm is inf (it counts as clipped in the released statistics, which bound each unit's share).
+    Decided on the device: no host read.
+
+    With `sink` (sharded parameters), `sink(param, clipped_sum)` reduce-scatters each parameter's clipped sum and
+    returns this rank's rows, for every one of `params` in their order (zeros where nothing reached it), so that
+    every rank calls it alike."""
     units = step.units
     # Every layer's norms combined once, on the device (no per-layer accumulation, no host read).
     norm_sq = _stacked_sum(norm_sq_parts, units.num_units, step.device)
-    norms = norm_sq.clamp_min(0).sqrt()
-    # min(1, C/‖g_u‖)·s; a zero norm gives inf -> s.
-    unit_weights = ((step.max_grad_norm * step.grad_scale) / norms).clamp(max=step.grad_scale)
+    keep = torch.isfinite(norm_sq)
+    if step.finite_units is not None:
+        keep &= step.finite_units
+    norms = torch.where(keep, norm_sq.clamp_min(0).sqrt(), torch.inf)
+    # min(1, C/‖g_u‖)·s; a zero norm gives inf -> s; a non-finite unit 0.
+    unit_weights = torch.where(keep, ((step.max_grad_norm * step.grad_scale) / norms).clamp(max=step.grad_scale), 0)
     unit_weights = unit_weights.to(norm_sq_parts[0].dtype if norm_sq_parts else torch.float32)  # once
     if sink is not None:
         for param in params:
             reducer = reducers.pop(param, None)
-            sink(param, reducer(unit_weights).to(param.dtype) if reducer is not None
-                 else torch.zeros(param.shape, dtype=param.dtype, device=step.device))
+            clipped_sum = reducer(unit_weights) if reducer is not None else torch.zeros(
+                param.shape, dtype=compute_dtype(param.dtype), device=step.device)
+            into.add(param, sink(param, clipped_sum))
         return norms.to(torch.float32)
     for param, reducer in reducers.items():
-        clipped_sum = reducer(unit_weights).to(param.dtype)
-        if param.grad is None:
-            param.grad = clipped_sum
-        else:
-            param.grad.add_(clipped_sum)
-    ensure_grads(params)
+        into.add(param, reducer(unit_weights))
+    into.ensure(params)
     return norms.to(torch.float32)
-
-
-def ensure_grads(params: Sequence[nn.Parameter]) -> None:
-    """Zeros as `.grad` where a parameter has none (no unit reached it), so that the noise the caller adds
-    reaches every trainable parameter."""
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
 
 
 def precision_bits(*tensors: Optional[Tensor]) -> int:

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from .attach import check_gradient_checkpointing, find_layers
 from .attribution import AttributionChecks
 from .capture import ForwardCapture, check_recomputed
-from .clip import ClippingStep, add_clipped_sums, autocast_disabled, ensure_grads, gradient_terms, unit_norms
+from .accumulate import ClippedGrads
+from .clip import ClippingStep, add_clipped_sums, autocast_disabled, gradient_terms, unit_norms
 from .rows import check_rows
 from .terms import STRATEGIES
 from .units import UnitIndex
@@ -111,7 +112,8 @@ class GhostClipper:
 
     def shard(self, sink) -> None:
         """Follow the parameters a sharding wrapper (FSDP2's `fully_shard`) put on the hooked modules in place of
-        the originals, and hand each clipped sum (the shape of the whole parameter) to `sink(param, clipped_sum)`
+        the originals, and hand each clipped sum (the shape of the whole parameter, float32) to
+        `sink(param, clipped_sum)`, which returns this rank's rows of it summed over the ranks (a reduce-scatter)
         instead of adding it to `.grad`. The hooks, the rules and the checks already done are kept."""
         for layer in self._attached.by_module.values():
             for name in layer.params:
@@ -160,6 +162,7 @@ class GhostClipper:
         max_grad_norm: Union[float, Tensor],
         example_ids: Optional[Tensor] = None,
         grad_scale: float = 1.0,
+        into: Optional[ClippedGrads] = None,
     ) -> Tensor:
         """Back-propagates `losses`, clips each unit's gradient, adds the clipped sum to `.grad`.
 
@@ -180,14 +183,20 @@ class GhostClipper:
                 axis (a pooled classifier head, T5's relative bias) cannot be split and are refused.
             grad_scale (`float`, *optional*, defaults to 1): the clipped sum is multiplied by it before it is
                 added to `.grad`, folded into the clip factors (the trainer passes 1 / expected batch size).
+            into ([`~hf_dp.clipping.accumulate.ClippedGrads`], *optional*): where the clipped sums accumulate
+                across backward passes, in float32 whatever the parameters' dtype, until the caller adds the noise
+                and rounds them into `.grad` ([`~hf_dp.clipping.accumulate.ClippedGrads.round_into_grads`]); the DP
+                step passes one per logical batch. Unset: the sums are rounded into `.grad` at the end of this
+                backward (for bf16/fp16 parameters that rounds before any noise: pass `into` for DP training).
 
         Returns:
             `torch.Tensor`: `(U,)` float32 pre-clip L2 norms of the units' gradients over all
             trainable parameters jointly, ordered by sorted unique unit id.
 
-        Afterwards every trainable parameter's `.grad` holds what it held before plus
-        grad_scale · Σ_u min(1, C/‖g_u‖)·g_u (zeros where nothing was there). No noise is added. In the steady
-        state (every layer seen before) nothing here reads a device value back to the host.
+        Afterwards every trainable parameter's `.grad` (or its sum in `into`) holds what it held before plus
+        grad_scale · Σ_u min(1, C/‖g_u‖)·g_u (zeros where nothing was there). A unit whose loss or gradient norm is
+        not finite adds exactly zero, and its returned norm is inf. No noise is added. In the steady state (every
+        layer seen before) nothing here reads a device value back to the host.
         """
         if not isinstance(max_grad_norm, Tensor) and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
@@ -200,7 +209,7 @@ class GhostClipper:
         )
         if losses.shape[0] == 0:
             self.forward_capture.forget()
-            ensure_grads(self._attached.params)
+            (into if into is not None else ClippedGrads()).ensure(self._attached.params)
             return losses.new_zeros(0, dtype=torch.float32)
         if not step.captures:
             raise RuntimeError(
@@ -209,8 +218,12 @@ class GhostClipper:
             )
         check_rows(step.captures, step.batch_size)
         self._backpropagate(losses, step)
+        sums = ClippedGrads() if into is None else into
         with autocast_disabled(losses.device):  # norms and sums in float32 (float64), also under autocast
-            return self._clip(step)
+            norms = self._clip(step, sums)
+        if into is None:
+            sums.round_into_grads()
+        return norms
 
     def _backpropagate(self, losses: Tensor, step: ClippingStep) -> None:
         """One backward pass of Σ_b L_b to the captured outputs (and, on the first step, the parameters whose
@@ -240,11 +253,11 @@ class GhostClipper:
                     ) from error
                 raise
 
-    def _clip(self, step: ClippingStep) -> Tensor:
+    def _clip(self, step: ClippingStep, into: ClippedGrads) -> Tensor:
         """Rules -> per-unit norms -> (first step: coverage check) -> clipped sums in `.grad`; returns the norms."""
         checking = bool(step.coverage_params)
         terms_by_param, bits_by_param = gradient_terms(step, record_precision=checking)
         norm_sq_parts, reducers, scales = unit_norms(terms_by_param, step.units, self.strategy, measure_scales=checking)
         if checking:
             self._checks.verify_coverage(step, reducers, scales, bits_by_param)
-        return add_clipped_sums(norm_sq_parts, reducers, step, self._attached.params, self._sink)
+        return add_clipped_sums(norm_sq_parts, reducers, step, self._attached.params, into, self._sink)

@@ -80,7 +80,8 @@ class ExampleGrad:
 
 GradTerm = Union[OuterGrad, ExampleGrad]
 Reducer = Callable[[Tensor], Tensor]
-"""Maps per-unit clip weights `(U,)` to the clipped gradient sum (parameter-shaped)."""
+"""Maps per-unit clip weights `(U,)` to the clipped gradient sum (parameter-shaped). A unit of weight 0 adds exactly
+zero, whatever its factors hold (inf or NaN included: they never meet another unit's terms in a product)."""
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -250,7 +251,7 @@ def _bookkeeping_sum(term: OuterGrad, units: UnitIndex, unit_weights: Tensor, sh
     cols = term.right.shape[-1]
     if term.indexed:
         weights = units.example_weights(unit_weights).to(dtype)[:, None, None]
-        weighted = (term.right.to(dtype) * weights).reshape(-1, cols)
+        weighted = _weighted(term.right.to(dtype), weights).reshape(-1, cols)
         return torch.zeros(shape, dtype=dtype, device=term.right.device).index_add_(0, term.left.reshape(-1), weighted)
     left, right, weights = units.grouped(term.left), units.grouped(term.right), unit_weights.to(dtype)
     if left is None:
@@ -259,19 +260,29 @@ def _bookkeeping_sum(term: OuterGrad, units: UnitIndex, unit_weights: Tensor, sh
     out = None
     for chunk in _chunks(left.shape[0], left.shape[1] * (rows + cols)):
         left_chunk, right_chunk = left[chunk].to(dtype), right[chunk].to(dtype)
-        if rows <= cols:
-            left_chunk = left_chunk * weights[chunk, None, None]
+        chunk_weights = weights[chunk, None, None]
+        if rows <= cols:  # the smaller factor is weighted, the other only masked
+            left_chunk = _weighted(left_chunk, chunk_weights)
+            right_chunk = _weighted(right_chunk, chunk_weights, apply=False)
         else:
-            right_chunk = right_chunk * weights[chunk, None, None]
+            left_chunk = _weighted(left_chunk, chunk_weights, apply=False)
+            right_chunk = _weighted(right_chunk, chunk_weights)
         product = left_chunk.reshape(-1, rows).t() @ right_chunk.reshape(-1, cols)
         out = product if out is None else out.add_(product)
     return torch.zeros(shape, dtype=dtype, device=term.right.device) if out is None else out
 
 
+def _weighted(factor: Tensor, weights: Tensor, apply: bool = True) -> Tensor:
+    """`factor · weights` (or `factor` alone when not `apply`), with exact zeros where the weight is 0: a non-finite
+    unit's inf or NaN (weight 0) must never meet the other units' terms in a product, where 0·inf = NaN."""
+    return torch.where(weights != 0, factor * weights if apply else factor, 0)
+
+
 def _weighted_unit_sum(unit_grads: Tensor) -> Reducer:
-    def reduce(unit_weights: Tensor) -> Tensor:  # Σ_u w_u G_u as one product
+    def reduce(unit_weights: Tensor) -> Tensor:  # Σ_u w_u G_u as one product, weight-0 units masked out
         flat = unit_grads.reshape(unit_grads.shape[0], -1)
-        return torch.mm(unit_weights.to(unit_grads.dtype)[None], flat).reshape(unit_grads.shape[1:])
+        weights = unit_weights.to(unit_grads.dtype)
+        return torch.mm(weights[None], _weighted(flat, weights[:, None], apply=False)).reshape(unit_grads.shape[1:])
 
     return reduce
 

@@ -2,7 +2,8 @@
 
 Usage: accelerate launch --multi_gpu --num_processes 2 tests/trainer/distributed_train.py OUT.pt [sampling]
 (on a CPU-only machine this runs 2 processes with the gloo backend). `sampling` "uls-adaptive" is ULS with
-adaptive clipping (the count of unclipped units is all-reduced, noised once, and every rank tracks the same C).
+adaptive clipping (the count of unclipped units is all-reduced, noised once, and every rank tracks the same C);
+"uls-bf16" trains a bf16 model (its clipped sums all-reduced and noised in float32, then rounded once).
 """
 
 import sys
@@ -16,13 +17,15 @@ from trainer_fixtures import pad_collator, tiny_bert, user_dataset
 
 def main(out_path: str, sampling: str = "uls") -> None:
     sampling, _, variant = sampling.partition("-")
-    adaptive = dict(adaptive_clipping=True, max_grad_norm=0.05, clipping_count_noise=5.0) if variant else {}
+    adaptive = (dict(adaptive_clipping=True, max_grad_norm=0.05, clipping_count_noise=5.0) if variant == "adaptive"
+                else {})
     args = DPTrainingArguments(
         output_dir=out_path + ".run", max_steps=3, expected_batch_size=8, per_device_train_batch_size=3,
         learning_rate=5e-2, target_epsilon=8.0, noise_seed=4321, sampling=sampling, contribution_bound=3,
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, **adaptive,
     )
-    trainer = DPTrainer(model=tiny_bert(seed=3), args=args, train_dataset=user_dataset(seed=5),
+    model = tiny_bert(seed=3).to(torch.bfloat16 if variant == "bf16" else torch.float32)
+    trainer = DPTrainer(model=model, args=args, train_dataset=user_dataset(seed=5),
                         data_collator=pad_collator)
     trainer.train()
     if trainer.is_world_process_zero():

@@ -86,13 +86,16 @@ class SignalAt(TrainerCallback):
 
 def main(out_path: str, sampling: str = "uls", variant: str = "full", mode: str = "straight") -> None:
     """`variant`: full, lora or checkpointing, `bf16-` in front for bf16 (FSDP2's MixedPrecisionPolicy, or autocast
-    on one plain process). `mode`: "straight" (`FSDP_TRAIN_STEPS` steps, 4 unless set, a checkpoint every 2),
-    "cut" (stops after step 2), "resume" (from the newest checkpoint of the run folder `FSDP_TRAIN_RUN_DIR`),
-    "jit" (`enable_jit_checkpoint`, each rank sent SIGTERM at step 2), "kill" (rank 1 killed at step 3) or "stall"
-    (rank 1 hangs at step 3, `ddp_timeout=10`)."""
+    on one plain process), `bf16weights-` for a model loaded in bf16 (bf16 shards and gradients, no policy).
+    `mode`: "straight" (`FSDP_TRAIN_STEPS` steps, 4 unless set, a checkpoint every 2), "cut" (stops after step 2),
+    "resume" (from the newest checkpoint of the run folder `FSDP_TRAIN_RUN_DIR`), "jit" (`enable_jit_checkpoint`,
+    each rank sent SIGTERM at step 2), "kill" (rank 1 killed at step 3) or "stall" (rank 1 hangs at step 3,
+    `ddp_timeout=10`)."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         fsdp_on_cpu()
     model = tiny_llama(seed=3)
+    if variant.startswith("bf16weights-"):  # the weights themselves in bf16, no mixed precision: float32 sums
+        model, variant = model.to(torch.bfloat16), variant.removeprefix("bf16weights-")
     bf16 = variant.startswith("bf16")
     variant = variant.removeprefix("bf16-")
     if variant == "lora":

@@ -105,6 +105,18 @@ def test_bf16_under_fsdp2_matches_one_rank_and_one_process(tmp_path, sampling, v
 
 
 @pytest.mark.slow
+def test_bf16_weights_sum_in_float32_under_fsdp2_as_in_one_process(tmp_path):
+    """A model loaded in bf16 (no mixed-precision policy): its shards and gradients are bf16, but the clipped sums
+    are reduce-scattered, accumulated and noised in float32 and rounded once, as one plain process does."""
+    single = launch(tmp_path / "one.pt", None, "uls", "bf16weights-full")
+    sharded = launch(tmp_path / "two.pt", 2, "uls", "bf16weights-full")
+    assert sharded["sharded"] == [True] * 4 and sharded["epsilon"] == single["epsilon"]
+    assert all(value.dtype == torch.bfloat16 for value in sharded["state"].values())
+    assert_same_weights(single, sharded, rtol=0, atol=2**-7 * largest_update(single))
+    assert largest_update(single) > 1e-2
+
+
+@pytest.mark.slow
 def test_sharded_checkpoints_resume_exactly_after_a_killed_rank_and_on_another_number_of_ranks(tmp_path):
     straight = launch(tmp_path / "straight.pt", 2, "uls", "full")
     # Rank 1 is killed (SIGKILL) after step 3; checkpoint-2 was saved: model and optimizer shards, ledger once.
