@@ -10,10 +10,14 @@ import math
 import pytest
 import torch
 from torch import nn
+from transformers import DataCollatorWithFlattening
 
 from hf_dp.clipping import GhostClipper
 from hf_dp.clipping.accumulate import ClippedGrads
+from hf_dp.clipping.packing import examples_from_position_ids
 from hf_dp.clipping.units import UnitIndex
+from hf_dp.losses import packed_per_example_loss
+from trainer_fixtures import tiny_llama
 
 C = 0.5
 
@@ -109,3 +113,24 @@ def test_an_fp16_overflow_in_one_unit_adds_exactly_zero():
     for ours, theirs in zip(overflowed, reference):
         assert ours.dtype == torch.float32 and torch.isfinite(ours).all()
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+
+
+def test_a_non_finite_example_of_packed_rows_adds_exactly_zero():
+    """Packed rows (several examples in one row): example 1's loss is inf (its gradient finite); the DP step's sums
+    equal those of the run where example 1's loss is multiplied by 0."""
+    collated = DataCollatorWithFlattening()([{"input_ids": ids} for ids in ([3, 5, 7, 9], [4, 6, 8], [2, 3, 4, 5, 6])])
+    example_ids = examples_from_position_ids(collated["position_ids"])
+
+    def sums(poison):
+        model = tiny_llama(seed=1)
+        clipper = GhostClipper(model)
+        logits = model(**collated, use_cache=False).logits
+        losses = packed_per_example_loss(logits, collated["labels"], example_ids, 3, causal_lm=True)
+        losses = losses + torch.tensor([0, math.inf, 0]) if poison else losses * torch.tensor([1.0, 0, 1])
+        norms = clipper.backward(losses, max_grad_norm=C, example_ids=example_ids)
+        clipper.detach()
+        return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None]), norms
+
+    (poisoned, norms), (reference, _) = sums(poison=True), sums(poison=False)
+    assert torch.isfinite(poisoned).all() and math.isinf(norms[1]) and torch.isfinite(norms[[0, 2]]).all()
+    torch.testing.assert_close(poisoned, reference, rtol=1e-6, atol=1e-9)
