@@ -157,7 +157,7 @@ class PlanRunArguments:
     steps: int | None = field(default=None,
                               metadata={"help": "optimizer steps. Default: one expected pass over the examples"})
     target_epsilon: float | None = field(
-        default=8.0, metadata={"help": "target ε the plan calibrates σ to (None is refused: give a target). Default: 8"})
+        default=8.0, metadata={"help": "target ε the plan calibrates σ to (None is refused: give one). Default: 8"})
     target_delta: float | None = field(
         default=None,
         metadata={"help": "δ, below 1/users. Default: 1/(10·users) for the user-level rows and 1/(10·examples) for "

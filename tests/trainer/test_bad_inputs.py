@@ -63,8 +63,8 @@ BAD_TRAINER_VALUES = [
     ({"privacy_unit": "example", "contribution_bound": 1}, "contribution_bound=1 with privacy_unit='example'"),
     ({"sampling": "els", "contribution_bound": None}, "contribution_bound=None with sampling='els'"),
     ({"max_steps": 0, "num_train_epochs": 0}, "nothing to train"),
-    ({"sampling": "els", "contribution_bound": 300}, "contribution_bound=300 with sampling='els': .* tested up to G = 256; "
-     "set contribution_bound <= 256"),
+    ({"sampling": "els", "contribution_bound": 300},
+     "contribution_bound=300 with sampling='els': .* tested up to G = 256; set contribution_bound <= 256"),
 ]
 
 
