@@ -12,6 +12,7 @@ from functools import cached_property
 
 from transformers import TrainingArguments
 
+from .accounting.checks import MAX_GROUP_SIZE
 from .vocabulary import PRIVACY_UNITS, SAMPLING_SCHEMES, mechanism_of
 
 
@@ -161,7 +162,9 @@ class DPTrainingArguments(TrainingArguments):
     target_epsilon: float | None = field(
         default=8.0,
         metadata={"help": "Privacy budget ε for the whole run; σ is calibrated to it when --noise_multiplier is "
-                          "unset."},
+                          "unset. None with --noise_multiplier: train the planned steps at that σ and report the ε "
+                          "spent (hf_dp's parsers read 'None'; transformers' HfArgumentParser does not, use "
+                          "hf_dp.parser.ArgumentParser)."},
     )
     target_delta: float | None = field(
         default=None,
@@ -409,6 +412,13 @@ class DPTrainingArguments(TrainingArguments):
             problems.append(f"contribution_bound=None with sampling={self.sampling!r}: {mechanism.presentation.name} "
                             "accounts users through the bound G; set contribution_bound to an integer or 'auto'.")
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
+        if mechanism is not None and mechanism.requires_contribution_bound and \
+                isinstance(self.contribution_bound, int) and self.contribution_bound > MAX_GROUP_SIZE:
+            problems.append(f"contribution_bound={self.contribution_bound} with sampling={self.sampling!r}: "
+                            f"{mechanism.presentation.name} accounts each user as a group of G examples, and its "
+                            f"accountant is tested up to G = {MAX_GROUP_SIZE}; set contribution_bound <= "
+                            f"{MAX_GROUP_SIZE} (or 'auto'), or use sampling='uls', which clips each user's mean "
+                            "over any G.")
         if self.redraw_rows and mechanism is not None and not mechanism.rows_may_be_redrawn:
             problems.append(f"redraw_rows=True with {mechanism.presentation.name}: its accounting holds for rows "
                             "fixed before training; use sampling='uls' (privacy_unit='user'), or redraw_rows=False.")

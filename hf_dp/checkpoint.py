@@ -133,6 +133,7 @@ def read_checkpoint(checkpoint: str) -> SavedRun:
                          "(torch.distributed.checkpoint writes it last, once every rank's shards are written: a rank "
                          "stopped during the save); resume from an earlier checkpoint, or pass True for the newest "
                          "complete one.")
+    check_weight_files(checkpoint)
     ledger, resume = read_json(ledger_path, "the privacy ledger"), read_json(resume_path, "the resume state")
     if not isinstance(resume, dict) or not isinstance(resume.get("config"), dict) \
             or not isinstance(resume.get("digest"), str) or not isinstance(ledger, dict) \
@@ -173,6 +174,23 @@ def stopped_rank_note(args) -> str:
     return (f"rank {args.process_index} of {args.world_size} stopped training on the error below: if it is a "
             f"collective's (timed out after ddp_timeout={args.ddp_timeout} s, or a closed connection), another rank "
             f"stopped or stalled first (the launcher's log names it); {resume}.")
+
+
+def check_weight_files(checkpoint: str) -> None:
+    """Refuse a checkpoint whose safetensors weights are cut short (a save interrupted mid-file): each file's header
+    must read and its tensors cover the file, checked from the header alone (nothing is loaded)."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(checkpoint)):
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            with safe_open(os.path.join(checkpoint, name), framework="pt"):
+                pass
+        except Exception as error:  # safetensors' own error type, or an OSError
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(f"{checkpoint} is incomplete: its weights {name} are truncated or corrupt ({reason}); "
+                             "resume from an earlier checkpoint, or pass True for the newest complete one.") from None
 
 
 def newest_complete_checkpoint(output_dir: str) -> tuple[str, list[str]]:

@@ -156,17 +156,19 @@ class PlanRunArguments:
                           "examples' worth of users). Default: 64"})
     steps: int | None = field(default=None,
                               metadata={"help": "optimizer steps. Default: one expected pass over the examples"})
-    target_epsilon: float = field(default=8.0, metadata={"help": "target ε. Default: 8"})
+    target_epsilon: float | None = field(
+        default=8.0, metadata={"help": "target ε the plan calibrates σ to (None is refused: give one). Default: 8"})
     target_delta: float | None = field(
         default=None,
         metadata={"help": "δ, below 1/users. Default: 1/(10·users) for the user-level rows and 1/(10·examples) for "
                           "the example-level row (the defaults of DPTrainingArguments)"})
     noise_multiplier: float | None = field(
         default=None, metadata={"help": "also report the ε each mechanism spends at this fixed σ"})
-    contribution_bound: int | None = field(
+    contribution_bound: int | str | None = field(
         default=None,
-        metadata={"help": "G, the most examples kept per user, for ULS and ELS. Default: the median examples per "
-                          "user for ELS, the noise-prediction heuristic (Charles et al. 2024) for ULS"})
+        metadata={"help": "G, the most examples kept per user, for ULS and ELS: a whole number, or auto (the "
+                          "default): the median examples per user for ELS, the noise-prediction heuristic (Charles "
+                          "et al. 2024) for ULS, as DPTrainer's contribution_bound='auto' chooses"})
     adaptive_clipping: bool = field(
         default=False,
         metadata={"help": "plan for private adaptive clipping (Andrew et al. 2021): σ is then the gradient noise "
@@ -182,9 +184,27 @@ class PlanRunArguments:
                           "sampler's finite support adds to δ. Default: 1e11, above any model fine-tuned today"})
 
     def __post_init__(self):
+        if self.target_epsilon is None:
+            raise ValueError("--target_epsilon None: hf-dp plan calibrates σ to a target ε; --noise_multiplier adds "
+                             "the ε each mechanism spends at that fixed σ beside it; give a target (default 8).")
+        self.contribution_bound = _plan_contribution_bound(self.contribution_bound)
         check_numbers(self, {"examples_per_step": "float>0", "steps": "int>=1", "target_epsilon": "float>0",
                              "target_delta": "(0,1)", "noise_multiplier": "float>0", "contribution_bound": "int>=1",
                              "clipping_count_noise": "float>0", "trainable_parameters": "int>=1"})
+
+
+def _plan_contribution_bound(value):
+    """`--contribution_bound` as the planner takes it: None for `auto` (the default choice), else a whole number."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if text.lower() == "auto":
+        return None
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"--contribution_bound {value!r}: use a whole number >= 1 (G, the most examples kept per "
+                     "user), or auto (the default: the median examples per user for ELS, the noise-prediction "
+                     "heuristic for ULS).")
 
 
 def _read_examples_per_user(path: str, column: str) -> list[int]:

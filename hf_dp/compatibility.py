@@ -17,6 +17,7 @@ import transformers
 from accelerate.utils import send_to_device
 from transformers import DataCollatorWithFlattening, Trainer
 
+from .clipping import UnsupportedLayerError
 from .data import user_id_kinds, user_keys
 from .losses import LOSS_FUNC_PACKED, is_causal_lm, packed_example_ids, per_example_loss
 
@@ -172,12 +173,17 @@ def verify_clipping(model, clipper, features: dict, *, loss_func, dataset, causa
     discarded and nothing is released."""
     inputs = {k: v for k, v in features.items() if k != "labels"}
     labels = features.get("labels")
+    if not any(param.requires_grad for param in model.parameters()):
+        raise ValueError("Every parameter of the model is frozen (requires_grad=False): there is nothing to train; "
+                         "unfreeze the layers to fine-tune (param.requires_grad_(True)), or add trainable adapters "
+                         "(peft's get_peft_model, or peft_config).")
     if labels is None:  # the first step says what is missing
         return
     was_training = model.training
     model.train()
     try:
         outputs = model(**inputs)
+        check_outputs(outputs, model, loss_func)
         logits = getattr(outputs, "logits", None)
         if torch.is_tensor(logits) and logits.dim() == 2 and logits.shape[-1] > 1 and labels.dim() == 1:
             if labels.is_floating_point():
@@ -191,9 +197,34 @@ def verify_clipping(model, clipper, features: dict, *, loss_func, dataset, causa
         else:
             losses = per_example_loss(outputs.logits, labels, causal_lm=causal_lm)
         clipper.backward(losses, max_grad_norm=1.0)
+    except UnsupportedLayerError as error:
+        if half_precision_on_cpu(model):
+            raise UnsupportedLayerError(f"{FP16_ON_CPU} (What the clipping check saw: {' '.join(str(error).split())})"
+                                        ) from error
+        raise
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+
+
+FP16_ON_CPU = ("The model is in float16 on the CPU, where one example's float16 rounding depends on the other rows of "
+               "its batch, so the per-example check sees the batch mixed: train in float32 on the CPU (model.float(), "
+               "or bfloat16), or in float16 on a GPU.")
+
+
+def half_precision_on_cpu(model) -> bool:
+    """Some trainable parameter is float16 on the CPU."""
+    return any(param.requires_grad and param.dtype == torch.float16 and param.device.type == "cpu"
+               for param in model.parameters())
+
+
+def check_outputs(outputs, model, loss_func) -> None:
+    """Refuse a forward that returns no `.logits` (a bare tensor, a tuple) when DP training's own loss reads them."""
+    if loss_func is None and not torch.is_tensor(getattr(outputs, "logits", None)):
+        raise ValueError(f"{type(model).__name__}'s forward returned {type(outputs).__name__}, with no logits: DP "
+                         "training reads outputs.logits for its per-example loss; return a ModelOutput (e.g. "
+                         "transformers' SequenceClassifierOutput(logits=...) or CausalLMOutput(logits=...)), or pass "
+                         "compute_loss_func=f that reads your outputs and returns one loss per example.")
 
 
 def check_eval_users(eval_dataset, train_dataset, user_id_column: str) -> None:
@@ -241,6 +272,15 @@ def check_model_state(model) -> None:
     if isinstance(config, dict) and any(getattr(c, "is_prompt_learning", False) for c in config.values()):
         raise ValueError("peft prompt learning (prompt / prefix / p-tuning): its virtual tokens are shared parameters "
                          "the per-unit clipping has no rule for; use LoRA (peft.LoraConfig) or full fine-tuning.")
+    batch_norms = [(name, module) for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+                   or isinstance(module, torch.nn.modules.instancenorm._InstanceNorm) and module.track_running_stats]
+    if batch_norms:
+        name, module = batch_norms[0]
+        raise ValueError(f"Module {name!r} ({type(module).__name__}) uses batch statistics in train mode, so one "
+                         "example changes every other example's output and the per-unit clip no longer bounds a "
+                         "user's influence: replace it with LayerNorm (trainable or frozen) or a frozen GroupNorm "
+                         "(per-example too, but with no clipping rule while trainable) before DP training.")
     meta = [name for name, param in model.named_parameters() if param.is_meta]
     if meta:
         raise ValueError(f"{len(meta)} parameter(s) are on the 'meta' device (e.g. {meta[0]}): the model was never "

@@ -62,6 +62,12 @@ _HOW_TO_CARD = (
     "train with hf_dp.DPTrainer (it writes the card at the end of train()), call trainer.write_privacy_card(dir), "
     "or hf_dp.card.write_privacy_card(report, dir, ledger=trainer.privacy_ledger(), base_model=...)"
 )
+# allow_non_private publishes a card that says "no DP", never a model without a card (e.g. Trainer's own).
+_HOW_TO_NON_PRIVATE_CARD = (
+    "--allow_non_private publishes a card that states the model has no DP guarantee, not a model without one (e.g. a "
+    "plain Trainer's); write it first: hf_dp.card.write_privacy_card({'non_private': True}, dir, "
+    "base_model=<Hub id>) (what the recipes' --non_private runs write)."
+)
 # Relative slack for ε recomputed from the ledger (floating point), never for rounding down.
 _EPSILON_RTOL = 1e-6
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -122,8 +128,9 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
     from huggingface_hub.repocard import metadata_load
 
     readme = Path(model_dir) / "README.md"
+    how_to = _HOW_TO_NON_PRIVATE_CARD if allow_non_private else f"To make one, {_HOW_TO_CARD}."
     if not readme.is_file():
-        raise PrivacyCardError(f"{readme} does not exist: no privacy card to publish. To make one, {_HOW_TO_CARD}.")
+        raise PrivacyCardError(f"{readme} does not exist: no privacy card to publish. {how_to}")
     try:
         card = ModelCard.load(readme)
         metadata = metadata_load(readme)
@@ -135,7 +142,7 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
     privacy = (metadata or {}).get("privacy")
     if not isinstance(privacy, Mapping):
         raise PrivacyCardError(
-            f"{readme} is not a privacy card: its front matter has no 'privacy:' block. To make one, {_HOW_TO_CARD}."
+            f"{readme} is not a privacy card: its front matter has no 'privacy:' block. {how_to}"
         )
     _check_base_model(readme, metadata, card.text)
     if privacy.get("non_private"):

@@ -335,6 +335,11 @@ def prepare_rows(dataset, args: DPSFTConfig, formatting_func, name: str):
                         not any(m.get("role") == "assistant" for m in row["messages"]):
                     no_reply.append(index)
             index += 1
+    if no_reply and len(no_reply) == len(dataset):
+        raise ValueError(f"No conversation of {name} has an assistant turn (e.g. row {no_reply[0]}: "
+                         f"{[m.get('role') for m in dataset[no_reply[0]]['messages']]}): under assistant_only_loss "
+                         "there is nothing to learn; give the conversations their assistant replies, or set "
+                         "assistant_only_loss=False to train on every token.")
     if no_reply:
         logger.warning("Dropping %d of the %d conversations of %s: no assistant turn, so nothing to learn under "
                        "assistant_only_loss.", len(no_reply), len(dataset), name)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from . import checkpoint, compatibility, contribution, sharding
+from . import checkpoint, compatibility, contribution, preflight, sharding
 from .arguments import DPTrainingArguments
 from .batch_independence import check_batch_independence
 from .batching import LogicalBatches, identity, poisson_capacity
@@ -75,6 +75,7 @@ class DPTrainerMixin(PrivacyReporting):
         if train_dataset is None:
             raise ValueError("DP training needs a train_dataset with a user column to account privacy.")
         check_user_column(train_dataset, args.user_id_column)
+        privacy_card_kwargs = preflight.check_given(type(self), DPTrainerMixin, args, model, privacy_card_kwargs)
         if isinstance(model, torch.nn.Module):
             compatibility.check_model_state(model)  # before Trainer moves it
         # What the user asked for, before the plan sets them: a resumed run replans from these.
@@ -88,6 +89,7 @@ class DPTrainerMixin(PrivacyReporting):
         self._partition_users(self._data_secret)
         compatibility.check_model_state(self.model)
         compatibility.check_labels(self.partition.dataset, base_model(self.model))
+        preflight.check_input_ids(self.partition.dataset, self.model)
         sharding.check_supported(self)  # FSDP2 trains sharded; DeepSpeed and FSDP1 are refused
         self._sharded_clipping = False  # the clipper follows FSDP2's sharded parameters from the first step
         self._causal_lm = is_causal_lm(self.model)
@@ -101,7 +103,7 @@ class DPTrainerMixin(PrivacyReporting):
         self.clipper = GhostClipper(self.model)
         compatibility.verify_clipping(self.model, self.clipper, self._probe, loss_func=self.compute_loss_func,
                                       dataset=self.partition.dataset, causal_lm=self._causal_lm)
-        self.privacy_card_kwargs = dict(privacy_card_kwargs or {})
+        self.privacy_card_kwargs = privacy_card_kwargs
         self._seed = self._shared_seed()
         self._state_before_step = None  # (ledger, tracker) before the last step's releases, see save_privacy_state
         self.budget = None

@@ -1,5 +1,6 @@
 """`hf-dp plan`: the table, data files, and one-line errors with exit status 2."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,24 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     assert len(err.strip().splitlines()) == 1
     assert "Traceback" not in err and "Cannot compute epsilon" not in err + captured.out
     assert captured.out == ""  # no plan printed
+
+
+def test_plan_takes_the_librarys_own_auto_bound(capsys):
+    assert cli.main(["plan", "--users", "100", "--examples_per_user", "3", "--contribution_bound", "auto"]) == 0
+    auto = capsys.readouterr().out
+    assert cli.main(["plan", "--users", "100", "--examples_per_user", "3"]) == 0
+    assert auto == capsys.readouterr().out  # auto is the default choice of G
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--contribution_bound", "many"], "--contribution_bound 'many': use a whole number >= 1 .* or auto"),
+    (["--target_epsilon", "None", "--noise_multiplier", "1.0"],
+     "--target_epsilon None: hf-dp plan calibrates σ to a target ε; --noise_multiplier adds"),
+])
+def test_plan_flags_the_trainer_takes_differently_are_explained_in_one_line(capsys, flags, words):
+    assert _exit_code(["plan", "--users", "100", "--examples_per_user", "3", *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(words, err) and len(err.strip().splitlines()) == 1, err
 
 
 def test_one_user_in_a_data_file_is_refused(tmp_path, capsys):

@@ -160,6 +160,15 @@ def test_card_checks(model_dir, tmp_path):
     with pytest.raises(PrivacyCardError, match="WITHOUT differential privacy"):
         check_privacy_card(nonprivate)
     assert check_privacy_card(nonprivate, allow_non_private=True)["non_private"] is True
+    # A plain Trainer's folder (its own card, or none): allow_non_private says what it publishes and how to get it.
+    trainer_card = tmp_path / "trainer-card"
+    trainer_card.mkdir()
+    (trainer_card / "README.md").write_text("---\nlicense: apache-2.0\ntags:\n- generated_from_trainer\n---\n# out\n")
+    for plain in (tmp_path / "no-card", trainer_card):
+        plain.mkdir(exist_ok=True)
+        with pytest.raises(PrivacyCardError, match=r"allow_non_private publishes a card that states the model has no "
+                                                   r"DP guarantee.*write_privacy_card\(\{'non_private': True\}"):
+            check_privacy_card(plain, allow_non_private=True)
 
 
 def _edit_front_matter(model_dir, line: str, replacement: str) -> None:

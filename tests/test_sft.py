@@ -244,6 +244,16 @@ def test_conversations_without_an_assistant_turn_are_dropped_under_assistant_onl
     assert sft.partition.num_examples == len(data) - 1 and "Dropping 1 of the 24 conversations" in caplog.text
 
 
+def test_conversations_none_of_which_has_an_assistant_turn_are_refused_in_one_line(tmp_path):
+    """Every row dropped under assistant_only_loss: one line naming why, not TRL's StopIteration on no rows."""
+    system_only = Dataset.from_dict({"messages": [[{"role": "system", "content": "w1 w2"}]] * 24,
+                                     "user_id": [f"u{i // 2}" for i in range(24)]})
+    with pytest.raises(ValueError, match=r"No conversation of train_dataset has an assistant turn \(e.g. row 0: "
+                                         r"\['system'\]\).*set assistant_only_loss=False") as error:
+        trainer(tmp_path, dataset=system_only, expected_batch_size=4)
+    assert "\n" not in str(error.value)
+
+
 def test_assistant_only_loss_without_generation_marks_is_refused_up_front(tmp_path):
     tokenizer = chat_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"

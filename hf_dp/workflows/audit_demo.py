@@ -157,6 +157,7 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 2.0, canaries
         training["target_delta"] = target_delta
     if noise_seed is not None:
         training["noise_seed"] = noise_seed
+    check_canary_count(canaries, training)
     audit = dict(canaries=canaries, rows_per_canary=rows_per_canary, confidence=confidence, seed=canary_seed,
                  score=score, progress=progress)
     run_audit = {"sft": _audit_sft, "classification": _audit_classification}[task]  # TASKS, checked above
@@ -474,6 +475,20 @@ class AuditArguments:
             raise ValueError(f"--score {self.score!r}: use {', '.join(SCORE_CHOICES)}.")
         if self.sabotage is not None and self.sabotage not in SABOTAGES:
             raise ValueError(f"--sabotage {self.sabotage!r}: use {', '.join(SABOTAGES)} (to test the audit only).")
+
+
+def check_canary_count(canaries: int, training: dict) -> None:
+    """Refuse more canaries than the audited run can train on, before anything is built: T steps of B users each
+    draw about B·T users in all, so beyond 2·B·T canaries (half of them included by their coins) most included
+    canaries are never in a batch and add nothing to the audit but time."""
+    batch, steps = training.get("expected_batch_size"), training.get("max_steps")
+    if not (isinstance(batch, (int, float)) and isinstance(steps, int)) or steps <= 0:
+        return
+    most = int(2 * batch * steps)
+    if canaries > most:
+        raise ValueError(f"--canaries {canaries:,}: the audited run samples {batch:g} users a step for {steps:,} steps "
+                         f"(about {batch * steps:,.0f} draws in all), so at most {most:,} canaries (half of them "
+                         "included) can each be trained on; use at most that, or raise --max_steps.")
 
 
 # What each task imports beyond the core (the `demo` extra): LoRA, and the MiniLM package or TRL and gguf (SmolLM2).

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
-from trainer_fixtures import make_args, make_trainer, pad_collator, tiny_bert, tiny_llama, user_dataset
+from torch import nn
+from trainer_fixtures import (
+    VOCAB,
+    PooledClassifier,
+    frozen,
+    make_args,
+    make_trainer,
+    one_line,
+    pad_collator,
+    tiny_bert,
+    tiny_llama,
+    user_dataset,
+)
 from transformers import TrainingArguments
 
 from hf_dp import DPTrainer, DPTrainingArguments
@@ -50,6 +63,8 @@ BAD_TRAINER_VALUES = [
     ({"privacy_unit": "example", "contribution_bound": 1}, "contribution_bound=1 with privacy_unit='example'"),
     ({"sampling": "els", "contribution_bound": None}, "contribution_bound=None with sampling='els'"),
     ({"max_steps": 0, "num_train_epochs": 0}, "nothing to train"),
+    ({"sampling": "els", "contribution_bound": 300},
+     "contribution_bound=300 with sampling='els': .* tested up to G = 256; set contribution_bound <= 256"),
 ]
 
 
@@ -193,3 +208,135 @@ def test_tuple_outputs_are_refused(tmp_path):
     model.config.return_dict = False
     with pytest.raises(ValueError, match="return_dict=False"):
         make_trainer(tmp_path, model=model)
+
+
+class BareTensorForward(PooledClassifier):
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return super().forward(input_ids, attention_mask).logits
+
+
+class TupleForward(PooledClassifier):
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return (super().forward(input_ids, attention_mask).logits,)
+
+
+@pytest.mark.parametrize("model_class, returned", [(BareTensorForward, "Tensor"), (TupleForward, "tuple")])
+def test_a_forward_without_logits_is_refused_in_one_line(tmp_path, model_class, returned):
+    with pytest.raises(ValueError, match=f"forward returned {returned}, with no logits: .* return a ModelOutput") as e:
+        make_trainer(tmp_path, model=model_class(nn.Identity()))
+    one_line(e)
+
+
+def test_a_fully_frozen_model_is_refused_as_nothing_to_train(tmp_path):
+    with pytest.raises(ValueError, match="Every parameter of the model is frozen .* nothing to train") as error:
+        make_trainer(tmp_path, model=frozen(tiny_bert()))
+    one_line(error)
+
+
+def test_float16_on_the_cpu_is_named_as_the_cause(tmp_path):
+    """tiny_bert in float16 on the CPU fails the per-example check; the refusal says fp16 on the CPU, not mixing."""
+    from hf_dp import UnsupportedLayerError
+
+    with pytest.raises(UnsupportedLayerError, match="^The model is in float16 on the CPU.* train in float32") as error:
+        make_trainer(tmp_path, model=tiny_bert().half())
+    one_line(error)
+
+
+def test_the_batch_norm_refusal_advises_what_trains(tmp_path):
+    """GroupNorm is refused while trainable (no clipping rule), so the advice is LayerNorm or a frozen GroupNorm,
+    and that advice trains."""
+    with pytest.raises(ValueError, match="replace it with LayerNorm \\(trainable or frozen\\) or a frozen GroupNorm"):
+        make_trainer(tmp_path, model=PooledClassifier(nn.BatchNorm1d(8)))
+    make_trainer(tmp_path, model=PooledClassifier(nn.LayerNorm(8)))
+    make_trainer(tmp_path, model=PooledClassifier(frozen(nn.GroupNorm(2, 8))))
+
+
+# ---- the token ids, read from the Arrow column before step 1 ------------------------------------------------------
+
+
+def test_empty_input_ids_are_refused_before_the_probe(tmp_path):
+    data = user_dataset().map(lambda row: {"input_ids": []})
+    with pytest.raises(ValueError, match="input_ids is empty in every row of the training data") as error:
+        make_trainer(tmp_path, dataset=data)
+    one_line(error)
+
+
+def test_a_token_id_beyond_the_vocabulary_is_refused_before_step_1(tmp_path):
+    """One id = VOCAB in the last row: an IndexError at whichever step samples it, refused at construction."""
+    last = len(user_dataset()) - 1
+    data = user_dataset().map(lambda row, i: {"input_ids": row["input_ids"] + [VOCAB] * (i == last)},
+                              with_indices=True)
+    with pytest.raises(ValueError, match=f"token id {VOCAB}, beyond the model's vocabulary of {VOCAB} embeddings "
+                                         ".*resize_token_embeddings") as error:
+        make_trainer(tmp_path, dataset=data)
+    one_line(error)
+    negative = user_dataset().map(lambda row, i: {"input_ids": [-1] * (i == last) + row["input_ids"]},
+                                  with_indices=True)
+    with pytest.raises(ValueError, match="negative token id"):
+        make_trainer(tmp_path, dataset=negative)
+    make_trainer(tmp_path, dataset=user_dataset().map(lambda row: {"input_ids": row["input_ids"] + [VOCAB - 1]}))
+
+
+# ---- the trainer's own inputs: the class, output_dir, the user column, the card -----------------------------------
+
+
+@pytest.mark.parametrize("column", ["labels", "input_ids"])
+def test_a_user_column_the_model_reads_is_named_not_the_collator(tmp_path, column):
+    with pytest.raises(ValueError, match=f"user_id_column='{column}' names a column the model reads") as error:
+        make_trainer(tmp_path, user_id_column=column)
+    assert "collator" not in one_line(error)
+
+
+def test_unknown_privacy_card_kwargs_are_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="privacy_card_kwargs has no field 'datset_name' \\(did you mean "
+                                         "'dataset_name'\\?\\)") as error:
+        DPTrainer(model=tiny_bert(), args=make_args(tmp_path), train_dataset=user_dataset(),
+                  data_collator=pad_collator, privacy_card_kwargs={"datset_name": "tickets"})
+    one_line(error)
+    trainer = DPTrainer(model=tiny_bert(), args=make_args(tmp_path), train_dataset=user_dataset(),
+                        data_collator=pad_collator, privacy_card_kwargs={"dataset_name": "tickets"})
+    assert trainer.privacy_card_kwargs == {"dataset_name": "tickets"}
+
+
+class TimedStep(DPTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen = type(inputs).__name__
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class PlainStep(DPTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return torch.zeros(())  # never hands the batch to the DP step
+
+
+def test_a_training_step_override_must_hand_the_batch_to_the_dp_step(tmp_path):
+    with pytest.raises(ValueError, match="PlainStep overrides training_step without calling super\\(\\).training_step"
+                                         ".* receives a LogicalBatch") as error:
+        PlainStep(model=tiny_bert(), args=make_args(tmp_path), train_dataset=user_dataset(), data_collator=pad_collator)
+    one_line(error)
+    trainer = TimedStep(model=tiny_bert(), args=make_args(tmp_path, max_steps=1), train_dataset=user_dataset(),
+                        data_collator=pad_collator)
+    trainer.train()
+    assert trainer.seen == "LogicalBatch" and trainer.budget.steps == 1
+
+
+def _unwritable(tmp_path) -> str:
+    """A folder nothing can be created in: a read-only one, or (root ignores modes) one under /proc."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        return str(folder / "out")
+    return "/proc/hf_dp_out"
+
+
+@pytest.mark.parametrize("kind", ["file", "unwritable"])
+def test_an_output_dir_that_cannot_hold_the_run_is_refused_before_trainer_makes_it(tmp_path, kind):
+    if kind == "file":
+        (tmp_path / "taken").write_text("x")
+        output_dir, words = str(tmp_path / "taken"), "is a file, not a folder"
+    else:
+        output_dir, words = _unwritable(tmp_path), "nothing can be written in"
+    with pytest.raises(ValueError, match=f"output_dir=.*{words}.*choose a.* --output_dir") as error:
+        make_trainer(tmp_path, output_dir=output_dir)
+    one_line(error)

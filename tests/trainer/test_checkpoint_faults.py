@@ -54,7 +54,8 @@ def test_resume_true_skips_an_incomplete_newest_checkpoint_and_says_so(tmp_path,
     (lambda folder: (folder / "trainer_state.json").unlink(), "it has no trainer_state.json"),
     (lambda folder: (folder / "checkpoint-is-incomplete.txt").write_text("x"), "is incomplete .Trainer's"),
     (lambda folder: shutil.rmtree(folder), "does not exist"),
-], ids=["no-ledger", "no-trainer-state", "jit-marker", "missing-folder"])
+    (lambda folder: _truncate(folder / "model.safetensors"), "its weights model.safetensors are truncated or corrupt"),
+], ids=["no-ledger", "no-trainer-state", "jit-marker", "missing-folder", "truncated-weights"])
 def test_an_explicit_incomplete_checkpoint_is_named_as_such(tmp_path, saved, damage, message):
     out = tmp_path / "out"
     shutil.copytree(saved, out)
@@ -63,6 +64,23 @@ def test_an_explicit_incomplete_checkpoint_is_named_as_such(tmp_path, saved, dam
     with pytest.raises(ValueError, match=message) as error:
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
     assert "\n" not in str(error.value) and trainer.accountant.steps == 0
+
+
+def _truncate(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a save killed mid-file: the header promises more than is there
+
+
+def test_resume_true_skips_a_checkpoint_with_truncated_weights(tmp_path, saved, straight, caplog):
+    out = tmp_path / "out"
+    shutil.copytree(saved, out)
+    _truncate(out / "checkpoint-4" / "model.safetensors")
+    resumed = make_trainer(tmp_path, model=tiny_bert(seed=99), max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="hf_dp.trainer"):
+        resumed.train(resume_from_checkpoint=True)
+    assert "checkpoint-4: " in caplog.text and "model.safetensors are truncated" in caplog.text
+    assert "checkpoint-2" in caplog.text and resumed.accountant.steps == 4
+    _same_weights(straight, resumed)
 
 
 def test_no_complete_checkpoint_lists_each_reason(tmp_path, saved):

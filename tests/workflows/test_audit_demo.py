@@ -158,6 +158,7 @@ def test_quick_audit_writes_audit_json_card_section_and_a_private_record(tmp_pat
     (dict(canaries=1), "--canaries 1: use a whole number >= 2"),
     (dict(rows_per_canary=9), "--rows_per_canary 9: the audited run keeps at most G = 8 rows per user"),
     (dict(target_epsilon=float("nan")), "--target_epsilon nan: use a finite number > 0"),
+    (dict(canaries=100_000_000), "--canaries 100,000,000: the audited run samples 32 users a step for 100 steps"),
 ])
 def test_run_audit_refuses_bad_numbers_before_loading_anything(tmp_path, monkeypatch, kwargs, match):
     import hf_dp.workflows.tasks.classification as classification
