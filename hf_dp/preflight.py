@@ -96,6 +96,15 @@ def check_user_column_not_read_by_model(user_id_column: str, model) -> None:
                          "(e.g. 'user_id') and set user_id_column to it.")
 
 
+def check_mixed_precision(accelerator) -> None:
+    """fp16 reached through accelerate (`mixed_precision: fp16` in an `accelerate launch` config, or
+    `ACCELERATE_MIXED_PRECISION=fp16`) rather than `fp16=True`, which the arguments refuse: the same refusal."""
+    if str(getattr(accelerator, "mixed_precision", "no")) == "fp16":
+        raise ValueError("mixed_precision is fp16 (from the accelerate config or ACCELERATE_MIXED_PRECISION): fp16 "
+                         "training scales the loss (GradScaler), which the per-unit clipping and noise do not go "
+                         "through; set mixed_precision: bf16 (or no) in the accelerate config, or pass --bf16.")
+
+
 def check_input_ids(dataset, model) -> None:
     """Refuse training rows with no token, and token ids outside the model's input embedding (an `IndexError` at
     some later step otherwise). Reads the `input_ids` column through Arrow: the lengths and the extreme ids only."""

@@ -90,6 +90,7 @@ class DPTrainerMixin(PrivacyReporting):
         compatibility.check_model_state(self.model)
         compatibility.check_labels(self.partition.dataset, base_model(self.model))
         preflight.check_input_ids(self.partition.dataset, self.model)
+        preflight.check_mixed_precision(self.accelerator)
         sharding.check_supported(self)  # FSDP2 trains sharded; DeepSpeed and FSDP1 are refused
         self._sharded_clipping = False  # the clipper follows FSDP2's sharded parameters from the first step
         self._causal_lm = is_causal_lm(self.model)

@@ -11,6 +11,7 @@ and the fix, status 2.
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -95,10 +96,19 @@ def run_recipe(parser: ArgumentParser, main: Callable, argv=None) -> int:
     """A recipe's `__main__`: parse, run `main(script_args, training_args)`, end the processes; the exit status.
 
     Bad flags, bad data and other `ValueError` / `OSError` refusals print one line (`<script>: error: ...`) and
-    return 2, before anything is trained.
+    return 2, before anything is trained; so does a `RuntimeError` raised inside accelerate (a configuration it
+    cannot run on this machine, e.g. FSDP1's `sync_module_states` on a CPU).
     """
     def run(script_args, training_args) -> int:
-        main(script_args, training_args)
+        try:
+            main(script_args, training_args)
+        except RuntimeError as error:  # accelerate refusing its own configuration: one line, not a traceback
+            frames = traceback.extract_tb(error.__traceback__)
+            if not frames or "accelerate" not in Path(frames[-1].filename).parts:
+                raise
+            raise ValueError(f"the accelerate configuration cannot run here: {error} Check the --config_file given "
+                             "to accelerate launch (recipes/configs/ holds working ones: cpu.yaml, gpu.yaml, "
+                             "multi_gpu.yaml, fsdp.yaml).") from error
         finish_processes()
         return 0
 

@@ -340,3 +340,15 @@ def test_an_output_dir_that_cannot_hold_the_run_is_refused_before_trainer_makes_
     with pytest.raises(ValueError, match=f"output_dir=.*{words}.*choose a.* --output_dir") as error:
         make_trainer(tmp_path, output_dir=output_dir)
     one_line(error)
+
+
+def test_fp16_from_the_accelerate_config_is_refused_as_fp16_true_is():
+    """`mixed_precision: fp16` in an `accelerate launch` config reaches the trainer's accelerator, not `args.fp16`."""
+    from types import SimpleNamespace
+
+    from hf_dp import preflight
+
+    with pytest.raises(ValueError, match="mixed_precision is fp16 .* set mixed_precision: bf16"):
+        preflight.check_mixed_precision(SimpleNamespace(mixed_precision="fp16"))
+    for fine in ("no", "bf16"):
+        preflight.check_mixed_precision(SimpleNamespace(mixed_precision=fine))

@@ -531,3 +531,26 @@ def test_a_sample_of_the_users_is_stated_in_the_card_and_the_result(tmp_path, to
         assert result["not_covered"] == ([statement] if stated else []), run
         assert load_result(tmp_path / f"{run}.json")["not_covered"] == result["not_covered"]
         assert (result["num_train_users"] == 20) == stated
+
+
+def test_a_configuration_accelerate_refuses_is_one_line_and_exit_2(tmp_path, capsys):
+    """An accelerate config it cannot run here (FSDP1's sync_module_states on a CPU): accelerate raises a
+    RuntimeError from its own code; the recipe prints one line naming the config instead of a traceback."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    recipe = _load_recipe("classify")
+
+    def main(script_args, training_args):
+        FullyShardedDataParallelPlugin(sync_module_states=True)
+
+    status = recipe.run_recipe(recipe.make_parser(), main, ["--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("error:") == 1 and "Traceback" not in err
+    assert "the accelerate configuration cannot run here: FSDP parameter initialization" in err
+    assert "recipes/configs/" in err
+
+    def buggy(script_args, training_args):  # a RuntimeError of the recipe's own still raises
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        recipe.run_recipe(recipe.make_parser(), buggy, ["--output_dir", str(tmp_path / "out")])
