@@ -102,13 +102,17 @@ def resolve_model_dir(run_dir_or_model_dir: str | os.PathLike) -> Path:
     return path
 
 
-def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool = False) -> dict:
+def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool = False,
+                       no_guarantee: bool = False) -> dict:
     """Check `model_dir/README.md` is a privacy card the Hub can read; return its `privacy:` block.
 
     Args:
         model_dir (`str` or `os.PathLike`): the saved model folder.
         allow_non_private (`bool`, *optional*, defaults to `False`): accept the card of a run trained
             without DP (`privacy: {non_private: true}`).
+        no_guarantee (`bool`, *optional*, defaults to `False`): accept a card that says it carries no guarantee
+            (`privacy: {no_guarantee: true}`: a run whose noise came from a fixed `noise_seed`); everything else is
+            checked as for any card.
 
     Raises:
         PrivacyCardError: no README, front matter that does not parse, no `privacy:` block, a block without
@@ -116,7 +120,9 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
             number (e.g. written as a string), an ε that is not finite and ≥ 0 or a δ outside (0, 1), a mechanism
             that is not `"uls"`, `"els"` or `"example"`, no ledger (`dp_ledger.json`) beside it, or a card that
             states a smaller ε than the ledger proves (front matter or text), another δ, unit, mechanism or step
-            count. One line, naming the field and saying how to make a card.
+            count; any other figure or statement of the card that is not what hf_dp renders from the ledger's
+            verified report, or a privacy claim the card adds ([`hf_dp.card_check`]); a fixed-seed card without
+            `no_guarantee`. One line, naming the field and saying how to make a card.
     """
     from huggingface_hub import ModelCard
     from huggingface_hub.repocard import metadata_load
@@ -150,8 +156,29 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
         raise PrivacyCardError(
             f"{readme}: the 'privacy:' block lacks {missing}. Regenerate the card: {_HOW_TO_CARD}."
         )
-    _check_against_ledger(readme, privacy, card.text)
+    ledger, accountant, sampler = _check_against_ledger(readme, privacy, card.text)
+    _check_claims(readme, privacy, metadata, card, ledger, accountant, sampler)
+    if privacy.get("no_guarantee") and not no_guarantee:
+        raise PrivacyCardError(f"{readme} says its model carries NO privacy guarantee (its noise came from a fixed "
+                               f"noise_seed, {privacy.get('noise_seed')!r}, which anyone who knows it can subtract): "
+                               "refusing to publish it (pass no_guarantee=True / --no_guarantee to publish it so "
+                               "labelled; train without noise_seed for a guarantee).")
     return dict(privacy)
+
+
+def _check_claims(readme: Path, privacy: Mapping, metadata: Mapping, card, ledger: Mapping, accountant,
+                  sampler) -> None:
+    """Every privacy figure and statement of the card is what hf_dp renders from the ledger's verified report
+    ([`hf_dp.card_check`])."""
+    from .card_check import CardClaimError, check_card_claims, expected_report
+
+    front_matter = str(card.content).split("---", 2)[1] if str(card.content).startswith("---") else ""
+    try:
+        check_card_claims(privacy, metadata, front_matter, card.text,
+                          expected_report(ledger, accountant, sampler_delta=sampler))
+    except CardClaimError as error:
+        raise PrivacyCardError(f"{readme}: {error}. Regenerate the card: {_HOW_TO_CARD}; or publish it labelled as "
+                               "carrying no guarantee (--no_guarantee).") from error
 
 
 def _check_base_model(readme: Path, metadata: Mapping, text: str) -> None:
@@ -196,8 +223,9 @@ def _ledger_mechanism(ledger: Mapping) -> str:
     return mechanism_of(ledger.get("privacy_unit"), ledger.get("sampling"))
 
 
-def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
-    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger proves (ε recomputed from it)."""
+def _check_against_ledger(readme: Path, privacy: Mapping, text: str):
+    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger proves (ε recomputed from it); return the
+    ledger, its accountant and δ its noise sampler adds as a function of ε."""
     from .accounting import PrivacyAccountant
     from .vocabulary import LEDGER_FILE
     from .vocabulary import DP_MECHANISMS
@@ -259,6 +287,7 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
             raise PrivacyCardError(f"{readme}: privacy.{key} = {shown:g}, but its ledger records {value:g}: the card "
                                    f"was edited. Regenerate it: {_HOW_TO_CARD}.")
     _check_text_against_report(readme, privacy, text)
+    return ledger, accountant, lambda epsilon: _sampler_delta(ledger, epsilon, accountant_delta, accountant.steps)
 
 
 def _check_text_against_report(readme: Path, privacy: Mapping, text: str) -> None:
