@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import numbers
 import os
@@ -39,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "HubUnreachableError",
@@ -172,7 +175,8 @@ def _check_claims(readme: Path, privacy: Mapping, metadata: Mapping, card, ledge
     ([`hf_dp.card_check`])."""
     from .card_check import CardClaimError, check_card_claims, expected_report
 
-    front_matter = str(card.content).split("---", 2)[1] if str(card.content).startswith("---") else ""
+    raw = readme.read_text(encoding="utf-8")  # as written: YAML comments too
+    front_matter = raw.split("---", 2)[1] if raw.startswith("---") else ""
     try:
         check_card_claims(privacy, metadata, front_matter, card.text,
                           expected_report(ledger, accountant, sampler_delta=sampler))
@@ -392,7 +396,8 @@ def ensure_hub_reachable(endpoint: str | None = None, *, timeout: float = 5.0) -
 
 
 def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str | None = None,
-            private: bool = True, allow_non_private: bool = False, commit_message: str | None = None) -> str:
+            private: bool = True, allow_non_private: bool = False, commit_message: str | None = None,
+            no_guarantee: bool = False) -> str:
     """Upload a saved model, its tokenizer and its privacy card (`README.md`) to a Hub model repo.
 
     Args:
@@ -403,6 +408,11 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
         private (`bool`, *optional*, defaults to `True`): create the repo private (no effect if it exists).
         allow_non_private (`bool`, *optional*, defaults to `False`): publish a run trained without DP.
         commit_message (`str`, *optional*): defaults to one stating ε, δ and the unit.
+        no_guarantee (`bool`, *optional*, defaults to `False`): publish the card labelled as carrying NO privacy
+            guarantee: the uploaded README gets `privacy.no_guarantee: true`, the `no-privacy-guarantee` tag in place
+            of the DP tags, and a warning above its text (the folder's own README is left as it is). A fixed-seed
+            run's card, already so labelled, is checked as any card; any other card is uploaded labelled even when
+            its figures are not what its ledger proves.
 
     Returns:
         `str`: the repo's URL.
@@ -426,7 +436,19 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
     from huggingface_hub.utils import validate_repo_id
 
     model_dir = resolve_model_dir(run_dir_or_model_dir)
-    privacy = check_privacy_card(model_dir, allow_non_private=allow_non_private)
+    labelled = None
+    if no_guarantee:
+        from .card_label import label_no_guarantee
+
+        labelled = label_no_guarantee(model_dir / "README.md")  # refuses (PrivacyCardError) a card it cannot read
+        try:
+            privacy = check_privacy_card(model_dir, allow_non_private=True, no_guarantee=True)
+        except PrivacyCardError as error:
+            logger.warning("Publishing with no_guarantee: the card is uploaded labelled as carrying NO privacy "
+                           "guarantee, since %s", error)
+            privacy = {"no_guarantee": True}
+    else:
+        privacy = check_privacy_card(model_dir, allow_non_private=allow_non_private)
     _check_model_files(model_dir)
     try:
         validate_repo_id(repo_id)
@@ -441,7 +463,9 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
         raise ValueError("Not logged in to the Hub: run `hf auth login`, set HF_TOKEN, or pass --token.")
 
     if commit_message is None:
-        if privacy.get("non_private"):
+        if labelled is not None:
+            commit_message = "Upload model WITHOUT a privacy guarantee (hf_dp publish --no_guarantee)"
+        elif privacy.get("non_private"):
             commit_message = "Upload model fine-tuned without differential privacy (hf_dp)"
         else:
             from .formatting import format_significant, format_upper_bound  # as the card rounds them
@@ -450,8 +474,14 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
                               f"{format_significant(privacy['delta'], 3, up=True)})-DP at the "
                               f"{privacy['privacy_unit']} level (hf_dp)")
     repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True)
-    api.upload_folder(repo_id=repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id, folder_path=model_dir,
-                      commit_message=commit_message, token=token, ignore_patterns=IGNORE_PATTERNS)
+    target = repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id
+    ignore = IGNORE_PATTERNS
+    if labelled is not None:  # the labelled card first: the repo never shows an unlabelled one beside the weights
+        api.upload_file(path_or_fileobj=labelled.encode("utf-8"), path_in_repo="README.md", repo_id=target,
+                        commit_message=commit_message, token=token)
+        ignore = [*IGNORE_PATTERNS, "README.md"]
+    api.upload_folder(repo_id=target, folder_path=model_dir, commit_message=commit_message, token=token,
+                      ignore_patterns=ignore)
     return str(repo_url)
 
 
@@ -473,6 +503,10 @@ class PublishArguments:
     public: bool = field(default=False, metadata={"help": "Create the repo public (default: private)."})
     allow_non_private: bool = field(
         default=False, metadata={"help": "Publish a run trained without DP (its training data has no protection)."})
+    no_guarantee: bool = field(
+        default=False, metadata={"help": "Publish the card labelled as carrying NO privacy guarantee (a fixed-seed "
+                                         "run, or a card whose figures its ledger does not prove); the local README "
+                                         "is left as it is."})
 
 
 def build_parser():
@@ -498,7 +532,7 @@ def run(args: PublishArguments) -> int:
     """Publish with parsed [`PublishArguments`]: prints the repo URL, or one line saying what failed (exit 1)."""
     try:
         url = publish(args.run_dir, args.repo_id, token=args.token, private=not args.public,
-                      allow_non_private=args.allow_non_private)
+                      allow_non_private=args.allow_non_private, no_guarantee=args.no_guarantee)
     except (HubUnreachableError, PrivacyCardError, FileNotFoundError, ValueError) as error:
         print(f"hf-dp publish: error: {error}", file=sys.stderr)
         return 1
