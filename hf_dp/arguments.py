@@ -519,5 +519,6 @@ def _beyond_the_sampler(target_epsilon: float, target_delta) -> list[str]:
         return []
     return [f"target_epsilon={target_epsilon:g} is beyond what the noise sampler can state for any model: its draws "
             f"reach {NOISE_REACH:.2f}σ, and even one draw adds (e^ε + δ)·2⁻¹⁵⁹ to δ, more than "
-            f"{MAX_SAMPLER_DELTA_SHARE:.0%} of {f'δ = {delta:g}' if given else 'any δ (below 1/2)'} once ε > {math.floor(largest * 10) / 10:.1f} (a plan's "
-            "steps and parameters lower that limit further; the trainer names it): ask for a smaller ε."]
+            f"{MAX_SAMPLER_DELTA_SHARE:.0%} of {f'δ = {delta:g}' if given else 'any δ (below 1/2)'} once "
+            f"ε > {math.floor(largest * 10) / 10:.1f} (a plan's steps and parameters lower that limit further; the "
+            "trainer names it): ask for a smaller ε."]

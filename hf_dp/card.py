@@ -55,8 +55,9 @@ _fmt_sig = functools.partial(format_significant, missing=_NOT_REPORTED)
 
 # The report's keys, in the order the `privacy:` block lists them.
 REPORT_KEYS = (
-    "no_guarantee", "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "delta_accountant", "delta_floating_point",
-    "noise_reach", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy", "noise_multiplier",
+    "no_guarantee", "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "delta_accountant",
+    "delta_floating_point", "noise_reach", "epsilon_lower", "epsilon_estimate", "target_epsilon",
+    "epsilon_group_privacy", "noise_multiplier",
     "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "final_max_grad_norm",
     "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "redraw_rows",

@@ -12,7 +12,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants
 
-from app_fixtures import make_tokenizer, privacy_ledger, privacy_report, tiny_classifier, verified_report
+from app_fixtures import make_tokenizer, privacy_ledger, tiny_classifier, verified_report
 from hf_dp import hub as publish_module
 from hf_dp.card import LEDGER_FILE, write_privacy_card
 from hf_dp.hub import (

@@ -99,7 +99,8 @@ def test_a_plan_whose_noise_sampler_adds_more_than_one_percent_of_delta_is_refus
     plan, _ = plan_for(tmp_path)
     assert plan.noise_draws_per_step == 1000 + 2  # the parameters, the logged loss and clipped count
     args = make_args(tmp_path, max_steps=20, expected_batch_size=10, target_epsilon=4.0, contribution_bound=3)
-    with pytest.raises(ValueError, match="noise sampler.* 1% of δ.*for no ε at all; train fewer steps or fewer parameters"):
+    with pytest.raises(ValueError, match="noise sampler.* 1% of δ.*for no ε at all; train fewer steps or fewer "
+                                         "parameters"):
         plan_privacy(args, user_partition(KEPT, contribution_bound=3), noised_elements=10**44)
 
 

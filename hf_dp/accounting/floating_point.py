@@ -27,7 +27,7 @@ import math
 from scipy import stats
 
 __all__ = ["NOISE_REACH", "TAIL_PER_DRAW", "sampler_delta", "support_floor", "check_sampler_delta",
-           "MAX_SAMPLER_DELTA_SHARE", "max_sampler_epsilon", "sampler_range_error"]
+           "MAX_SAMPLER_DELTA_SHARE", "max_sampler_epsilon", "sampler_range_error", "check_sampler_range"]
 
 TAIL_BITS = 159  # bits of the uniform u₁ that sets a draw's radius
 TAIL_PER_DRAW = 2.0 ** -TAIL_BITS  # P(R > NOISE_REACH) for a Gaussian pair: the mass each draw leaves out
@@ -100,7 +100,12 @@ def sampler_range_error(*, epsilon: float, delta: float, draws: float, what: str
 def check_sampler_delta(*, epsilon: float, delta: float, draws: float, what: str = "ε") -> float:
     """δ_fp for a plan, or a one-line `ValueError` naming the largest ε the sampler can state
     ([`max_sampler_epsilon`]) when `epsilon` is beyond it (δ_fp above `MAX_SAMPLER_DELTA_SHARE` of δ)."""
+    check_sampler_range(epsilon=epsilon, delta=delta, draws=draws, what=what)
+    return sampler_delta(epsilon=epsilon, delta=delta, draws=draws)
+
+
+def check_sampler_range(*, epsilon: float, delta: float, draws: float, what: str = "ε") -> None:
+    """Raise [`sampler_range_error`]'s one line as a `ValueError` when `epsilon` is beyond the sampler's range."""
     message = sampler_range_error(epsilon=epsilon, delta=delta, draws=draws, what=what)
     if message is not None:
         raise ValueError(message)
-    return sampler_delta(epsilon=epsilon, delta=delta, draws=draws)
