@@ -224,3 +224,17 @@ def test_publish_no_guarantee_uploads_a_labelled_card_and_leaves_the_folder_alon
     calls.clear()
     publish(folder, "alice/m", token="t", no_guarantee=True)
     assert calls[0][1]["path_or_fileobj"].decode().count(NO_GUARANTEE_BANNER) == 1
+
+
+def test_an_audit_section_is_published_as_written_but_a_section_after_it_is_checked(runs, tmp_path):
+    """The audit section reports on a separate run (its ε is that run's): exempt, with the not-covered item that
+    says how the two compose; a claim in a section appended after it is refused."""
+    report, ledger = runs["secret"]
+    audit = ("## Empirical audit\n\nAn empirical check of the implementation, not part of the guarantee.\n\n"
+             "| Audit | Value |\n|---|---|\n| Empirical lower bound on ε | **0.12** |\n")
+    folder = card(tmp_path, report, ledger, audit_section=audit)
+    text = (folder / "README.md").read_text()
+    assert "The empirical audit below, with this model." in text
+    check_privacy_card(folder)
+    (folder / "README.md").write_text(text + f"\n## Summary\n\n{CLAIM}\n")
+    refused(folder, "adds a privacy claim")
