@@ -9,7 +9,9 @@ checks that run *before anything is uploaded*:
    block that [`hf_dp.card`] writes (ε, δ, privacy unit, mechanism), with ε and δ written as numbers, and what it
    states is what the ledger saved beside it (`dp_ledger.json`) accounts: ε is recomputed from the ledger and a
    card claiming less (in its front matter or its text), another δ, unit or mechanism, or no ledger at all is
-   refused, as is a number of its Accounting paragraph below the ledger's, or a local path as `base_model`.
+   refused, as is a number of its Accounting paragraph below the ledger's, or a local path as `base_model`; then
+   [`hf_dp.card_check`]: every other figure and statement must be what hf_dp renders from the ledger's verified
+   report, and no line may add a privacy claim. A fixed-seed card (no guarantee) needs `no_guarantee=True`.
    A non-private
    run's card is refused unless `allow_non_private=True`: its data has no protection.
 2. the folder holds a model (`config.json` and weights);
