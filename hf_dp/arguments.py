@@ -327,6 +327,8 @@ class DPTrainingArguments(TrainingArguments):
         if self.target_epsilon is not None and not _positive_finite(self.target_epsilon):
             problems.append(f"target_epsilon={self.target_epsilon!r}: ε must be a finite number > 0 (e.g. 8); an "
                             "infinite ε is no guarantee (train with transformers.Trainer for a non-private run).")
+        elif self.target_epsilon is not None:
+            problems.extend(_beyond_the_sampler(self.target_epsilon, self.target_delta))
         if self.target_epsilon is None and self.noise_multiplier is None:
             problems.append("set target_epsilon (to calibrate the noise) or noise_multiplier (or both).")
         if self.target_delta is not None and not (_positive_finite(self.target_delta) and self.target_delta < 1):
@@ -512,3 +514,21 @@ def _parse_contribution_bound(value, problems: list[str]):
     if bound < 1 or str(bound) != str(value).strip():
         problems.append(f"contribution_bound={value!r}: use a positive integer or 'auto'.")
     return bound
+
+
+def _beyond_the_sampler(target_epsilon: float, target_delta) -> list[str]:
+    """A target ε no plan can state, whatever the model and data: above it even one draw of the noise sampler adds
+    more than its share of δ ([`~hf_dp.accounting.floating_point.max_sampler_epsilon`] at one draw; δ < 1/2 with
+    2 units or more). The plan names the exact, lower limit of its own steps and parameters."""
+    from .accounting.floating_point import MAX_SAMPLER_DELTA_SHARE, NOISE_REACH, max_sampler_epsilon
+
+    given = _positive_finite(target_delta) and target_delta < 1
+    delta = target_delta if given else 0.5
+    largest = max_sampler_epsilon(delta=delta, draws=1)
+    if target_epsilon <= largest:
+        return []
+    return [f"target_epsilon={target_epsilon:g} is beyond what the noise sampler can state for any model: its draws "
+            f"reach {NOISE_REACH:.2f}σ, and even one draw adds (e^ε + δ)·2⁻¹⁵⁹ to δ, more than "
+            f"{MAX_SAMPLER_DELTA_SHARE:.0%} of {f'δ = {delta:g}' if given else 'any δ (below 1/2)'} once "
+            f"ε > {math.floor(largest * 10) / 10:.1f} (a plan's steps and parameters lower that limit further; the "
+            "trainer names it): ask for a smaller ε."]

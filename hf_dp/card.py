@@ -55,8 +55,9 @@ _fmt_sig = functools.partial(format_significant, missing=_NOT_REPORTED)
 
 # The report's keys, in the order the `privacy:` block lists them.
 REPORT_KEYS = (
-    "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "delta_accountant", "delta_floating_point",
-    "noise_reach", "epsilon_lower", "epsilon_estimate", "target_epsilon", "epsilon_group_privacy", "noise_multiplier",
+    "no_guarantee", "privacy_unit", "mechanism", "sampling", "epsilon", "delta", "delta_accountant",
+    "delta_floating_point", "noise_reach", "epsilon_lower", "epsilon_estimate", "target_epsilon",
+    "epsilon_group_privacy", "noise_multiplier",
     "logging_noise_multiplier", "max_loss", "effective_noise_multiplier", "sample_rate",
     "expected_batch_size", "steps", "max_grad_norm", "adaptive_clipping", "final_max_grad_norm",
     "target_unclipped_quantile", "clipping_learning_rate", "clipping_count_noise", "contribution_bound", "redraw_rows",
@@ -113,6 +114,8 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
     ordered.update({key: value for key, value in plain.items() if key not in ordered})
     if ordered.get("non_private"):
         return ordered
+    if fixed_seed(ordered) and not ordered.get("no_guarantee"):  # a known seed regenerates the noise: no guarantee
+        ordered = {"no_guarantee": True, **ordered}
     missing = [key for key in _REQUIRED_KEYS if ordered.get(key) is None]
     if missing:
         raise ValueError(
@@ -143,6 +146,11 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"privacy report has adaptive_clipping=True but is missing {missing}: the card states "
                              "how C was chosen; pass the dict returned by DPTrainer.privacy_report().")
     return ordered
+
+
+def fixed_seed(report: Mapping[str, Any]) -> bool:
+    """Whether the report's noise came from a fixed, known `noise_seed` (anything but "os-entropy", when stated)."""
+    return report.get("noise_seed") not in (None, "os-entropy")
 
 
 def _covered(report: Mapping[str, Any]) -> list[str]:
@@ -399,9 +407,12 @@ def render_privacy_card(
         stem = base_model.rstrip("/").split("/")[-1] if base_model else "model"
         model_name = f"{stem}-hf-dp" if not non_private else f"{stem}-non-private"
 
+    no_guarantee = bool(privacy.get("no_guarantee"))
     tags = ["hf_dp"]
     if non_private:
         tags.append("non-private")
+    elif no_guarantee:  # DP-SGD ran, but with a known seed: no tag may say the model is differentially private
+        tags += ["no-privacy-guarantee", "dp-sgd"]
     else:
         tags += ["differential-privacy", "dp-sgd"]
         tags.append("user-level-dp" if unit == "user" else "example-level-dp")
@@ -465,6 +476,7 @@ def render_privacy_card(
         card_data=card_data.to_yaml(),
         model_name=model_name,
         non_private=non_private,
+        no_guarantee=no_guarantee,
         base_model_md=f"`{hub_id}`" if hub_id else "a local model" if base_model else "an unnamed base model",
         dataset_name=dataset_name,
         task=task,
@@ -512,6 +524,8 @@ def render_privacy_card(
         num_users=_fmt(round_count(privacy.get("num_users")), ","),
         num_examples=_fmt(round_count(privacy.get("num_examples")), ","),
         noise_seed=privacy.get("noise_seed") or "not reported",
+        noise_seed_md=(privacy.get("noise_seed") or "not reported")
+        + (" — known, not a secret: NO privacy guarantee" if no_guarantee else ""),
         noise_source=privacy.get("noise_source") or "not reported",
         accountant=privacy.get("accountant") or "not reported",
         metric_name=metric_name,

@@ -9,7 +9,9 @@ checks that run *before anything is uploaded*:
    block that [`hf_dp.card`] writes (ε, δ, privacy unit, mechanism), with ε and δ written as numbers, and what it
    states is what the ledger saved beside it (`dp_ledger.json`) accounts: ε is recomputed from the ledger and a
    card claiming less (in its front matter or its text), another δ, unit or mechanism, or no ledger at all is
-   refused, as is a number of its Accounting paragraph below the ledger's, or a local path as `base_model`.
+   refused, as is a number of its Accounting paragraph below the ledger's, or a local path as `base_model`; then
+   [`hf_dp.card_check`]: every other figure and statement must be what hf_dp renders from the ledger's verified
+   report, and no line may add a privacy claim. A fixed-seed card (no guarantee) needs `no_guarantee=True`.
    A non-private
    run's card is refused unless `allow_non_private=True`: its data has no protection.
 2. the folder holds a model (`config.json` and weights);
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import numbers
 import os
@@ -39,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "HubUnreachableError",
@@ -108,13 +113,17 @@ def resolve_model_dir(run_dir_or_model_dir: str | os.PathLike) -> Path:
     return path
 
 
-def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool = False) -> dict:
+def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool = False,
+                       no_guarantee: bool = False) -> dict:
     """Check `model_dir/README.md` is a privacy card the Hub can read; return its `privacy:` block.
 
     Args:
         model_dir (`str` or `os.PathLike`): the saved model folder.
         allow_non_private (`bool`, *optional*, defaults to `False`): accept the card of a run trained
             without DP (`privacy: {non_private: true}`).
+        no_guarantee (`bool`, *optional*, defaults to `False`): accept a card that says it carries no guarantee
+            (`privacy: {no_guarantee: true}`: a run whose noise came from a fixed `noise_seed`); everything else is
+            checked as for any card.
 
     Raises:
         PrivacyCardError: no README, front matter that does not parse, no `privacy:` block, a block without
@@ -122,7 +131,9 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
             number (e.g. written as a string), an ε that is not finite and ≥ 0 or a δ outside (0, 1), a mechanism
             that is not `"uls"`, `"els"` or `"example"`, no ledger (`dp_ledger.json`) beside it, or a card that
             states a smaller ε than the ledger proves (front matter or text), another δ, unit, mechanism or step
-            count. One line, naming the field and saying how to make a card.
+            count; any other figure or statement of the card that is not what hf_dp renders from the ledger's
+            verified report, or a privacy claim the card adds ([`hf_dp.card_check`]); a fixed-seed card without
+            `no_guarantee`. One line, naming the field and saying how to make a card.
     """
     from huggingface_hub import ModelCard
     from huggingface_hub.repocard import metadata_load
@@ -157,8 +168,30 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
         raise PrivacyCardError(
             f"{readme}: the 'privacy:' block lacks {missing}. Regenerate the card: {_HOW_TO_CARD}."
         )
-    _check_against_ledger(readme, privacy, card.text)
+    ledger, accountant, sampler = _check_against_ledger(readme, privacy, card.text)
+    _check_claims(readme, privacy, metadata, card, ledger, accountant, sampler)
+    if privacy.get("no_guarantee") and not no_guarantee:
+        raise PrivacyCardError(f"{readme} says its model carries NO privacy guarantee (its noise came from a fixed "
+                               f"noise_seed, {privacy.get('noise_seed')!r}, which anyone who knows it can subtract): "
+                               "refusing to publish it (pass no_guarantee=True / --no_guarantee to publish it so "
+                               "labelled; train without noise_seed for a guarantee).")
     return dict(privacy)
+
+
+def _check_claims(readme: Path, privacy: Mapping, metadata: Mapping, card, ledger: Mapping, accountant,
+                  sampler) -> None:
+    """Every privacy figure and statement of the card is what hf_dp renders from the ledger's verified report
+    ([`hf_dp.card_check`])."""
+    from .card_check import CardClaimError, check_card_claims, expected_report
+
+    raw = readme.read_text(encoding="utf-8")  # as written: YAML comments too
+    front_matter = raw.split("---", 2)[1] if raw.startswith("---") else ""
+    try:
+        check_card_claims(privacy, metadata, front_matter, card.text,
+                          expected_report(ledger, accountant, sampler_delta=sampler))
+    except CardClaimError as error:
+        raise PrivacyCardError(f"{readme}: {error}. Regenerate the card: {_HOW_TO_CARD}; or publish it labelled as "
+                               "carrying no guarantee (--no_guarantee).") from error
 
 
 def _check_base_model(readme: Path, metadata: Mapping, text: str) -> None:
@@ -203,8 +236,9 @@ def _ledger_mechanism(ledger: Mapping) -> str:
     return mechanism_of(ledger.get("privacy_unit"), ledger.get("sampling"))
 
 
-def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
-    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger proves (ε recomputed from it)."""
+def _check_against_ledger(readme: Path, privacy: Mapping, text: str):
+    """Refuse a card whose ε, δ, unit or mechanism is not what its ledger proves (ε recomputed from it); return the
+    ledger, its accountant and δ its noise sampler adds as a function of ε."""
     from .accounting import PrivacyAccountant
     from .vocabulary import LEDGER_FILE
     from .vocabulary import DP_MECHANISMS
@@ -266,6 +300,7 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str) -> None:
             raise PrivacyCardError(f"{readme}: privacy.{key} = {shown:g}, but its ledger records {value:g}: the card "
                                    f"was edited. Regenerate it: {_HOW_TO_CARD}.")
     _check_text_against_report(readme, privacy, text)
+    return ledger, accountant, lambda epsilon: _sampler_delta(ledger, epsilon, accountant_delta, accountant.steps)
 
 
 def _check_text_against_report(readme: Path, privacy: Mapping, text: str) -> None:
@@ -370,7 +405,8 @@ def ensure_hub_reachable(endpoint: str | None = None, *, timeout: float = 5.0) -
 
 
 def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str | None = None,
-            private: bool = True, allow_non_private: bool = False, commit_message: str | None = None) -> str:
+            private: bool = True, allow_non_private: bool = False, commit_message: str | None = None,
+            no_guarantee: bool = False) -> str:
     """Upload a saved model, its tokenizer and its privacy card (`README.md`) to a Hub model repo.
 
     Args:
@@ -381,6 +417,11 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
         private (`bool`, *optional*, defaults to `True`): create the repo private (no effect if it exists).
         allow_non_private (`bool`, *optional*, defaults to `False`): publish a run trained without DP.
         commit_message (`str`, *optional*): defaults to one stating ε, δ and the unit.
+        no_guarantee (`bool`, *optional*, defaults to `False`): publish the card labelled as carrying NO privacy
+            guarantee: the uploaded README gets `privacy.no_guarantee: true`, the `no-privacy-guarantee` tag in place
+            of the DP tags, and a warning above its text (the folder's own README is left as it is). A fixed-seed
+            run's card, already so labelled, is checked as any card; any other card is uploaded labelled even when
+            its figures are not what its ledger proves.
 
     Returns:
         `str`: the repo's URL.
@@ -404,7 +445,19 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
     from huggingface_hub.utils import validate_repo_id
 
     model_dir = resolve_model_dir(run_dir_or_model_dir)
-    privacy = check_privacy_card(model_dir, allow_non_private=allow_non_private)
+    labelled = None
+    if no_guarantee:
+        from .card_label import label_no_guarantee
+
+        labelled = label_no_guarantee(model_dir / "README.md")  # refuses (PrivacyCardError) a card it cannot read
+        try:
+            privacy = check_privacy_card(model_dir, allow_non_private=True, no_guarantee=True)
+        except PrivacyCardError as error:
+            logger.warning("Publishing with no_guarantee: the card is uploaded labelled as carrying NO privacy "
+                           "guarantee, since %s", error)
+            privacy = {"no_guarantee": True}
+    else:
+        privacy = check_privacy_card(model_dir, allow_non_private=allow_non_private)
     _check_model_files(model_dir)
     try:
         validate_repo_id(repo_id)
@@ -419,7 +472,9 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
         raise ValueError("Not logged in to the Hub: run `hf auth login`, set HF_TOKEN, or pass --token.")
 
     if commit_message is None:
-        if privacy.get("non_private"):
+        if labelled is not None:
+            commit_message = "Upload model WITHOUT a privacy guarantee (hf_dp publish --no_guarantee)"
+        elif privacy.get("non_private"):
             commit_message = "Upload model fine-tuned without differential privacy (hf_dp)"
         else:
             from .formatting import format_significant, format_upper_bound  # as the card rounds them
@@ -428,8 +483,14 @@ def publish(run_dir_or_model_dir: str | os.PathLike, repo_id: str, *, token: str
                               f"{format_significant(privacy['delta'], 3, up=True)})-DP at the "
                               f"{privacy['privacy_unit']} level (hf_dp)")
     repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True)
-    api.upload_folder(repo_id=repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id, folder_path=model_dir,
-                      commit_message=commit_message, token=token, ignore_patterns=IGNORE_PATTERNS)
+    target = repo_url.repo_id if hasattr(repo_url, "repo_id") else repo_id
+    ignore = IGNORE_PATTERNS
+    if labelled is not None:  # the labelled card first: the repo never shows an unlabelled one beside the weights
+        api.upload_file(path_or_fileobj=labelled.encode("utf-8"), path_in_repo="README.md", repo_id=target,
+                        commit_message=commit_message, token=token)
+        ignore = [*IGNORE_PATTERNS, "README.md"]
+    api.upload_folder(repo_id=target, folder_path=model_dir, commit_message=commit_message, token=token,
+                      ignore_patterns=ignore)
     return str(repo_url)
 
 
@@ -451,6 +512,10 @@ class PublishArguments:
     public: bool = field(default=False, metadata={"help": "Create the repo public (default: private)."})
     allow_non_private: bool = field(
         default=False, metadata={"help": "Publish a run trained without DP (its training data has no protection)."})
+    no_guarantee: bool = field(
+        default=False, metadata={"help": "Publish the card labelled as carrying NO privacy guarantee (a fixed-seed "
+                                         "run, or a card whose figures its ledger does not prove); the local README "
+                                         "is left as it is."})
 
 
 def build_parser():
@@ -476,7 +541,7 @@ def run(args: PublishArguments) -> int:
     """Publish with parsed [`PublishArguments`]: prints the repo URL, or one line saying what failed (exit 1)."""
     try:
         url = publish(args.run_dir, args.repo_id, token=args.token, private=not args.public,
-                      allow_non_private=args.allow_non_private)
+                      allow_non_private=args.allow_non_private, no_guarantee=args.no_guarantee)
     except (HubUnreachableError, PrivacyCardError, FileNotFoundError, ValueError) as error:
         print(f"hf-dp publish: error: {error}", file=sys.stderr)
         return 1

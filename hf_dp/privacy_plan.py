@@ -113,7 +113,8 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_
     Raises:
         ValueError: fewer than 2 privacy units, an expected batch above the units, δ ≥ 1/units, a budget no noise
             meets, a first step that alone exceeds `target_epsilon`, an adaptive count noise that alone would
-            spend the budget, or a noise sampler whose finite support would add more than 1% of δ.
+            spend the budget, or an ε beyond what the noise sampler can state (its finite support would add more
+            than 1% of δ: the message names the largest ε it can state).
     """
     mechanism = get_mechanism(args.mechanism)
     num_units, num_privacy_units = mechanism.num_units(partition), mechanism.num_privacy_units(partition)
@@ -164,7 +165,8 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_
     draws = int(noised_elements) + scalars
     planned_epsilon = args.target_epsilon if args.target_epsilon is not None else spent_on_bound + accounting.epsilon(
         sample_rate=sample_rate, noise_multiplier=effective, steps=steps, delta=delta, group_size=group_size)
-    check_sampler_delta(epsilon=planned_epsilon, delta=delta, draws=steps * draws)
+    named = "target_epsilon" if args.target_epsilon is not None else f"the ε of noise_multiplier={sigma:g}"
+    check_sampler_delta(epsilon=planned_epsilon, delta=delta, draws=steps * draws, what=named)
     return PrivacyPlan(mechanism.key, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta,
                        partition.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
                        effective_noise_multiplier=float(effective), adaptive_clipping=adaptive,

@@ -36,6 +36,9 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
 
     `delta` is the stated δ: the accountant's (`delta_accountant`, the plan's target) plus what the noise sampler's
     finite support adds (`delta_floating_point`, for draws that reach `noise_reach` standard deviations).
+
+    A run with a fixed `noise_seed` gets `no_guarantee: True` (first) and a `noise_source` that names the seed: anyone
+    who knows it regenerates the noise, so the figures are the accountant's for secret noise, not this model's.
     """
     plan, accountant = budget.plan, budget.accountant
     adaptive = plan.adaptive_clipping
@@ -78,8 +81,10 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "accountant": ACCOUNTANT_NAME + plan.dp_mechanism.accountant_note,
         "epsilon_group_privacy": None,
         "noise_seed": "os-entropy" if args.noise_seed is None else f"fixed seed for testing: {args.noise_seed}",
-        "noise_source": noise_source(args.secure_noise, device_type),
+        "noise_source": _noise_source(args, device_type),
     }
+    if args.noise_seed is not None:  # a known key regenerates the noise: the card says so first, and publish refuses
+        report = {"no_guarantee": True, **report}
     if args.redraw_rows:  # listed only when set: each step draws G among a user's rows (the card says so)
         report["redraw_rows"] = True
     loose = plan.dp_mechanism.group_privacy_epsilon(
@@ -88,6 +93,17 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
     if loose is not None:
         report["epsilon_group_privacy"] = loose + accountant.pure_dp_epsilon  # the same releases, composed loosely
     return report
+
+
+def _noise_source(args: DPTrainingArguments, device_type: str) -> str:
+    """[`~hf_dp.noise.noise_source`], or with a fixed `noise_seed` what keys the noise instead of a secret."""
+    source = noise_source(args.secure_noise, device_type)
+    if args.noise_seed is None:
+        return source
+    fixed = f"the fixed noise_seed={args.noise_seed} (NOT a secret: no privacy guarantee)"
+    keyed = source.replace("the run's secret (256 bits from OS entropy)", fixed).replace(
+        "the run's secret (OS entropy)", fixed)
+    return keyed if keyed != source else f"keyed by {fixed}: {source}"
 
 
 def base_model_name(model) -> str | None:
@@ -153,8 +169,14 @@ class PrivacyReporting:
 
     def privacy_ledger(self) -> dict:
         """The ledger `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism
-        (`privacy_unit`, `mechanism` and `sampling` as in [`privacy_report`])."""
-        return checkpoint.ledger_record(self.privacy_plan, self.args, self.accountant)
+        (`privacy_unit`, `mechanism` and `sampling` as in [`privacy_report`]), and under `report` the privacy
+        report's other figures ([`~hf_dp.card_check.ledger_facts`]), which publish checks the card against."""
+        from .card_check import ledger_facts
+
+        # The report's recorded figures too (σ, C, G, users, target ε, seed): publish checks every figure of a card
+        # against them, and them against the accountant.
+        return {**checkpoint.ledger_record(self.privacy_plan, self.args, self.accountant),
+                "report": ledger_facts(self.privacy_report())}
 
     def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
         """Write the privacy card to `output_dir/README.md` and the ledger beside it (`dp_ledger.json`, which

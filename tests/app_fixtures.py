@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from hf_dp.card import write_privacy_card
+from hf_dp.card_check import ledger_facts
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.tasks.classifier_models import EmbeddingClassifier
 
@@ -120,9 +121,35 @@ def privacy_ledger(report: dict) -> dict:
     accountant.step(sample_rate=report["sample_rate"], noise_multiplier=report["noise_multiplier"],
                     group_size=report["contribution_bound"] if report["mechanism"] == "els" else 1,
                     steps=report["steps"])
-    return {"format": 1, "delta": report["delta"], "privacy_unit": report["privacy_unit"],
-            "sampling": report["sampling"], "mechanism": report["mechanism"], "accountant": accountant.state_dict(),
-            "noise": {"draws_per_step": 10**4, "tail_per_draw": 2.0**-159, "reach": 14.8466}}
+    return {"format": 1, "delta": report.get("delta_accountant", report["delta"]),
+            "privacy_unit": report["privacy_unit"], "sampling": report["sampling"], "mechanism": report["mechanism"],
+            "accountant": accountant.state_dict(),
+            "noise": {"draws_per_step": 10**4, "tail_per_draw": 2.0**-159, "reach": 14.8466},
+            "report": ledger_facts(report)}
+
+
+def verified_report(mechanism: str = "uls", target: float = 8.0, **changes) -> tuple[dict, dict]:
+    """A report of `mechanism` whose every figure its ledger proves, as `DPTrainer` writes them, and that ledger: ε,
+    its bounds, δ and the group-privacy ε computed here from the accountant (q = 0.08, σ = 1.1, 40 steps, δ = 1e-5),
+    with `changes` applied to the recorded figures first."""
+    from hf_dp.accounting import PrivacyAccountant, group_privacy_epsilon
+    from hf_dp.accounting.floating_point import sampler_delta
+    from hf_dp.report import ACCOUNTANT_NAME
+    from hf_dp.mechanisms import get_mechanism
+
+    report = {**privacy_report(mechanism, 0.0, target), "delta_accountant": 1e-5, "noise_reach": 14.8466,
+              "effective_noise_multiplier": 1.1, "logging_noise_multiplier": None, "max_loss": None,
+              "accountant": ACCOUNTANT_NAME + get_mechanism(mechanism).accountant_note, **changes}
+    ledger = privacy_ledger(report)
+    accountant = PrivacyAccountant()
+    accountant.load_state_dict(ledger["accountant"])
+    lower, estimate, upper = accountant.epsilon_bounds(1e-5)
+    added = sampler_delta(epsilon=upper, delta=1e-5, draws=report["steps"] * 10**4)
+    loose = group_privacy_epsilon(sample_rate=report["sample_rate"], noise_multiplier=1.1, steps=report["steps"],
+                                  delta=1e-5, group_size=report["contribution_bound"]) if mechanism == "els" else None
+    report.update(epsilon=upper, epsilon_lower=lower, epsilon_estimate=estimate, delta=1e-5 + added,
+                  delta_floating_point=added, epsilon_training=upper, epsilon_group_privacy=loose)
+    return report, ledger
 
 
 def _result(run: str, mechanism: str, *, eval_result: float, epsilon, target, model_dir, base_path: str,

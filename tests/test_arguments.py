@@ -177,3 +177,13 @@ def test_a_micro_batch_size_must_be_a_positive_integer_or_unset(tmp_path, value)
     assert make_args(tmp_path, per_device_train_batch_size=None).per_device_train_batch_size is None
     with pytest.raises(ValueError, match=f"per_device_train_batch_size={value!r}"):
         make_args(tmp_path, per_device_train_batch_size=value)
+
+
+@pytest.mark.parametrize("target_epsilon, target_delta, limit", [(1e6, None, "any δ (below 1/2) once ε > 104.9"),
+                                                                 (100.0, 1e-5, "δ = 1e-05 once ε > 94.0")])
+def test_an_epsilon_no_sampler_can_state_is_refused_at_construction(target_epsilon, target_delta, limit):
+    """Beyond this ε even one noise draw adds more than 1% of δ: refused in one line, in words, not "δ = inf"."""
+    with pytest.raises(ValueError, match="beyond what the noise sampler can state for any model") as error:
+        DPTrainingArguments(output_dir="x", target_epsilon=target_epsilon, target_delta=target_delta, use_cpu=True)
+    assert limit in str(error.value) and "= inf" not in str(error.value)
+    assert DPTrainingArguments(output_dir="x", target_epsilon=90.0, use_cpu=True).target_epsilon == 90.0

@@ -78,6 +78,9 @@ EXAMPLE_REPORT = dict(
     expected_batch_size=242.2,
     mechanism_description=MECHANISMS["example"].description,
     noise_seed="fixed seed for testing: 1234",
+    no_guarantee=True,  # what the trainer's report adds for a fixed seed
+    noise_source="numpy's Philox4x64-10, keyed per step (128 bits) by BLAKE2b of the fixed noise_seed=1234 (NOT a "
+                 "secret: no privacy guarantee), counter = (element, parameter); Box-Muller in float64",
     logging_noise_multiplier=None,  # private_logging=False
     max_loss=None,
     effective_noise_multiplier=0.8125,
@@ -158,7 +161,9 @@ def test_tags_name_the_unit():
 
     assert {"differential-privacy", "dp-sgd", "user-level-dp", "dp-uls"} <= set(tags(ULS_REPORT))
     assert {"differential-privacy", "user-level-dp", "dp-els"} <= set(tags(ELS_REPORT))
-    assert "example-level-dp" in tags(EXAMPLE_REPORT) and "user-level-dp" not in tags(EXAMPLE_REPORT)
+    secret = dict(EXAMPLE_REPORT, noise_seed="os-entropy", no_guarantee=None)
+    assert "example-level-dp" in tags(secret) and "user-level-dp" not in tags(secret)
+    assert "no-privacy-guarantee" in tags(EXAMPLE_REPORT) and "example-level-dp" not in tags(EXAMPLE_REPORT)
     assert "differential-privacy" not in tags(NON_PRIVATE_REPORT)
     assert "non-private" in tags(NON_PRIVATE_REPORT)
 
@@ -210,7 +215,8 @@ def test_els_card_shows_group_privacy_beside_mog():
 
 
 def test_example_level_card_warns_users_are_not_protected():
-    text = render_privacy_card(EXAMPLE_REPORT, base_model="m").text
+    secret = dict(EXAMPLE_REPORT, noise_seed="os-entropy", no_guarantee=None, noise_source=ULS_REPORT["noise_source"])
+    text = render_privacy_card(secret, base_model="m").text
     assert "at the level of single\nexamples (rows)" in text
     assert "Example-level only: users are not protected as a whole." in text
     assert "Users with many rows." in text
@@ -218,9 +224,22 @@ def test_example_level_card_warns_users_are_not_protected():
 
 
 def test_fixed_noise_seed_voids_the_guarantee_in_the_card():
-    text = render_privacy_card(EXAMPLE_REPORT, base_model="m").text
-    assert "fixed seed for testing: 1234" in text
+    """Headline, metadata and the noise rows say plainly there is no guarantee; no sentence states one."""
+    card = render_privacy_card(EXAMPLE_REPORT, base_model="m")
+    text, metadata = card.text, card.data.to_dict()
+    assert "with DP-SGD but a fixed noise seed: **it carries NO privacy guarantee**" in text.split("##")[0]
+    assert "> **⚠️ No privacy guarantee.** The noise of this run was drawn from a fixed seed" in text
+    assert "Training satisfies" not in text and "-differential privacy at the level" not in text
+    assert metadata["privacy"]["no_guarantee"] is True and "no-privacy-guarantee" in metadata["tags"]
+    assert not {"differential-privacy", "example-level-dp", "user-level-dp"} & set(metadata["tags"])
+    assert "| Noise seed (`noise_seed`) | fixed seed for testing: 1234 — known, not a secret: NO privacy guarantee |" \
+        in text
+    assert "OS entropy" not in text.split("### Accounting")[0] and "noise_seed=1234 (NOT a secret" in text
+    assert "Nothing: the noise came from a fixed seed" in text
     assert "with a fixed seed this model has no effective privacy guarantee" in text
+    # A hand-built report with a fixed seed gets the label too, even without no_guarantee
+    unlabelled = {k: v for k, v in EXAMPLE_REPORT.items() if k != "no_guarantee"}
+    assert render_privacy_card(unlabelled, base_model="m").data.to_dict()["privacy"]["no_guarantee"] is True
 
 
 def test_non_private_card_says_there_is_no_guarantee():

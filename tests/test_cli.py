@@ -78,6 +78,11 @@ def test_plan_reads_a_data_file(tmp_path, capsys, suffix):
     # a σ so small that no mechanism's ε can be accounted: one line and status 2, not "Cannot compute epsilon"
     (["plan", "--users", "100", "--examples_per_user", "20", "--noise_multiplier", "1e-9"],
      "noise_multiplier=1e-09: so little noise"),
+    # an ε beyond the noise sampler's range: the largest it can state, in words, never "δ = inf" or "+ 2e+08"
+    ([*BASE, "--users", "300", "--examples_per_user", "4", "--target_epsilon", "100"],
+     "target_epsilon = 100 is beyond what the noise sampler can state"),
+    ([*BASE, "--users", "300", "--examples_per_user", "4", "--target_epsilon", "1e6"],
+     "the largest ε this plan can state; ask for ε ≤ "),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     assert _exit_code(argv) == 2
@@ -86,6 +91,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     assert match in err
     assert len(err.strip().splitlines()) == 1
     assert "Traceback" not in err and "Cannot compute epsilon" not in err + captured.out
+    assert "= inf" not in err and "+ 2e+" not in err
     assert captured.out == ""  # no plan printed
 
 

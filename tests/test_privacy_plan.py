@@ -99,8 +99,21 @@ def test_a_plan_whose_noise_sampler_adds_more_than_one_percent_of_delta_is_refus
     plan, _ = plan_for(tmp_path)
     assert plan.noise_draws_per_step == 1000 + 2  # the parameters, the logged loss and clipped count
     args = make_args(tmp_path, max_steps=20, expected_batch_size=10, target_epsilon=4.0, contribution_bound=3)
-    with pytest.raises(ValueError, match="finite support .* more than 1% of δ.*fewer steps or fewer parameters"):
+    with pytest.raises(ValueError, match="noise sampler.* 1% of δ.*for no ε at all; train fewer steps or fewer "
+                                         "parameters"):
         plan_privacy(args, user_partition(KEPT, contribution_bound=3), noised_elements=10**44)
+
+
+def test_a_target_beyond_the_samplers_range_is_refused_naming_the_largest_it_can_state(tmp_path):
+    """ε = 90 passes the arguments' any-model limit (94 at δ = 1e-5) but not this plan's draws: one line naming
+    the largest ε this plan can state, never "δ = inf"."""
+    args = make_args(tmp_path, max_steps=20, expected_batch_size=10, target_epsilon=90.0, target_delta=1e-5,
+                     contribution_bound=3)
+    with pytest.raises(ValueError, match=r"^target_epsilon = 90 is beyond what the noise sampler can state.*ask for "
+                                         r"ε ≤ \d+\.\d, or train fewer steps or fewer parameters, or raise "
+                                         r"--target_delta\.$") as error:
+        plan_privacy(args, user_partition(KEPT, contribution_bound=3), noised_elements=10**9)
+    assert "inf" not in str(error.value)
 
 
 def test_a_given_noise_that_outlasts_the_target_warns_that_training_stops_early(tmp_path, caplog):

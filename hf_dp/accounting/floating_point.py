@@ -27,7 +27,7 @@ import math
 from scipy import stats
 
 __all__ = ["NOISE_REACH", "TAIL_PER_DRAW", "sampler_delta", "support_floor", "check_sampler_delta",
-           "MAX_SAMPLER_DELTA_SHARE"]
+           "MAX_SAMPLER_DELTA_SHARE", "max_sampler_epsilon", "sampler_range_error", "check_sampler_range"]
 
 TAIL_BITS = 159  # bits of the uniform u₁ that sets a draw's radius
 TAIL_PER_DRAW = 2.0 ** -TAIL_BITS  # P(R > NOISE_REACH) for a Gaussian pair: the mass each draw leaves out
@@ -64,13 +64,48 @@ def support_floor(*, sample_rate: float, noise_multiplier: float, steps: int, re
     return -math.expm1(steps * math.log1p(-per_step))
 
 
-def check_sampler_delta(*, epsilon: float, delta: float, draws: float) -> float:
-    """δ_fp for a plan, or a one-line `ValueError` when it exceeds `MAX_SAMPLER_DELTA_SHARE` of δ."""
-    added = sampler_delta(epsilon=epsilon, delta=delta, draws=draws)
-    if not added <= MAX_SAMPLER_DELTA_SHARE * delta:
-        raise ValueError(
-            f"The noise sampler's finite support (draws reach {NOISE_REACH:.2f}σ) adds δ = {added:.3g} over "
-            f"{draws:.3g} draws at ε = {epsilon:.3g}, more than {MAX_SAMPLER_DELTA_SHARE:.0%} of δ = {delta:.3g}: "
-            "train fewer steps or fewer parameters, raise the noise (a smaller ε), or raise --target_delta."
-        )
-    return added
+def max_sampler_epsilon(*, delta: float, draws: float, share: float = MAX_SAMPLER_DELTA_SHARE,
+                        tail_per_draw: float = TAIL_PER_DRAW) -> float:
+    """The largest ε at which `draws` draws add at most `share`·δ: δ_fp = (e^ε + δ)·p/(1 − p) ≤ share·δ gives
+    ε ≤ ln(share·δ·(1 − p)/p − δ). `-inf` when no ε ≥ 0 is left (so many draws that even ε = 0 passes it).
+
+    Computed in logarithms: never overflows, whatever ε the caller has in mind.
+    """
+    p = draws * tail_per_draw
+    if p >= 1:
+        return -math.inf
+    if p <= 0:
+        return math.inf
+    room = share * delta * (1 - p) / p - delta  # what e^ε may reach
+    return math.log(room) if room >= 1 else -math.inf
+
+
+def sampler_range_error(*, epsilon: float, delta: float, draws: float, what: str = "ε") -> str | None:
+    """One line refusing an ε beyond what the noise sampler can state at this plan (naming the largest it can, and
+    why), or `None` when `epsilon` is within it."""
+    largest = max_sampler_epsilon(delta=delta, draws=draws)
+    if epsilon <= largest:
+        return None
+    why = (f"its draws reach {NOISE_REACH:.2f}σ, so over this plan's {draws:.3g} draws the δ they add, "
+           f"(e^ε + δ)·p/(1 − p) with p = draws·2⁻¹⁵⁹, stays within {MAX_SAMPLER_DELTA_SHARE:.0%} of δ = {delta:.3g}")
+    if largest == -math.inf:
+        return (f"{what} = {epsilon:.4g} cannot be stated by the noise sampler: {why} for no ε at all; train fewer "
+                "steps or fewer parameters, or raise --target_delta.")
+    shown = math.floor(largest * 10) / 10
+    return (f"{what} = {epsilon:.4g} is beyond what the noise sampler can state: {why} only up to ε = {shown:.1f}, "
+            f"the largest ε this plan can state; ask for ε ≤ {shown:.1f}, or train fewer steps or fewer parameters, or "
+            "raise --target_delta.")
+
+
+def check_sampler_delta(*, epsilon: float, delta: float, draws: float, what: str = "ε") -> float:
+    """δ_fp for a plan, or a one-line `ValueError` naming the largest ε the sampler can state
+    ([`max_sampler_epsilon`]) when `epsilon` is beyond it (δ_fp above `MAX_SAMPLER_DELTA_SHARE` of δ)."""
+    check_sampler_range(epsilon=epsilon, delta=delta, draws=draws, what=what)
+    return sampler_delta(epsilon=epsilon, delta=delta, draws=draws)
+
+
+def check_sampler_range(*, epsilon: float, delta: float, draws: float, what: str = "ε") -> None:
+    """Raise [`sampler_range_error`]'s one line as a `ValueError` when `epsilon` is beyond the sampler's range."""
+    message = sampler_range_error(epsilon=epsilon, delta=delta, draws=draws, what=what)
+    if message is not None:
+        raise ValueError(message)

@@ -43,7 +43,7 @@ from hf_dp.accounting.adaptive_noise import (
     gradient_noise_multiplier,
     resolve_count_noise,
 )
-from hf_dp.accounting.floating_point import sampler_delta
+from hf_dp.accounting.floating_point import check_sampler_range, sampler_delta
 from hf_dp.vocabulary import MECHANISMS
 
 __all__ = [
@@ -442,7 +442,8 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
 
     Raises:
         ValueError: a one-line message saying what to change (ε ≤ 0, δ ≥ 1/users, fewer than 2 users, a sample
-            rate above 1, negative counts, a fixed σ so small that no mechanism's ε can be accounted, ...).
+            rate above 1, negative counts, a fixed σ so small that no mechanism's ε can be accounted, a target ε
+            beyond the noise sampler's range at the rows' smallest δ ([`~hf_dp.accounting.floating_point`]), ...).
 
     Example:
         >>> rows = plan(users=1000, examples_per_user=20, examples_per_step=64, steps=300, target_epsilon=4.0)
@@ -503,6 +504,7 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
                          "(it is beyond the accountant's range, effectively unbounded); raise --noise_multiplier "
                          "(σ around 0.5-2 is typical) or leave it unset to get the σ each mechanism needs.")
     draws = steps * (_positive(trainable_parameters, "trainable_parameters") + 2)  # + the logged loss and count
+    check_sampler_range(epsilon=target, delta=min(r["delta"] for r in rows), draws=draws, what="target_epsilon")
     for row in rows:
         del row["skip"], row["unbounded"]
         row["sampler_delta"] = sampler_delta(epsilon=target, delta=row["delta"], draws=draws)

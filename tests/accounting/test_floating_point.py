@@ -11,8 +11,11 @@ from scipy import integrate, stats
 from hf_dp.accounting.floating_point import (
     NOISE_REACH,
     TAIL_PER_DRAW,
+    MAX_SAMPLER_DELTA_SHARE,
     check_sampler_delta,
+    max_sampler_epsilon,
     sampler_delta,
+    sampler_range_error,
     support_floor,
 )
 
@@ -109,5 +112,35 @@ def test_a_plan_whose_sampler_term_passes_one_percent_of_delta_is_refused():
     assert check_sampler_delta(epsilon=8.0, delta=1e-5, draws=10**16) < 1e-20
     with pytest.raises(ValueError, match="fewer steps or fewer parameters"):
         check_sampler_delta(epsilon=8.0, delta=1e-10, draws=10**34)
-    with pytest.raises(ValueError, match="raise the noise"):  # only a vacuous ε gets there at realistic sizes
+    with pytest.raises(ValueError, match="the largest ε this plan can state; ask for ε ≤ 61.8"):  # a vacuous ε
         check_sampler_delta(epsilon=80.0, delta=1e-5, draws=10**14)
+
+
+@pytest.mark.parametrize("delta, draws", [(1e-5, 10**12), (1.3e-4, 60 * 10**6), (1e-9, 10**18), (0.1, 1)])
+def test_the_largest_epsilon_the_sampler_states_is_where_its_delta_reaches_its_share(delta, draws):
+    """At the largest ε the sampler's δ is its share of δ (to rounding), above it more: the limit is exact."""
+    largest = max_sampler_epsilon(delta=delta, draws=draws)
+    assert 30 < largest < 110
+    assert sampler_delta(epsilon=largest, delta=delta, draws=draws) == pytest.approx(MAX_SAMPLER_DELTA_SHARE * delta,
+                                                                                       rel=1e-9)
+    assert sampler_delta(epsilon=largest + 0.01, delta=delta, draws=draws) > MAX_SAMPLER_DELTA_SHARE * delta
+    assert check_sampler_delta(epsilon=largest - 0.01, delta=delta, draws=draws) <= MAX_SAMPLER_DELTA_SHARE * delta
+    assert sampler_range_error(epsilon=largest - 0.01, delta=delta, draws=draws) is None
+
+
+@pytest.mark.parametrize("epsilon", [100.0, 1000.0, 1e6, math.inf])
+def test_an_epsilon_beyond_the_sampler_is_refused_in_one_line_naming_the_largest(epsilon):
+    """Never "δ = inf" or an overflow: one line that says why and names the largest ε, rounded down."""
+    largest = max_sampler_epsilon(delta=1e-5, draws=10**12)
+    with pytest.raises(ValueError) as error:
+        check_sampler_delta(epsilon=epsilon, delta=1e-5, draws=10**12)
+    message = str(error.value)
+    assert "\n" not in message and "beyond what the noise sampler can state" in message
+    assert f"ask for ε ≤ {math.floor(largest * 10) / 10:.1f}" in message and "14.85σ" in message
+    assert "δ = inf" not in message and "e+0" not in message.split("draws")[1]
+
+
+def test_so_many_draws_that_no_epsilon_is_left_says_so():
+    assert max_sampler_epsilon(delta=1e-5, draws=10**44) == -math.inf
+    with pytest.raises(ValueError, match="for no ε at all; train fewer steps or fewer parameters"):
+        check_sampler_delta(epsilon=1.0, delta=1e-5, draws=10**44)

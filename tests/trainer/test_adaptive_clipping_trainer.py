@@ -332,7 +332,7 @@ def test_report_and_card_state_how_the_clipping_norm_was_chosen(tmp_path, adapti
     assert "| Clipping norm C (`max_grad_norm`) |" not in text
     privacy = metadata_load(out / "README.md")["privacy"]
     assert privacy["adaptive_clipping"] is True and privacy["final_max_grad_norm"] == report["final_max_grad_norm"]
-    assert check_privacy_card(out)["epsilon"] == pytest.approx(report["epsilon"])  # publish accepts it
+    assert check_privacy_card(out, no_guarantee=True)["epsilon"] == pytest.approx(report["epsilon"])  # fixed seed
 
 
 def test_a_fixed_norm_report_says_so(tmp_path):

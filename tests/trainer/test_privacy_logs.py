@@ -159,7 +159,7 @@ def test_counts_are_rounded_and_the_card_says_they_are_not_covered(tmp_path):
 
 
 def test_trainer_saves_the_ledger_with_the_card_and_publish_accepts_it(tmp_path):
-    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer = make_trainer(tmp_path, max_steps=2, noise_seed=None)  # secret noise: a card publish accepts
     trainer.train()
     out = tmp_path / "out"
     ledger = json.loads((out / LEDGER_FILE).read_text())

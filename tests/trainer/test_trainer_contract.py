@@ -138,7 +138,7 @@ def test_a_causal_lm_by_another_name_trains_with_the_shifted_loss(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    trainer = make_trainer(tmp_path_factory.mktemp("card"), max_steps=1)
+    trainer = make_trainer(tmp_path_factory.mktemp("card"), max_steps=1, noise_seed=None)  # secret noise: a guarantee
     trainer.train()
     return trainer
 
@@ -197,7 +197,8 @@ def test_the_mixin_trains_another_trainer_subclass_with_dp(tmp_path):
     trainer.train()
     assert trainer.accountant.steps == 2 and 0 < trainer.privacy_report()["epsilon"] <= 8.0
     assert sum("dp/epsilon" in logs for logs in trainer.seen) == 2  # the base's override sees the DP logs
-    assert check_privacy_card(tmp_path / "out")["epsilon"] == pytest.approx(trainer.privacy_report()["epsilon"])
+    assert check_privacy_card(tmp_path / "out", no_guarantee=True)["epsilon"] == pytest.approx(
+        trainer.privacy_report()["epsilon"])  # a fixed seed: accepted only as carrying no guarantee
 
 
 # ---- Trainer features that keep working ---------------------------------------------------------------------------

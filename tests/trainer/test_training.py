@@ -55,7 +55,8 @@ def test_modes_report_the_epsilon_a_fresh_accountant_computes(tmp_path, override
     assert {"dp/noise_multiplier", "dp/sample_rate", "dp/clipped_fraction"} <= set(logged[-1])
     assert "dp/batch_units" not in logged[-1]  # the sampled size is data-dependent: never logged
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "differential-privacy" in card and f"{report['epsilon']:.2f}" in card
+    assert "dp-sgd" in card and f"{report['epsilon']:.2f}" in card
+    assert "no-privacy-guarantee" in card and "differential-privacy" not in card  # a fixed noise_seed: no guarantee
 
 
 # ---- every step trains on the Poisson sample and adds the noise ---------------------------------------------------

@@ -1047,3 +1047,16 @@ def test_a_train_tab_chat_run_keeps_its_adapter_not_a_merged_model(monkeypatch, 
     columns = app.compare_view(tmp_path, f"{app.APP_RUNS_DIR}/app-chat-uls", "once more",
                                app.Decoding(max_new_tokens=4))["columns"]
     assert len(columns) == 2 and all(c["status"] == "done" for c in columns), columns
+
+
+@pytest.mark.parametrize("epsilon", [100.0, 1000.0, 1e6])
+def test_budget_tab_refuses_an_epsilon_beyond_the_sampler_in_one_line(results, epsilon):
+    """ε = 100 once read "δ = 0.00013 + 2e+08", ε = 1000 "+ ∞": now one line naming the largest ε the sampler can
+    state at this plan, and no stale table; ε = 60 is within it."""
+    headline, table, state = budget_state(results, epsilon)
+    line = warning_line(headline)
+    assert headline == line and table == "" and state is None
+    assert "beyond what the noise sampler can state" in line and "the largest ε this plan can state" in line
+    assert re.search(r"ask for ε ≤ \d+\.\d", line) and "∞" not in line and "e+0" not in line.split("draws")[1]
+    within, _ = budget(results, 60.0)
+    assert "beyond" not in within and "δ = 0.0001 + " in within
