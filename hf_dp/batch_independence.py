@@ -38,7 +38,7 @@ def check_batch_independence(model: nn.Module, features: dict | None = None, *, 
 
     Outputs are compared to 10⁻⁴ of their scale, or 2·10⁻² when the forward pass computes in half precision
     (`half_precision`: autocast or FSDP2's bf16 parameters, whose rounding depends on the padded shape; also assumed
-    for half-precision outputs or weights).
+    for half-precision outputs or weights, and for float32 matmuls in TF32).
 
     The probe trains nothing and releases nothing (its only outcome is refusing to train), so it spends
     no privacy budget; RNG state, buffers and train/eval mode are restored afterwards.
@@ -55,10 +55,17 @@ def check_batch_independence(model: nn.Module, features: dict | None = None, *, 
             )
     if features:
         inputs = {k: v for k, v in features.items() if k != "labels"}
-        half = half_precision or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+        half = half_precision or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) \
+            or _reduced_float32_matmul()
         _probe(model, inputs, half)
         _padding_probe(model, inputs, half)
         _row_count_probe(model, inputs, half)
+
+
+def _reduced_float32_matmul() -> bool:
+    """float32 matmuls computed with fewer mantissa bits (TF32, `tf32=True`, or a float32 matmul precision below
+    "highest"), whose rounding follows the batch's shape as half precision's does."""
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
 def _tolerance(output: torch.Tensor, half: bool) -> float:

@@ -226,9 +226,9 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
                          "restart the optimizer from scratch, so the run would differ from an uninterrupted one. "
                          "Resume from a full checkpoint, or start a new run from these weights.")
     if not os.path.isfile(os.path.join(saved.folder, SCHEDULER_NAME)):
-        raise ValueError(f"{saved.folder} holds no scheduler state ({SCHEDULER_NAME}): resuming would restart the learning "
-                         "rate schedule, so the run would differ from an uninterrupted one. Resume from a complete "
-                         "checkpoint, or start a new run from these weights.")
+        raise ValueError(f"{saved.folder} holds no scheduler state ({SCHEDULER_NAME}): resuming would restart the "
+                         "learning rate schedule, so the run would differ from an uninterrupted one. Resume from a "
+                         "complete checkpoint, or start a new run from these weights.")
     current = plan.fingerprint(args)
     saved_config = {**ADDED_FIELDS, **saved.config}  # a checkpoint from before a field existed had its default
     changed = {k: (saved_config.get(k), v) for k, v in current.items() if not same(saved_config.get(k), v)}

@@ -68,9 +68,11 @@ def _check_order(data_collator, examples: list, singles: list, order: list, draw
 
 def _check_packed(data_collator, singles: list, order: list, batch: dict, drawn: set) -> None:
     """A packing collator's one row must be the rows collated alone, concatenated in the order given (compared on
-    the keys it does not draw at random)."""
+    the tokens, labels and positions it does not draw at random; an index of each token's example, such as
+    `seq_idx`, counts from 0 in every single and is not compared)."""
     for key, value in batch.items():
-        if key in drawn or not (torch.is_tensor(value) and value.dim() == 2 and value.shape[0] == 1):
+        if key in drawn or key not in _PACKED_KEYS or not (torch.is_tensor(value) and value.dim() == 2
+                                                           and value.shape[0] == 1):
             continue
         parts = [singles[i].get(key) for i in order]
         if all(torch.is_tensor(p) and p.dim() == 2 for p in parts) and not torch.equal(torch.cat(parts, 1), value):
@@ -129,12 +131,13 @@ def _distinct_examples(dataset, rows: int, scan: int) -> list[dict]:
     return (chosen + rest)[:rows]
 
 
+_PACKED_KEYS = ("input_ids", "labels", "position_ids")
 _MOVED = ("The data collator ({collator}) returned the row given at position {given} at position {returned}: it "
           "changes the order of a batch's rows (reversed, sorted or shuffled), and DP training matches each row to "
           "its user by position, so rows would be clipped under other users. Make the collator keep the order of the "
           "examples it receives (sort or shuffle the dataset before training instead).")
-_MOVED_PACKED = ("The data collator ({collator}) packed the rows it was given in another order ({key!r} is not the rows "
-                 "concatenated in order): DP training matches each packed example to its user by position, so "
+_MOVED_PACKED = ("The data collator ({collator}) packed the rows it was given in another order ({key!r} is not the "
+                 "rows concatenated in order): DP training matches each packed example to its user by position, so "
                  "examples would be clipped under other users. Make the collator keep the order of the examples it "
                  "receives.")
 

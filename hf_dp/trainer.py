@@ -96,8 +96,8 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
         model_rows = self._remove_unused_columns(self.partition.dataset, description="training")
-        self._probe = compatibility.probe_batch(model_rows, self.data_collator,
-                                                rows=max(2, self.args.per_device_train_batch_size), device=self.args.device)
+        self._probe = compatibility.probe_batch(model_rows, self.data_collator, device=self.args.device,
+                                                rows=max(2, self.args.per_device_train_batch_size))
         check_row_order(model_rows, self.data_collator)  # rows reach the clipper with their own unit
         check_batch_independence(self.model, self._probe)  # again at the first step, on the model as it trains
         compatibility.check_loss_func(self.model, self.compute_loss_func, self.data_collator, self._probe)

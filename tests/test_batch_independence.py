@@ -141,3 +141,18 @@ def test_a_single_probe_row_is_still_compared_with_batches_of_other_sizes():
     with pytest.raises(ValueError, match="number of rows"):
         check_batch_independence(model, features)
     handle.remove()
+
+
+def test_float32_matmuls_in_tf32_get_the_half_precision_tolerance():
+    """TF32 rounding follows the batch's shape, as bf16's does: a shift of 10⁻³ with the row count is refused in
+    full float32 and within tolerance once float32 matmuls may use TF32."""
+    model = tiny_model("bert")
+    features = model_inputs(tiny_batch(batch_size=4))
+    model.classifier.register_forward_hook(lambda module, args, output: output + 1e-3 * math.sin(output.shape[0]))
+    with pytest.raises(ValueError, match="number of rows"):
+        check_batch_independence(model, features)
+    try:
+        torch.set_float32_matmul_precision("high")
+        check_batch_independence(model, features)
+    finally:
+        torch.set_float32_matmul_precision("highest")
