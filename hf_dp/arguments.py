@@ -22,7 +22,8 @@ class DPTrainingArguments(TrainingArguments):
 
     Every field below affects accounting unless marked otherwise. Invalid values raise `ValueError` at
     construction (and again in [`DPTrainer`], for fields set afterwards), one line per field saying what to
-    change; checks that need the data (δ < 1/units, sample rate ≤ 1) happen in [`DPTrainer`].
+    change; checks that need the data (δ < 1/units, sample rate ≤ 1) happen in [`DPTrainer`]. The trainer works on a
+    copy, whose privacy fields are frozen once its plan is made (`trainer.args.target_epsilon = ...` is refused).
 
     Parameters:
         > Privacy
