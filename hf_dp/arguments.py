@@ -23,7 +23,8 @@ class DPTrainingArguments(TrainingArguments):
 
     Every field below affects accounting unless marked otherwise. Invalid values raise `ValueError` at
     construction (and again in [`DPTrainer`], for fields set afterwards), one line per field saying what to
-    change; checks that need the data (δ < 1/units, sample rate ≤ 1) happen in [`DPTrainer`].
+    change; checks that need the data (δ < 1/units, sample rate ≤ 1) happen in [`DPTrainer`]. The trainer works on a
+    copy, whose privacy fields are frozen once its plan is made (`trainer.args.target_epsilon = ...` is refused).
 
     Parameters:
         > Privacy
@@ -297,8 +298,33 @@ class DPTrainingArguments(TrainingArguments):
         if args.include_num_input_tokens_seen not in ("no", False, None):
             raise ValueError("include_num_input_tokens_seen: the exact number of tokens in each Poisson sample is "
                              "data-dependent and not covered by ε; set it to 'no' for DP training.")
+        if self.skip_memory_metrics is False:
+            raise ValueError("skip_memory_metrics=False: transformers' memory metrics (train_mem_*_delta) grow with "
+                             "each step's Poisson sample and its rows' lengths, so they are computed from the data and "
+                             "not noised, outside what ε covers; leave skip_memory_metrics=True for DP training.")
         args.ignore_data_skip = True  # sampling resumes from the ledger's step: no batches to skip
         return args
+
+    def freeze_privacy_fields(self) -> None:
+        """Refuse any later change of a privacy field ([`PRIVACY_FIELDS`]): the trainer freezes its copy once its
+        privacy plan is made, since the plan (σ, q, steps) would not follow the change but the report and the card
+        would state it."""
+        self.__dict__["_privacy_fields_frozen"] = True
+
+    def __setattr__(self, name, value):
+        if name in PRIVACY_FIELDS and self.__dict__.get("_privacy_fields_frozen") and name in self.__dict__ \
+                and not _same_value(self.__dict__[name], value):
+            raise ValueError(
+                f"{name}={value!r} set after the DP trainer was built (it planned with {self.__dict__[name]!r}): the "
+                "privacy plan, the ledger and the card are fixed at construction, so the change would be ignored "
+                f"while the card stated it; set {name} in the arguments before building the trainer.")
+        super().__setattr__(name, value)
+
+    def __getstate__(self):
+        """Copies and pickles (`training_args.bin`) are not frozen."""
+        state = dict(self.__dict__)
+        state.pop("_privacy_fields_frozen", None)
+        return state
 
     def validate_privacy_fields(self) -> None:
         """Check the privacy fields (and the Trainer fields DP training constrains); normalise `contribution_bound`
@@ -461,6 +487,18 @@ _DEEPSPEED = ("deepspeed (a --deepspeed config, or accelerate launch with a Deep
               "backward pass and the gradient reduction, which DP training replaces, so DP training refuses it "
               "whether or not DeepSpeed is installed; shard with FSDP2 instead (accelerate launch --config_file "
               "recipes/configs/fsdp.yaml), or drop the DeepSpeed config for DDP.")
+
+
+# The fields a trainer's privacy plan, ledger and card are made from: DPTrainingArguments' own, and C.
+PRIVACY_FIELDS = frozenset({name for name in DPTrainingArguments.__dataclass_fields__
+                            if name not in TrainingArguments.__dataclass_fields__} | {"max_grad_norm"})
+
+
+def _same_value(old, new) -> bool:
+    try:
+        return old is new or bool(old == new)
+    except Exception:  # e.g. an array's ambiguous truth value
+        return False
 
 
 def _env_true(name: str) -> bool:

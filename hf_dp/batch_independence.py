@@ -4,10 +4,13 @@ DP-SGD bounds each unit's influence by clipping that unit's own gradient. A laye
 examples of a batch (BatchNorm in train mode, a layer subtracting the batch mean) lets one user move
 every other example's loss, so the clipped sum moves by more than C and the noise no longer covers it.
 So does a forward pass that depends on the batch's padded length (NEFTune scales its embedding noise by
-it): the longest row of a micro-batch, someone else's, then changes every row's output.
+it): the longest row of a micro-batch, someone else's, then changes every row's output; and one that depends on the
+batch's number of rows (a hook reading the batch's shape): whether one more user is sampled then moves every other
+example's output.
 
 The trainer probes the model twice: at construction, and on the model as it trains (after the base
-trainer has attached its own hooks, in its `train`), so that a hook attached late is probed too.
+trainer has attached its own hooks, in its `train`, and the callbacks' `on_train_begin` has run), so that a hook
+attached late is probed too. Code attached after the first step is never probed.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ def check_batch_independence(model: nn.Module, features: dict | None = None, *, 
     InstanceNorm with `track_running_stats`, whose running statistics are released with the model); then,
     when `features` (a collated micro-batch, on the model's device) holds two distinct rows, a probe: two
     forward passes under `no_grad` in train mode from the same RNG state (same dropout masks), the second
-    with row 0 replaced by another row. Every other row's output must be unchanged.
+    with row 0 replaced by another row: every other row's output must be unchanged. Then, with dropout off: the rows
+    padded to a longer width must give the same outputs where their mask is 1, and row 0 alone must give the same
+    output as row 0 inside batches of 3 and 8 rows (the other rows repeated as needed): nothing may depend on the
+    batch's padded length or number of rows.
 
     Outputs are compared to 10⁻⁴ of their scale, or 2·10⁻² when the forward pass computes in half precision
     (`half_precision`: autocast or FSDP2's bf16 parameters, whose rounding depends on the padded shape; also assumed
-    for half-precision outputs or weights).
+    for half-precision outputs or weights, and for float32 matmuls in TF32).
 
     The probe trains nothing and releases nothing (its only outcome is refusing to train), so it spends
     no privacy budget; RNG state, buffers and train/eval mode are restored afterwards.
@@ -49,9 +55,17 @@ def check_batch_independence(model: nn.Module, features: dict | None = None, *, 
             )
     if features:
         inputs = {k: v for k, v in features.items() if k != "labels"}
-        half = half_precision or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+        half = half_precision or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) \
+            or _reduced_float32_matmul()
         _probe(model, inputs, half)
         _padding_probe(model, inputs, half)
+        _row_count_probe(model, inputs, half)
+
+
+def _reduced_float32_matmul() -> bool:
+    """float32 matmuls computed with fewer mantissa bits (TF32, `tf32=True`, or a float32 matmul precision below
+    "highest"), whose rounding follows the batch's shape as half precision's does."""
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
 def _tolerance(output: torch.Tensor, half: bool) -> float:
@@ -170,6 +184,56 @@ def _padding_probe(model: nn.Module, features: dict, half: bool = False, extra: 
             "dropout (e.g. NEFTune's embedding noise, neftune_noise_alpha), so one user's rows change every other "
             "user's; DP-SGD's per-unit sensitivity bound no longer holds. Remove that hook or setting."
         )
+
+
+def _row_count_probe(model: nn.Module, features: dict, half: bool = False, sizes: tuple = (3, 8)) -> None:
+    """Row 0 alone, then first in batches of `sizes` rows (the rows cycled), must give the same output, in train mode
+    with dropout off: nothing may depend on how many rows (how many sampled users) a batch holds."""
+    rows = {k: v for k, v in features.items() if torch.is_tensor(v) and v.dim() > 0}
+    counts = {v.shape[0] for v in rows.values()}
+    if len(counts) != 1 or min(counts) < 1:
+        return
+    count = counts.pop()
+    outputs = {size: _forward_without_dropout(model, _cycled(features, rows, size, count)) for size in (1, *sizes)}
+    alone = outputs.pop(1)
+    if alone is None or alone.shape[0] != 1:
+        return
+    tolerance = _tolerance(alone, half)
+    scale = alone.float().abs().max().item()
+    for size, output in outputs.items():
+        if output is None or output.shape[0] != size or output.shape[1:] != alone.shape[1:]:
+            continue
+        moved = (output[:1].float() - alone.float()).abs().max().item()
+        if moved > tolerance * (1.0 + scale):
+            raise ValueError(
+                f"The same example gave another output alone than in a batch of {size} rows (by up to {moved:.3g}): "
+                f"this {type(model).__name__}'s forward pass depends on the batch's number of rows (e.g. a hook or "
+                "layer reading the batch's shape), so whether one more user is sampled changes every other user's "
+                "output and DP-SGD's per-unit sensitivity bound no longer holds. Remove that hook or layer."
+            )
+
+
+def _cycled(features: dict, rows: dict, size: int, count: int) -> dict:
+    """`features` with `size` rows: row 0 first, then the others in order, cycled."""
+    index = torch.arange(size) % count
+    return {k: (v.index_select(0, index.to(v.device)) if k in rows else v) for k, v in features.items()}
+
+
+def _forward_without_dropout(model: nn.Module, features: dict) -> torch.Tensor | None:
+    """The output of one forward pass under `no_grad` in train mode with dropout off; RNG state, buffers and the
+    train/eval mode restored."""
+    was_training = model.training
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _WithoutDropout():
+            return _output(model(**features))
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
 
 def _pad_id(model: nn.Module, input_ids, mask) -> int:

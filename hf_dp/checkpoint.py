@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 from safetensors import SafetensorError
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import accounting
@@ -243,6 +243,10 @@ def check_saved_run(saved: SavedRun, plan: PrivacyPlan, args: DPTrainingArgument
         raise ValueError(f"{saved.folder} holds no optimizer state (saved with save_only_model=True): resuming would "
                          "restart the optimizer from scratch, so the run would differ from an uninterrupted one. "
                          "Resume from a full checkpoint, or start a new run from these weights.")
+    if not os.path.isfile(os.path.join(saved.folder, SCHEDULER_NAME)):
+        raise ValueError(f"{saved.folder} holds no scheduler state ({SCHEDULER_NAME}): resuming would restart the "
+                         "learning rate schedule, so the run would differ from an uninterrupted one. Resume from a "
+                         "complete checkpoint, or start a new run from these weights.")
     current = plan.fingerprint(args)
     saved_config = {**ADDED_FIELDS, **saved.config}  # a checkpoint from before a field existed had its default
     changed = {k: (saved_config.get(k), v) for k, v in current.items() if not same(saved_config.get(k), v)}

@@ -54,13 +54,14 @@ def base_model(model):
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, *, causal_lm: bool) -> torch.Tensor:
     """Loss of each example, shape (B,), in float32.
 
-    Sequence classification: cross-entropy (regression: squared error when one output).
+    Sequence classification: cross-entropy; a one-output head is a regression head (transformers' `problem_type`
+    rule for `num_labels=1`): squared error, whatever the labels' dtype (integer targets included).
     Token-level heads: mean cross-entropy over the example's labelled tokens (-100 ignored), after the
     next-token shift for causal LMs. An example with no labelled token has loss 0.
     """
     if logits.dim() == 2:
-        if logits.shape[-1] == 1 and labels.is_floating_point():
-            return (logits.squeeze(-1).float() - labels.float()) ** 2
+        if logits.shape[-1] == 1:
+            return (logits.squeeze(-1).float() - labels.float().reshape(logits.shape[0])) ** 2
         return F.cross_entropy(logits.float(), labels, reduction="none")
     if causal_lm:
         logits, labels = logits[:, :-1], labels[:, 1:]

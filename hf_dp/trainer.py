@@ -27,11 +27,13 @@ from .callbacks import PrivacyProgress, agree_on_jit_saves
 from .clipping import GhostClipper
 from .clipping.adaptive import QuantileTracker
 from .data import check_user_column
+from .guards import PrivacyGuards
 from .losses import PACKED_NEEDS_TOKEN_HEAD, base_model, is_causal_lm
 from .mechanisms import get_mechanism
 from .noise import fresh_seed
 from .privacy_plan import PrivacyPlan, plan_privacy
 from .report import PrivacyReporting
+from .row_order import check_row_order
 from .sampling import PoissonBatchSampler
 from .step import DPStep, StepSettings
 
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DPTrainerMixin", "DPTrainer", "PrivacyPlan"]
 
 
-class DPTrainerMixin(PrivacyReporting):
+class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
     """User-level (or example-level) DP-SGD for a `transformers.Trainer` subclass: `class T(DPTrainerMixin, Base)`.
 
     Takes the base trainer's constructor arguments (`model, args, data_collator, train_dataset, ...`, `args` a
@@ -96,9 +98,10 @@ class DPTrainerMixin(PrivacyReporting):
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
-        self._probe = compatibility.probe_batch(
-            self._remove_unused_columns(self.partition.dataset, description="training"), self.data_collator,
-            rows=max(2, self.args.per_device_train_batch_size), device=self.args.device)
+        model_rows = self._remove_unused_columns(self.partition.dataset, description="training")
+        self._probe = compatibility.probe_batch(model_rows, self.data_collator, device=self.args.device,
+                                                rows=max(2, self.args.per_device_train_batch_size))
+        check_row_order(model_rows, self.data_collator)  # rows reach the clipper with their own unit
         check_batch_independence(self.model, self._probe)  # again at the first step, on the model as it trains
         compatibility.check_loss_func(self.model, self.compute_loss_func, self.data_collator, self._probe)
         self.clipper = GhostClipper(self.model)
@@ -111,6 +114,7 @@ class DPTrainerMixin(PrivacyReporting):
         self._plan_step()
         self.add_callback(PrivacyProgress(self))
         agree_on_jit_saves(self)
+        self.args.freeze_privacy_fields()  # the plan is made: a privacy field changed now is refused
         logger.info("DP plan: %s", self.privacy_plan)
 
     # ---- setup: one sequence for a fresh run and a resumed one -------------------------------------------------

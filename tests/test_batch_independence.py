@@ -3,12 +3,15 @@ passes transformers models, with dropout, and leaves no trace."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
+from hf_dp import batch_independence
 from hf_dp.batch_independence import check_batch_independence
-from tiny_models import model_inputs, tiny_batch, tiny_model, with_dropout
+from tiny_models import ARCHITECTURES, HEADS, model_inputs, tiny_batch, tiny_model, with_dropout
 from trainer_fixtures import ChannelFirst, MeanCentering, PooledClassifier, frozen
 
 
@@ -93,3 +96,63 @@ def test_the_padding_probe_catches_noise_scaled_by_the_padded_length(arch, head)
 def test_the_padding_probe_passes_per_example_models_with_dropout_either_padding_side(arch, head, padding_side):
     model = with_dropout(arch) if arch in ("bert", "gpt2") else tiny_model(arch, head)
     check_batch_independence(model, model_inputs(tiny_batch(head=head, padding_side=padding_side)))
+
+
+# ---- a forward pass that depends on the batch's number of rows is refused -----------------------------------------
+
+
+def _row_count_hook(model: nn.Module):
+    """Adds 2·sin(B) to the logits, B the batch's number of rows: the same for every row, so swapping a row or
+    padding the batch moves nothing."""
+    head = model.classifier if hasattr(model, "classifier") else model.get_output_embeddings()
+    return head.register_forward_hook(lambda module, args, output: output + 2 * math.sin(output.shape[0]))
+
+
+@pytest.mark.parametrize("arch, head", [("bert", "seq_cls"), ("llama", "causal_lm")])
+def test_the_row_count_probe_catches_an_output_that_follows_the_number_of_rows(arch, head):
+    model = tiny_model(arch, head)
+    features = model_inputs(tiny_batch(head=head, batch_size=4))
+    handle = _row_count_hook(model)
+    with pytest.raises(ValueError, match="another output alone than in a batch of 3 rows") as error:
+        check_batch_independence(model, features)
+    assert "\n" not in str(error.value)
+    # Invisible to the other probes: with the row-count probe off, the same model passes.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_independence, "_row_count_probe", lambda *args, **kwargs: None)
+        check_batch_independence(model, features)
+    handle.remove()
+    check_batch_independence(model, features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_tiny_model_family_passes_every_probe(arch, head, lora, dtype):
+    check_batch_independence(tiny_model(arch, head, lora=lora, dtype=dtype),
+                             model_inputs(tiny_batch(head=head, batch_size=4)))
+
+
+def test_a_single_probe_row_is_still_compared_with_batches_of_other_sizes():
+    model = tiny_model("bert")
+    features = model_inputs(tiny_batch(batch_size=1))
+    check_batch_independence(model, features)
+    handle = _row_count_hook(model)
+    with pytest.raises(ValueError, match="number of rows"):
+        check_batch_independence(model, features)
+    handle.remove()
+
+
+def test_float32_matmuls_in_tf32_get_the_half_precision_tolerance():
+    """TF32 rounding follows the batch's shape, as bf16's does: a shift of 10⁻³ with the row count is refused in
+    full float32 and within tolerance once float32 matmuls may use TF32."""
+    model = tiny_model("bert")
+    features = model_inputs(tiny_batch(batch_size=4))
+    model.classifier.register_forward_hook(lambda module, args, output: output + 1e-3 * math.sin(output.shape[0]))
+    with pytest.raises(ValueError, match="number of rows"):
+        check_batch_independence(model, features)
+    try:
+        torch.set_float32_matmul_precision("high")
+        check_batch_independence(model, features)
+    finally:
+        torch.set_float32_matmul_precision("highest")

@@ -25,8 +25,9 @@ def saved_run(folder, args, steps=3, global_step=None, tracker=None):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "trainer_state.json"), "w") as f:
         json.dump({"global_step": steps if global_step is None else global_step}, f)
-    with open(os.path.join(folder, "optimizer.pt"), "wb") as f:  # Trainer's optimizer state (its content unread)
-        f.write(b"")
+    for name in ("optimizer.pt", "scheduler.pt"):  # Trainer's optimizer and scheduler states (their content unread)
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b"")
     plan = plan_privacy(args, PARTITION, noised_elements=1000)
     accountant = accounting.PrivacyAccountant()
     accountant.step(sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier, steps=steps)

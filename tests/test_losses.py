@@ -47,6 +47,10 @@ def test_sequence_heads_give_each_examples_cross_entropy_or_squared_error():
     scores, targets = torch.randn(4, 1), torch.randn(4)
     squared_error = (scores.squeeze(-1) - targets) ** 2
     torch.testing.assert_close(per_example_loss(scores, targets, causal_lm=False), squared_error)
+    # One output is regression whatever the labels' dtype (transformers' problem_type rule): integer targets too.
+    integers = torch.tensor([0, 3, 1, 2])
+    torch.testing.assert_close(per_example_loss(scores, integers, causal_lm=False),
+                               (scores.squeeze(-1) - integers.float()) ** 2)
 
 
 def test_token_heads_average_each_examples_labelled_tokens_after_the_causal_shift():

@@ -3,13 +3,16 @@ than C); per-example layers and dropout train."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from tiny_models import with_dropout
 from trainer_fixtures import ChannelFirst, MeanCentering, PooledClassifier, frozen, make_args, make_trainer, \
-    tiny_llama, user_dataset
+    one_line, tiny_bert, tiny_llama, user_dataset
 
 
 # ---- batch-mixing layers are refused before any step --------------------------------------------------------------
@@ -70,3 +73,35 @@ def test_a_hook_the_base_trainer_attaches_in_train_is_probed_before_step_one(tmp
     with pytest.raises(ValueError, match="depends on the batch's padded length"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+# ---- a forward pass that depends on the batch's number of rows ----------------------------------------------------
+
+
+def _add_sine_of_rows(model):
+    """Adds 2·sin(B) to the logits, B the batch's rows: one user's presence moves every other user's output."""
+    return model.classifier.register_forward_hook(lambda module, args, output: output + 2 * math.sin(output.shape[0]))
+
+
+def test_a_row_count_hook_registered_before_construction_is_refused(tmp_path):
+    model = tiny_bert()
+    _add_sine_of_rows(model)
+    with pytest.raises(ValueError, match="depends on the batch's number of rows") as error:
+        make_trainer(tmp_path, model=model)
+    one_line(error)
+
+
+class _HookAtTrainBegin(TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _add_sine_of_rows(model)
+
+
+def test_a_row_count_hook_a_callback_registers_in_on_train_begin_is_refused_before_any_step(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.add_callback(_HookAtTrainBegin())
+    before = {name: param.detach().clone() for name, param in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match="another output alone than in a batch of 3 rows") as error:
+        trainer.train()
+    one_line(error)
+    assert trainer.accountant.steps == 0
+    assert all(torch.equal(before[name], param) for name, param in trainer.model.named_parameters())

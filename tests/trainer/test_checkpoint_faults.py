@@ -83,6 +83,19 @@ def test_resume_true_skips_a_checkpoint_with_truncated_weights(tmp_path, saved, 
     _same_weights(straight, resumed)
 
 
+@pytest.mark.parametrize("missing, state", [("optimizer.pt", "optimizer"), ("scheduler.pt", "scheduler")])
+def test_a_checkpoint_without_its_optimizer_or_scheduler_state_is_refused(tmp_path, saved, missing, state):
+    """Trainer resumes silently without `scheduler.pt` (the learning rate restarts): refused, as without the
+    optimizer's state."""
+    out = tmp_path / "out"
+    shutil.copytree(saved, out)
+    (out / "checkpoint-2" / missing).unlink()
+    trainer = make_trainer(tmp_path, model=tiny_bert(seed=1), max_steps=4)
+    with pytest.raises(ValueError, match=f"checkpoint-2 holds no {state} state") as error:
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert "\n" not in str(error.value) and trainer.accountant.steps == 0
+
+
 def test_no_complete_checkpoint_lists_each_reason(tmp_path, saved):
     out = tmp_path / "out"
     shutil.copytree(saved, out)
