@@ -9,7 +9,8 @@ left out: the first DP step runs one-off checks):
 - syncs: ops that block the host on CUDA ([`is_sync`]), plus `Tensor.tolist` and `Tensor.numpy` calls, which
   never reach the dispatcher (they are wrapped while counting); by op and by the source line that triggered them
   (`hf_dp/file.py:line function`, the innermost hf_dp frame, else transformers, then `> file:line function` of the
-  innermost frame when it is another);
+  innermost frame when it is another); the noise's host engine, which only CPU tensors take, is left out
+  ([`host_engine_uncounted`]);
 - aten ops: every op the dispatcher sees except views, aliases and no-ops (`func.is_view`, or a name in
   `NOT_OPS`), which are counted apart (`views`: ops + views is every op dispatched);
 - host ms: median wall time of a step in a second run without the counter, on one thread (and that thread's CPU
@@ -30,6 +31,7 @@ step expected (ULS: 8 users); DP passes per step = micro-batches per logical bat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -236,13 +238,36 @@ def build_trainer(kind: str, layers: int, steps: int, args, out_dir: str):
     return trainer
 
 
+@contextlib.contextmanager
+def host_engine_uncounted(counter: HostSyncCounter):
+    """Leave the noise's host engine (`hf_dp.noise._add_on_host`) out of the counts: it runs only for CPU tensors,
+    numpy and CPU torch ops on numpy views that a GPU step never runs (there the CUDA engine draws on the device; its
+    ops are counted apart, as `noise_device_engine_ops`)."""
+    from hf_dp import noise
+
+    original = noise._add_on_host
+
+    def uncounted(*args, **kwargs):
+        counting, counter.counting = counter.counting, False
+        try:
+            return original(*args, **kwargs)
+        finally:
+            counter.counting = counting
+
+    noise._add_on_host = uncounted
+    try:
+        yield
+    finally:
+        noise._add_on_host = original
+
+
 def measure(kind: str, layers: int, args) -> dict:
     """One counted run (`args.steps` steps after the warm-up) and one timed run (`args.time_steps`; none if 0)."""
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = build_trainer(kind, layers, SKIP + args.steps, args, out_dir)
         counter = HostSyncCounter(counting=False)
         trainer.add_callback(window := step_window(counter))  # last: DP's own on_step_end is inside the window
-        with counter:
+        with counter, host_engine_uncounted(counter):
             trainer.train()
         steps = len(window.times)
         passes = getattr(trainer, "passes", [1] * (SKIP + steps))[SKIP:]

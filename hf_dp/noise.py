@@ -30,6 +30,7 @@ import hashlib
 import math
 import secrets
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ __all__ = ["fresh_seed", "noise_source", "standard_normal", "add_noise", "add_sc
 
 SECRET_BITS = 256  # a fresh secret's width
 BLOCK = 1 << 20  # elements drawn at a time on the host (their float64 noise and generator words: about 40 MiB)
+HOST_CHUNK = 1 << 16  # elements a host thread draws and adds at once (their words and float64 noise stay in cache)
 DEVICE_BLOCK = 1 << 23  # on a CUDA device: about 2 GiB of integer temporaries, and ~100 kernels a block
 QUANTUM = 2.0**-24  # released values are multiples of QUANTUM·std before the cast to the gradient's dtype
 _NOISE_STREAM, _LOGGING_STREAM = 1, 2
@@ -120,14 +122,26 @@ def _secure_words(seed: int, step: int, stream: int, segments) -> list[np.ndarra
 
 
 def _host_normals(words: list[np.ndarray], segments) -> np.ndarray:
-    """The segments' elements, in order, from their pairs' words: both coordinates of each pair."""
-    normals = []
-    for pair_words, (_, first, count) in zip(words, segments):
-        radius, angle = _radius_and_angle(pair_words.T, np, np.float64)
-        pairs = np.stack([radius * np.cos(angle), radius * np.sin(angle)], axis=1).reshape(-1)
-        skip = first % 2
-        normals.append(pairs[skip: skip + count])
-    return np.concatenate(normals)
+    """The segments' elements, in order, from their pairs' words: both coordinates of each pair (element e of a
+    segment is coordinate e mod 2 of its pair ⌊e/2⌋). All segments' pairs in one pass of torch's vectorised float64
+    log, cos and sin (numpy's scalar ones cost 3× more), in `_radius_and_angle`'s operations."""
+    all_words = words[0] if len(words) == 1 else np.concatenate(words)
+    columns = torch.from_numpy(np.ascontiguousarray(all_words).view(np.int64))  # 53-bit words: non-negative
+    high, middle, low, angle = (columns[:, column].to(torch.float64) for column in range(4))
+    radius = high.mul_(2.0**106).add_(middle.mul_(2.0**53)).add_(low.add_(1.0)).mul_(2.0**-(3 * 53))
+    radius.log_().mul_(-2.0).sqrt_()
+    angle.mul_(2.0 * math.pi * 2.0**-53)
+    flat = np.empty(2 * len(radius))  # numpy's memory, written by torch: (R cos θ, R sin θ) pair by pair
+    pairs = torch.from_numpy(flat).view(-1, 2)
+    torch.mul(radius, torch.cos(angle), out=pairs[:, 0])
+    torch.mul(radius, angle.sin_(), out=pairs[:, 1])
+    counts = np.array([count for _, _, count in segments], dtype=np.int64)
+    skips = np.array([first % 2 for _, first, _ in segments], dtype=np.int64)
+    if len(segments) == 1:
+        return flat[skips[0]: skips[0] + counts[0]]
+    pair_starts = 2 * np.concatenate([[0], np.cumsum([len(w) for w in words])[:-1]])  # each segment's first value
+    out_starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return flat[np.arange(counts.sum()) + np.repeat(pair_starts + skips - out_starts, counts)]
 
 
 def _device_words(seed: int, step: int, stream: int, segments, device) -> torch.Tensor:
@@ -233,6 +247,9 @@ def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step
         pieces += [(number[name], first + start, flat[start : start + size])
                    for start in range(0, flat.numel(), size)]
     for block in _blocks(pieces, secure):
+        if not secure and all(_on_host(flat) for _, _, flat in block):
+            _add_on_host(block, seed, step, std)
+            continue
         segments = [(index, first, flat.numel()) for index, first, flat in block]
         grads = [flat for _, _, flat in block]
         noise = standard_normal(seed, step, segments, device=grads[0].device, secure=secure)
@@ -266,6 +283,68 @@ def _add_rounded(grads: list, noise: torch.Tensor, std) -> None:
     torch._foreach_add_(sums, grads)
     noise.div_(quantum).round_().mul_(quantum)
     torch._foreach_copy_(grads, sums)
+
+
+def _on_host(flat: torch.Tensor) -> bool:
+    """A CPU float32/float64 gradient numpy can write in place (bf16 and devices take `_add_rounded`)."""
+    return flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64) and flat.is_contiguous()
+
+
+def _add_on_host(block, seed: int, step: int, std) -> None:
+    """`_add_rounded` of the host engine's draws, chunk by chunk (at most `HOST_CHUNK` elements, small parameters
+    together) on torch's intra-op threads: each chunk's words, Box–Muller pairs, noised sum and its one rounding stay
+    in cache, and no block-sized float64 noise is held. numpy and torch release the GIL, so chunks run in parallel.
+    The values are those of `standard_normal` + `_add_rounded`: the same words and float64 operations, in the same
+    order (numpy's round is half-to-even, as torch's)."""
+    std = float(std)
+    quantum = std * QUANTUM
+
+    def noise_chunk(pieces) -> None:
+        segments = [(index, first, grad.size) for index, first, grad in pieces]
+        noised = _host_normals(_host_words(seed, step, _NOISE_STREAM, segments), segments)
+        np.multiply(noised, std, out=noised)
+        np.add(noised, pieces[0][2] if len(pieces) == 1 else np.concatenate([grad for _, _, grad in pieces]),
+               out=noised)
+        np.divide(noised, quantum, out=noised)
+        np.round(noised, out=noised)
+        np.multiply(noised, quantum, out=noised)
+        offset = 0
+        for _, _, grad in pieces:
+            grad[...] = noised[offset: offset + grad.size]
+            offset += grad.size
+
+    chunks = _host_chunks(block)
+    threads = min(torch.get_num_threads(), len(chunks))
+    if threads <= 1:
+        for chunk in chunks:
+            noise_chunk(chunk)
+        return
+    list(_host_pool(threads).map(noise_chunk, chunks))
+
+
+def _host_chunks(block) -> list:
+    """The block's pieces as numpy views, regrouped into chunks of at most `HOST_CHUNK` elements each."""
+    chunks, chunk, size = [], [], 0
+    for index, first, flat in block:
+        grad = flat.numpy()
+        for start in range(0, grad.size, HOST_CHUNK):
+            piece = grad[start: start + HOST_CHUNK]
+            if chunk and size + piece.size > HOST_CHUNK:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append((index, first + start, piece))
+            size += piece.size
+    return chunks + [chunk] if chunk else chunks
+
+
+_POOLS: dict = {}
+
+
+def _host_pool(threads: int) -> ThreadPoolExecutor:
+    """One pool per thread count, kept for the process (the noise of every step runs on it)."""
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hf_dp-noise")
+    return _POOLS[threads]
 
 
 def _contiguous_grad(param) -> torch.Tensor:

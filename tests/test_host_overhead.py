@@ -56,12 +56,14 @@ def test_dp_step_host_syncs_and_ops_close_to_trainer(script, tmp_path):
         (per_layer <= 0.5, f"{per_layer:.1f} host syncs added per layer (at most 0.5)"),
         (dp12["syncs"] <= plain12["syncs"], f"{dp12['syncs']:.0f} host syncs per DP step at 12 layers, more than "
                                             f"Trainer's {plain12['syncs']:.0f}"),
-        (dp12["ops"] <= 1.3 * plain12["ops"],
+        # 1.30 × before non-finite units were masked out of the clipped sums: one masked_fill per trainable
+        # parameter (a few per book-keeping product), the price of a unit's inf never reaching another's terms
+        (dp12["ops"] <= 1.42 * plain12["ops"],
          f"{dp12['ops']:.0f} aten ops per DP step at 12 layers, {dp12['ops'] / plain12['ops']:.3f} × Trainer's "
-         f"{plain12['ops']:.0f} (at most 1.3 ×)"),
-        (dp12["noise_ops"] <= 8 and dp2["noise_ops"] == dp12["noise_ops"],
-         f"the noise takes {dp12['noise_ops']} ops at 12 layers and {dp2['noise_ops']} at 2 (a few, whatever the "
-         "number of parameters)"),
+         f"{plain12['ops']:.0f} (at most 1.42 ×)"),
+        (dp12["noise_device_engine_ops"] <= 130 and dp2["noise_device_engine_ops"] == dp12["noise_device_engine_ops"],
+         f"the CUDA engine's noise takes {dp12['noise_device_engine_ops']} ops at 12 layers and "
+         f"{dp2['noise_device_engine_ops']} at 2 (one block's ops, whatever the number of parameters)"),
     ] if not ok]
     top = "; ".join(f"{s['per_step']:.0f} {s['op']} at {s['source']}" for s in dp12["sync_sources"][:4])
     assert not problems, "; ".join(problems) + f". Top sync sources: {top}"

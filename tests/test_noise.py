@@ -232,12 +232,16 @@ def test_a_step_draws_its_noise_in_a_few_ops_whatever_the_number_of_parameters()
                 Count.ops += 1
             return func(*args, **(kwargs or {}))
 
+    counts = {}
     for shapes in ([(3,)] * 2, [(3,)] * 200):
         params = _grads(*shapes)
         Count.ops = 0
         with Count():
             noise.add_noise(params, noise_multiplier=1.0, max_grad_norm=1.0, seed=0, step=0)
-        assert Count.ops <= 8, (len(shapes), Count.ops)
+        counts[len(shapes)] = Count.ops
+    # The host engine: one chunk's Box–Muller in torch ops (small parameters share a chunk); the add and its
+    # rounding in numpy, in place
+    assert counts[2] == counts[200] <= 20, counts
 
 
 def test_scalar_noise_is_the_same_on_the_device_and_on_the_host():

@@ -247,42 +247,55 @@ def _cross_inner(x: OuterGrad, y: OuterGrad, units: UnitIndex, dtype: torch.dtyp
 def _bookkeeping_sum(term: OuterGrad, units: UnitIndex, unit_weights: Tensor, shape: torch.Size,
                      dtype: torch.dtype) -> Tensor:
     """Σ_u w_u Σ_{i∈u} Σ_n left_{i,n} ⊗ right_{i,n}: one product over all tokens (chunked over examples, so a
-    low-precision factor is never copied to float32 whole)."""
+    low-precision factor is never copied to float32 whole). A unit of weight 0 is masked out of both factors."""
     cols = term.right.shape[-1]
     if term.indexed:
-        weights = units.example_weights(unit_weights).to(dtype)[:, None, None]
-        weighted = _weighted(term.right.to(dtype), weights).reshape(-1, cols)
+        weights, drop = _row_weights(units, unit_weights, dtype, grouped=False)
+        weighted = (term.right.to(dtype) * weights).masked_fill_(drop, 0).reshape(-1, cols)
         return torch.zeros(shape, dtype=dtype, device=term.right.device).index_add_(0, term.left.reshape(-1), weighted)
-    left, right, weights = units.grouped(term.left), units.grouped(term.right), unit_weights.to(dtype)
-    if left is None:
-        left, right, weights = term.left, term.right, units.example_weights(weights)
+    left, right = units.grouped(term.left), units.grouped(term.right)
+    grouped = left is not None
+    if not grouped:
+        left, right = term.left, term.right
+    weights, drop = _row_weights(units, unit_weights, dtype, grouped)
     rows = left.shape[-1]
     out = None
     for chunk in _chunks(left.shape[0], left.shape[1] * (rows + cols)):
         left_chunk, right_chunk = left[chunk].to(dtype), right[chunk].to(dtype)
-        chunk_weights = weights[chunk, None, None]
-        if rows <= cols:  # the smaller factor is weighted, the other only masked
-            left_chunk = _weighted(left_chunk, chunk_weights)
-            right_chunk = _weighted(right_chunk, chunk_weights, apply=False)
+        chunk_drop = drop[chunk]
+        if rows <= cols:  # the smaller factor is weighted; both masked (0·inf would be NaN in the product)
+            left_chunk = (left_chunk * weights[chunk]).masked_fill_(chunk_drop, 0)
+            right_chunk = right_chunk.masked_fill(chunk_drop, 0)
         else:
-            left_chunk = _weighted(left_chunk, chunk_weights, apply=False)
-            right_chunk = _weighted(right_chunk, chunk_weights)
+            left_chunk = left_chunk.masked_fill(chunk_drop, 0)
+            right_chunk = (right_chunk * weights[chunk]).masked_fill_(chunk_drop, 0)
         product = left_chunk.reshape(-1, rows).t() @ right_chunk.reshape(-1, cols)
         out = product if out is None else out.add_(product)
     return torch.zeros(shape, dtype=dtype, device=term.right.device) if out is None else out
 
 
-def _weighted(factor: Tensor, weights: Tensor, apply: bool = True) -> Tensor:
-    """`factor · weights` (or `factor` alone when not `apply`), with exact zeros where the weight is 0: a non-finite
-    unit's inf or NaN (weight 0) must never meet the other units' terms in a product, where 0·inf = NaN."""
-    return torch.where(weights != 0, factor * weights if apply else factor, 0)
+def _row_weights(units: UnitIndex, unit_weights: Tensor, dtype: torch.dtype, grouped: bool) -> Tuple[Tensor, Tensor]:
+    """`(rows, 1, 1)` weights and drop-mask (weight 0) for the rows of a factor: one per unit (`grouped`), else one
+    per example. Built once per clip-weight tensor and shared by every parameter (a few ops a backward, not a few
+    per layer): cached on `units`, keyed by the weights tensor itself (held, so its identity cannot be reused)."""
+    cache = units.__dict__.setdefault("_row_weights", {})
+    hit = cache.get((dtype, grouped))
+    if hit is not None and hit[0] is unit_weights:
+        return hit[1], hit[2]
+    weights = unit_weights.to(dtype)
+    if not grouped:
+        weights = units.example_weights(weights)
+    weights = weights[:, None, None]
+    drop = weights == 0
+    cache[(dtype, grouped)] = (unit_weights, weights, drop)
+    return weights, drop
 
 
-def _weighted_unit_sum(unit_grads: Tensor) -> Reducer:
+def _weighted_unit_sum(unit_grads: Tensor, units: UnitIndex) -> Reducer:
     def reduce(unit_weights: Tensor) -> Tensor:  # Σ_u w_u G_u as one product, weight-0 units masked out
         flat = unit_grads.reshape(unit_grads.shape[0], -1)
-        weights = unit_weights.to(unit_grads.dtype)
-        return torch.mm(weights[None], _weighted(flat, weights[:, None], apply=False)).reshape(unit_grads.shape[1:])
+        weights, drop = _row_weights(units, unit_weights, unit_grads.dtype, grouped=True)
+        return torch.mm(weights.reshape(1, -1), flat.masked_fill(drop.reshape(-1, 1), 0)).reshape(unit_grads.shape[1:])
 
     return reduce
 
@@ -304,7 +317,7 @@ def _outer_self_norm_sq(
     else:
         norm_sq, unit_grads = _materialized(term.left, term.right, units, keep, dtype)
         if keep:
-            return norm_sq, _weighted_unit_sum(unit_grads)
+            return norm_sq, _weighted_unit_sum(unit_grads, units)
     return norm_sq, lambda w: _bookkeeping_sum(term, units, w, shape, dtype)
 
 
@@ -332,7 +345,7 @@ def norm_sq_and_reducer(
         unit_grads = units.sum_examples(terms[0].grads.to(dtype))  # (U, *shape)
         for term in terms[1:]:
             unit_grads = unit_grads + units.sum_examples(term.grads.to(dtype))
-        return _row_dots(unit_grads, unit_grads), _weighted_unit_sum(unit_grads)
+        return _row_dots(unit_grads, unit_grads), _weighted_unit_sum(unit_grads, units)
     if len(terms) == 1:
         return _outer_self_norm_sq(terms[0], units, strategy, shape, dtype)
     # Shared parameter: exact norm with every cross term, sums by book-keeping.

@@ -140,14 +140,14 @@ def test_packed_rows_with_an_attention_mask_are_refused(tmp_path):
                   data_collator=with_mask)
 
 
-def test_rows_dropped_by_the_collator_are_refused(tmp_path):
-    """DataCollatorWithFlattening drops empty rows: the examples would no longer line up with their users."""
+def test_rows_the_collator_would_drop_are_refused(tmp_path):
+    """DataCollatorWithFlattening drops empty rows, so the examples would no longer line up with their users: a row
+    with no token is refused at construction, before any collator sees it."""
     dataset = user_dataset(num_users=12, causal_lm=True)
     rows = dataset.to_dict()
     rows["input_ids"][-1], rows["labels"][-1] = [], []
     dataset = dataset.from_dict(rows)
-    trainer = DPTrainer(model=tiny_llama(), args=_args(tmp_path, expected_batch_size=12, sampling="uls",
-                                                       contribution_bound=6, per_device_train_batch_size=64),
-                        train_dataset=dataset, data_collator=DataCollatorWithFlattening())
-    with pytest.raises(ValueError, match="drops rows with no tokens"):
-        trainer.train()
+    with pytest.raises(ValueError, match="input_ids is empty in 1 of the"):
+        DPTrainer(model=tiny_llama(), args=_args(tmp_path, expected_batch_size=12, sampling="uls",
+                                                 contribution_bound=6, per_device_train_batch_size=64),
+                  train_dataset=dataset, data_collator=DataCollatorWithFlattening())
