@@ -182,16 +182,17 @@ def _check_claims(readme: Path, privacy: Mapping, metadata: Mapping, card, ledge
                   sampler) -> None:
     """Every privacy figure and statement of the card is what hf_dp renders from the ledger's verified report
     ([`hf_dp.card_check`])."""
-    from .card_check import CardClaimError, check_card_claims, expected_report
+    from .card_check import AuditSectionError, CardClaimError, check_card_claims, expected_report, read_audit
 
     raw = readme.read_text(encoding="utf-8")  # as written: YAML comments too
     front_matter = raw.split("---", 2)[1] if raw.startswith("---") else ""
     try:
         check_card_claims(privacy, metadata, front_matter, card.text,
-                          expected_report(ledger, accountant, sampler_delta=sampler))
+                          expected_report(ledger, accountant, sampler_delta=sampler), audit=read_audit(readme.parent))
     except CardClaimError as error:
-        raise PrivacyCardError(f"{readme}: {error}. Regenerate the card: {_HOW_TO_CARD}; or publish it labelled as "
-                               "carrying no guarantee (--no_guarantee).") from error
+        how = "" if isinstance(error, AuditSectionError) else f". Regenerate the card: {_HOW_TO_CARD}"
+        raise PrivacyCardError(f"{readme}: {error}{how}; or publish it labelled as carrying no guarantee "
+                               "(--no_guarantee).") from error
 
 
 def _check_base_model(readme: Path, metadata: Mapping, text: str) -> None:
