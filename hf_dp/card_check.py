@@ -258,14 +258,22 @@ def check_audit_section(text: str, audit: Mapping[str, Any] | None,
     said = [line.rstrip() for line in stated.splitlines() if line.strip()]
     for i, line in enumerate(own):
         if i >= len(said) or said[i] != line:
-            instead = f"it says {said[i][:120]!r}" if i < len(said) else "it ends"
+            at = 0 if i >= len(said) else next((k for k, (a, b) in enumerate(zip(line, said[i])) if a != b),
+                                               min(len(line), len(said[i])))
+            instead = f"it says {_excerpt(said[i], at)!r}" if i < len(said) else "it ends"
             raise AuditSectionError(f"its \"Empirical audit\" section differs from what its audit report "
-                                    f"({AUDIT_FILE}) renders: {instead} where the report gives {line[:120]!r}. "
-                                    f"{_AUDIT_HOW}")
+                                    f"({AUDIT_FILE}) renders: {instead} where the report gives "
+                                    f"{_excerpt(line, at)!r}. {_AUDIT_HOW}")
     if len(said) > len(own):
         raise AuditSectionError(f"its \"Empirical audit\" section adds the line {said[len(own)][:120]!r} to what its "
                                 f"audit report ({AUDIT_FILE}) renders. {_AUDIT_HOW}")
     return rendered, audited_model
+
+
+def _excerpt(line: str, at: int) -> str:
+    """Up to 120 characters of `line` around position `at` (where two lines first differ), "…" where cut."""
+    start = max(0, min(at - 40, len(line) - 120))
+    return ("…" if start else "") + line[start:start + 120] + ("…" if start + 120 < len(line) else "")
 
 
 def _check_audit_against_ledger(report, audited_model: bool, expected: Mapping[str, Any]) -> None:
