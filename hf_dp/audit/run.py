@@ -17,7 +17,8 @@
    (Mahloujifar et al.'s f-DP number, which assumes a Gaussian trade-off curve, is kept in the JSON as a
    diagnostic only: subsampled DP-SGD does not have one);
 5. it returns an [`AuditReport`] (also saved as `output_dir/_audit/report.json`) whose `card_section()` is the
-   model card's "Empirical audit" section.
+   model card's "Empirical audit" section; `write_to_card(model_dir)` puts it into the card with the report beside
+   it (`dp_audit.json`), which `hf-dp publish` renders the section from again ([`hf_dp.audit.record`]).
 
 What the audit is and is not: a check of the implementation. An ε lower bound above the accountant's ε means a
 bug (in sampling, clipping, noise or accounting); one well below it is expected, since the canaries and the

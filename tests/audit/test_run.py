@@ -227,7 +227,8 @@ def test_canaries_are_users_excluded_from_counts_and_the_record_is_never_uploade
     assert json.loads((out / AUDIT_FILE).read_text()) == {**report.to_dict(), "audited_model": True}
     assert AUDIT_FILE in list(filter_repo_objects([AUDIT_FILE], ignore_patterns=IGNORE_PATTERNS))
     check_privacy_card(out)
-    (out / "README.md").write_text(card.replace("| Audit | Value |", "This model is (0.1, 1e-9)-DP.\n| Audit | Value |"))
+    claimed = card.replace("| Audit | Value |", "This model is (0.1, 1e-9)-DP.\n| Audit | Value |")
+    (out / "README.md").write_text(claimed)
     with pytest.raises(PrivacyCardError, match="section differs .* it says 'This model is"):
         check_privacy_card(out)
     (out / "README.md").write_text(card)
