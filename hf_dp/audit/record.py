@@ -66,9 +66,9 @@ def _with_composition_item(text: str, *, separate: bool) -> str:
     """The card's not-covered list with the item saying how a separate audit run composes with this one (as
     [`~hf_dp.card.render_privacy_card`] writes it beside an audit section), or without it when the audited run is
     this model's own: scoring that model is post-processing, nothing to compose."""
-    from hf_dp.card import _audit_item
+    from hf_dp.card import AUDIT_COMPOSITION_ITEM
 
-    item = "- " + _audit_item(SECTION_TITLE)[0]
+    item = "- " + AUDIT_COMPOSITION_ITEM
     lines = [line for line in text.split("\n") if line.rstrip() != item]
     if separate and "Not covered:" in lines:
         start = lines.index("Not covered:")
