@@ -376,7 +376,8 @@ def render_privacy_card(
             [`~hf_dp.audit.AuditReport.card_section`], appended as is. It reports on a second DP run on the same
             users, so the card says that model and section together are covered by composition, not by ε alone.
             `hf-dp publish` checks the section against the report beside the card (`dp_audit.json`), which
-            [`~hf_dp.audit.AuditReport.write_to_card`] writes with it: prefer that. The four evaluation arguments go into the `dp_evaluation:` block under the same names
+            [`~hf_dp.audit.AuditReport.write_to_card`] writes with it: prefer that. The four evaluation
+            arguments go into the `dp_evaluation:` block under the same names
             ([`~hf_dp.vocabulary.EVAL_KEYS`]).
         model_name (`str`, *optional*): the card's title; defaults to `<base model>-hf-dp`.
         extra_not_covered (`Iterable[str]`, *optional*): more items for the "not covered" list
