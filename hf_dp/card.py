@@ -231,15 +231,19 @@ def _covered(report: Mapping[str, Any]) -> list[str]:
     return items
 
 
+# The not-covered item beside an audit section on another DP run of the same users: how the two releases compose.
+AUDIT_COMPOSITION_ITEM = (
+    "**The empirical audit below, with this model.** The audit trains a second model, with DP, on the "
+    "same users plus canaries, and reports how well an attacker guessed the canaries. Publishing its "
+    "result beside this model releases the outputs of two runs on the same users: together they are "
+    "covered by (ε + ε_audit, 2δ), ε_audit being the audit run's proven ε stated in that section, not by "
+    "the (ε, δ) above alone."
+)
+
+
 def _audit_item(audit_section: str | None) -> list[str]:
     """The audit section reports on another DP run on the same users: say how the two releases compose."""
-    if not audit_section:
-        return []
-    return ["**The empirical audit below, with this model.** The audit trains a second model, with DP, on the "
-            "same users plus canaries, and reports how well an attacker guessed the canaries. Publishing its "
-            "result beside this model releases the outputs of two runs on the same users: together they are "
-            "covered by (ε + ε_audit, 2δ), ε_audit being the audit run's proven ε stated in that section, not by "
-            "the (ε, δ) above alone."]
+    return [AUDIT_COMPOSITION_ITEM] if audit_section else []
 
 
 def _not_covered(report: Mapping[str, Any], extra: Iterable[str]) -> list[str]:
@@ -371,7 +375,9 @@ def render_privacy_card(
         audit_section (`str`, *optional*): the "Empirical audit" section,
             [`~hf_dp.audit.AuditReport.card_section`], appended as is. It reports on a second DP run on the same
             users, so the card says that model and section together are covered by composition, not by ε alone.
-            The four evaluation arguments go into the `dp_evaluation:` block under the same names
+            `hf-dp publish` checks the section against the report beside the card (`dp_audit.json`), which
+            [`~hf_dp.audit.AuditReport.write_to_card`] writes with it: prefer that. The four evaluation
+            arguments go into the `dp_evaluation:` block under the same names
             ([`~hf_dp.vocabulary.EVAL_KEYS`]).
         model_name (`str`, *optional*): the card's title; defaults to `<base model>-hf-dp`.
         extra_not_covered (`Iterable[str]`, *optional*): more items for the "not covered" list

@@ -15,8 +15,12 @@
    "guarantee", noise, clipping or sample rate, and no count of users, examples, rows or steps. Text is compared
    after Unicode NFKC and HTML unescaping, so `&epsilon;` or a mathematical ε count as ε.
 
-The one exemption is the "## Empirical audit" section that [`~hf_dp.audit.AuditReport.card_section`] writes at the
-end of a card: it reports on a separate run, whose ledger is not here, and the card says how the two compose.
+3. [`check_audit_section`]: the "## Empirical audit" section ([`~hf_dp.audit.AuditReport.write_to_card`]) must be
+   what [`~hf_dp.audit.AuditReport.card_section`] renders from the audit report saved beside the card
+   (`dp_audit.json`), with the `audited_model` flag recorded there, line for line. The file's figures must agree with
+   one another ([`hf_dp.audit.record.check_audit_record`]: the lower bound from its counts, the verdict from the
+   bound and the audited ε) and with the ledger: the same mechanism and privacy unit; when the card's model is the
+   audited run, its ε; when the audit was a separate run, whose ledger is not here, no more than this run's target ε.
 
 Post-processing only: nothing here changes a guarantee, it refuses cards that state one the run did not earn.
 """
@@ -31,7 +35,8 @@ import re
 import unicodedata
 from typing import Any, Mapping
 
-__all__ = ["CardClaimError", "RECOMPUTED_KEYS", "check_card_claims", "expected_report", "ledger_facts"]
+__all__ = ["AuditSectionError", "CardClaimError", "RECOMPUTED_KEYS", "check_audit_section", "check_card_claims",
+           "expected_report", "ledger_facts", "read_audit"]
 
 # Report keys the publish check recomputes from the accountant's state; every other report key is a recorded fact.
 RECOMPUTED_KEYS = ("epsilon", "epsilon_lower", "epsilon_estimate", "delta", "delta_floating_point",
@@ -40,6 +45,9 @@ _EPSILON_KEYS = ("epsilon", "epsilon_lower", "epsilon_estimate", "epsilon_traini
 _EPSILON_RTOL = 1e-6  # ε recomputed by the accountant: floating point only
 _RTOL = 1e-9  # recorded figures that went through JSON and YAML
 AUDIT_HEADING = "## Empirical audit"
+_AUDIT_HOW = ("Regenerate the section and its report with hf_dp: AuditReport.write_to_card(model_dir) "
+              "(AuditReport.from_dict of output_dir/_audit/report.json, with the same audited_model), or rerun `hf-dp "
+              "audit`; or remove the section")
 # A privacy claim in text the card adds (matched on NFKC-normalised, HTML-unescaped, case-folded text).
 _CLAIM = re.compile(
     r"ε|epsilon|δ|delta|σ|sigma|(?<![a-z0-9_])dp(?![a-z0-9_])|differential|privacy|guarantee|anonymi|noise|clip"
@@ -49,6 +57,11 @@ _CLAIM = re.compile(
 
 class CardClaimError(ValueError):
     """The card states a privacy figure or claim its ledger does not prove (one line, the figure named)."""
+
+
+class AuditSectionError(CardClaimError):
+    """The card's "Empirical audit" section is not what its audit report (`dp_audit.json`) renders, or that report's
+    figures do not follow from one another or from the ledger (one line, saying how to regenerate it)."""
 
 
 def ledger_facts(report: Mapping[str, Any]) -> dict:
@@ -146,12 +159,15 @@ def _check_noise_chain(facts: Mapping[str, Any]) -> None:
 
 
 def check_card_claims(privacy: Mapping[str, Any], metadata: Mapping[str, Any], front_matter: str, text: str,
-                      expected: Mapping[str, Any]) -> None:
-    """Refuse a card whose privacy block is not `expected`, that lacks a line hf_dp renders from it, or that adds a
-    privacy claim anywhere (see the module docstring).
+                      expected: Mapping[str, Any], *, audit: Mapping[str, Any] | None = None) -> None:
+    """Refuse a card whose privacy block is not `expected`, that lacks a line hf_dp renders from it, that adds a
+    privacy claim anywhere, or whose audit section is not what `audit` renders (see the module docstring).
+
+    Args:
+        audit (`Mapping`, *optional*): the audit report beside the card (`dp_audit.json`), None when there is none.
 
     Raises:
-        CardClaimError: one line naming the figure or the line.
+        CardClaimError: one line naming the figure or the line ([`AuditSectionError`] for the audit section).
     """
     for key in sorted(set(privacy) | set(expected)):
         stated, proven = privacy.get(key), expected.get(key)
@@ -160,13 +176,16 @@ def check_card_claims(privacy: Mapping[str, Any], metadata: Mapping[str, Any], f
             raise CardClaimError(f"its privacy: block states {key} = {stated!r}, which its ledger does not record")
         if not _same(stated, proven, rtol):
             raise CardClaimError(f"the card says {key} = {stated!r} but its ledger proves {key} = {proven!r}")
-    rendered = _rendered(expected, metadata, text)
+    rendered = _rendered(expected, metadata, text, check_audit_section(text, audit, expected))
     _check_metadata(metadata, front_matter, rendered)
     _check_lines(text, rendered.text)
 
 
-def _rendered(expected: Mapping[str, Any], metadata: Mapping[str, Any], text: str):
-    """The card hf_dp renders from the verified report, with the card's own non-privacy inputs."""
+def _rendered(expected: Mapping[str, Any], metadata: Mapping[str, Any], text: str,
+              audit: tuple[str, bool] | None):
+    """The card hf_dp renders from the verified report, with the card's own non-privacy inputs and `audit`, the
+    audit section its audit report renders and whether it reports on this model's own run (then no not-covered item
+    on composing two runs: [`~hf_dp.audit.AuditReport.write_to_card`] writes the card so)."""
     from huggingface_hub import ModelCard
 
     from .card import render_privacy_card
@@ -176,18 +195,108 @@ def _rendered(expected: Mapping[str, Any], metadata: Mapping[str, Any], text: st
     datasets = metadata.get("datasets") or []
     local = "Fine-tuned from a local model" in text
     base_model = metadata.get("base_model") or ("./a-local-model" if local else None)
-    audit = _audit_section(text)
     kwargs = {"base_model": base_model if isinstance(base_model, str) else None,
               "dataset_name": datasets[0] if isinstance(datasets, list) and datasets else None,
               "task": metadata.get("pipeline_tag") or "text-classification",
               "library_name": metadata.get("library_name") or "transformers",
-              "model_name": title.group(1).strip() if title else None, "audit_section": audit,
+              "model_name": title.group(1).strip() if title else None,
+              "audit_section": audit[0] if audit and not audit[1] else None,
               **{key: evaluation.get(key) for key in ("eval_result", "baseline_result", "non_private_result")},
               "metric_name": evaluation.get("metric_name") or "accuracy"}
     try:
-        return ModelCard(str(render_privacy_card(dict(expected), **kwargs)))
+        content = str(render_privacy_card(dict(expected), **kwargs))
+        if audit and audit[1]:
+            content = content.rstrip("\n") + "\n\n" + audit[0].strip() + "\n"
+        return ModelCard(content)
     except (ValueError, TypeError, KeyError) as error:
         raise CardClaimError(f"the card hf_dp renders from its ledger cannot be built ({error})") from error
+
+
+def read_audit(model_dir) -> dict | None:
+    """The audit report beside a card (`model_dir/dp_audit.json`), or None when there is none.
+
+    Raises:
+        AuditSectionError: a file that is not a JSON object.
+    """
+    from .audit.record import read_audit_record
+
+    try:
+        return read_audit_record(model_dir)
+    except ValueError as error:
+        raise AuditSectionError(f"{error}. {_AUDIT_HOW}") from error
+
+
+def check_audit_section(text: str, audit: Mapping[str, Any] | None,
+                        expected: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """The card's "## Empirical audit" section as hf_dp renders it from `audit`, and the `audited_model` flag it
+    was rendered with (None when the card has no such section).
+
+    Args:
+        text (`str`): the card's text (no front matter).
+        audit (`Mapping`, *optional*): the audit report beside the card (`dp_audit.json`), None when there is none.
+        expected (`Mapping`): the report the card must state ([`expected_report`]).
+
+    Raises:
+        AuditSectionError: a section and no audit report, a report whose figures do not follow from one another
+            or from the ledger, or a section that is not its rendering (the first differing line named).
+    """
+    from .audit.record import AUDIT_FILE, check_audit_record
+
+    stated = _audit_section(text)
+    if stated is None:
+        return None
+    if audit is None:
+        raise AuditSectionError(f"it has an \"Empirical audit\" section but no audit report beside it ({AUDIT_FILE}) "
+                                f"to check it against. {_AUDIT_HOW}")
+    try:
+        report, audited_model = check_audit_record(audit)
+    except ValueError as error:
+        raise AuditSectionError(f"{error}. {_AUDIT_HOW}") from error
+    _check_audit_against_ledger(report, audited_model, expected)
+    rendered = report.card_section(audited_model=audited_model)
+    own = [line.rstrip() for line in rendered.splitlines() if line.strip()]
+    said = [line.rstrip() for line in stated.splitlines() if line.strip()]
+    for i, line in enumerate(own):
+        if i >= len(said) or said[i] != line:
+            at = 0 if i >= len(said) else next((k for k, (a, b) in enumerate(zip(line, said[i])) if a != b),
+                                               min(len(line), len(said[i])))
+            instead = f"it says {_excerpt(said[i], at)!r}" if i < len(said) else "it ends"
+            raise AuditSectionError(f"its \"Empirical audit\" section differs from what its audit report "
+                                    f"({AUDIT_FILE}) renders: {instead} where the report gives "
+                                    f"{_excerpt(line, at)!r}. {_AUDIT_HOW}")
+    if len(said) > len(own):
+        raise AuditSectionError(f"its \"Empirical audit\" section adds the line {said[len(own)][:120]!r} to what its "
+                                f"audit report ({AUDIT_FILE}) renders. {_AUDIT_HOW}")
+    return rendered, audited_model
+
+
+def _excerpt(line: str, at: int) -> str:
+    """Up to 120 characters of `line` around position `at` (where two lines first differ), "…" where cut."""
+    start = max(0, min(at - 40, len(line) - 120))
+    return ("…" if start else "") + line[start:start + 120] + ("…" if start + 120 < len(line) else "")
+
+
+def _check_audit_against_ledger(report, audited_model: bool, expected: Mapping[str, Any]) -> None:
+    """The audited run is this run (its ε), or a separate run of its configuration (its mechanism and unit, an ε no
+    more than its target ε); the separate run's ledger is not here, so nothing finer is checked."""
+    from .audit.record import AUDIT_FILE
+
+    for name in ("mechanism", "privacy_unit"):
+        if getattr(report, name) != expected.get(name):
+            raise AuditSectionError(f"its audit report ({AUDIT_FILE}) audited a run with {name} = "
+                                    f"{getattr(report, name)!r}, but this card's ledger records "
+                                    f"{expected.get(name)!r}: the section says the audit ran this configuration. "
+                                    f"{_AUDIT_HOW}")
+    audited, proven = report.epsilon_upper_bound, expected.get("epsilon")
+    target = _number(expected.get("target_epsilon"))
+    if audited_model and not _same(audited, proven, _EPSILON_RTOL):
+        raise AuditSectionError(f"its audit report ({AUDIT_FILE}) says it tested ε = {audited!r} on this model's own "
+                                f"run, whose ledger proves ε = {proven!r}. {_AUDIT_HOW}")
+    if not audited_model and target is not None and (_number(audited) is None
+                                                     or _number(audited) > target * (1 + _EPSILON_RTOL)):
+        raise AuditSectionError(f"its audit report ({AUDIT_FILE}) says the separate audited run was proven ε = "
+                                f"{audited!r}, above the target ε = {target:g} of this configuration, which no run "
+                                f"of it spends. {_AUDIT_HOW}")
 
 
 def _audit_section(text: str) -> str | None:
@@ -230,8 +339,8 @@ def _check_metadata(metadata: Mapping[str, Any], front_matter: str, rendered) ->
 
 def _check_lines(text: str, rendered: str) -> None:
     """The rendered card's lines appear in the card in order; each added line makes no privacy claim (the audit
-    section is rendered from the card's own, so its lines are never added ones). Blank lines and trailing spaces are
-    not compared."""
+    section, already compared with its report's rendering, is in both). Blank lines and trailing spaces are not
+    compared."""
     stated = [line.rstrip() for line in text.splitlines() if line.strip()]
     own = [line.rstrip() for line in rendered.splitlines() if line.strip()]
     matcher = difflib.SequenceMatcher(a=own, b=stated, autojunk=False)

@@ -11,7 +11,8 @@ checks that run *before anything is uploaded*:
    card claiming less (in its front matter or its text), another δ, unit or mechanism, or no ledger at all is
    refused, as is a number of its Accounting paragraph below the ledger's, or a local path as `base_model`; then
    [`hf_dp.card_check`]: every other figure and statement must be what hf_dp renders from the ledger's verified
-   report, and no line may add a privacy claim. A fixed-seed card (no guarantee) needs `no_guarantee=True`.
+   report, no line may add a privacy claim, and an "Empirical audit" section must be what the audit report beside
+   the card (`dp_audit.json`) renders. A fixed-seed card (no guarantee) needs `no_guarantee=True`.
    A non-private
    run's card is refused unless `allow_non_private=True`: its data has no protection.
 2. the folder holds a model (`config.json` and weights);
@@ -132,8 +133,9 @@ def check_privacy_card(model_dir: str | os.PathLike, *, allow_non_private: bool 
             that is not `"uls"`, `"els"` or `"example"`, no ledger (`dp_ledger.json`) beside it, or a card that
             states a smaller ε than the ledger proves (front matter or text), another δ, unit, mechanism or step
             count; any other figure or statement of the card that is not what hf_dp renders from the ledger's
-            verified report, or a privacy claim the card adds ([`hf_dp.card_check`]); a fixed-seed card without
-            `no_guarantee`. One line, naming the field and saying how to make a card.
+            verified report, or a privacy claim the card adds ([`hf_dp.card_check`]); an "Empirical audit"
+            section that is not what its audit report (`dp_audit.json`) renders, or no such report; a fixed-seed
+            card without `no_guarantee`. One line, naming the field and saying how to make a card.
     """
     from huggingface_hub import ModelCard
     from huggingface_hub.repocard import metadata_load
@@ -182,16 +184,17 @@ def _check_claims(readme: Path, privacy: Mapping, metadata: Mapping, card, ledge
                   sampler) -> None:
     """Every privacy figure and statement of the card is what hf_dp renders from the ledger's verified report
     ([`hf_dp.card_check`])."""
-    from .card_check import CardClaimError, check_card_claims, expected_report
+    from .card_check import AuditSectionError, CardClaimError, check_card_claims, expected_report, read_audit
 
     raw = readme.read_text(encoding="utf-8")  # as written: YAML comments too
     front_matter = raw.split("---", 2)[1] if raw.startswith("---") else ""
     try:
         check_card_claims(privacy, metadata, front_matter, card.text,
-                          expected_report(ledger, accountant, sampler_delta=sampler))
+                          expected_report(ledger, accountant, sampler_delta=sampler), audit=read_audit(readme.parent))
     except CardClaimError as error:
-        raise PrivacyCardError(f"{readme}: {error}. Regenerate the card: {_HOW_TO_CARD}; or publish it labelled as "
-                               "carrying no guarantee (--no_guarantee).") from error
+        how = "" if isinstance(error, AuditSectionError) else f". Regenerate the card: {_HOW_TO_CARD}"
+        raise PrivacyCardError(f"{readme}: {error}{how}; or publish it labelled as carrying no guarantee "
+                               "(--no_guarantee).") from error
 
 
 def _check_base_model(readme: Path, metadata: Mapping, text: str) -> None:

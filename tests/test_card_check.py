@@ -7,9 +7,11 @@ beside the true ledger, or adding text — and publish must refuse it, in one li
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import huggingface_hub
+import numpy as np
 import pytest
 
 from hf_dp import hub as publish_module
@@ -226,15 +228,206 @@ def test_publish_no_guarantee_uploads_a_labelled_card_and_leaves_the_folder_alon
     assert calls[0][1]["path_or_fileobj"].decode().count(NO_GUARANTEE_BANNER) == 1
 
 
-def test_an_audit_section_is_published_as_written_but_a_section_after_it_is_checked(runs, tmp_path):
-    """The audit section reports on a separate run (its ε is that run's): exempt, with the not-covered item that
-    says how the two compose; a claim in a section appended after it is refused."""
+# ---- the "Empirical audit" section: what the audit report beside the card (dp_audit.json) renders ----------------
+
+
+def audit_of(report, *, upper="run", flip=0.1, **kwargs):
+    """An audit report of 256 canaries whose scores separate the coins but for a fraction `flip`, against the run's
+    ε (or `upper`), for the run's mechanism and unit."""
+    from hf_dp.audit import audit_report
+
+    rng = np.random.default_rng(0)
+    included = rng.random(256) < 0.5
+    scores = (included ^ (rng.random(256) < flip)).astype(float) + 1e-9 * rng.random(256)
+    return audit_report(scores, included, delta=1e-5, score="black-box",
+                        epsilon_upper_bound=report["epsilon"] if upper == "run" else upper,
+                        **{"privacy_unit": report["privacy_unit"], "mechanism": report["mechanism"], **kwargs})
+
+
+def audited(folder, report, ledger, audit, *, audited_model=True):
+    """The run's card with `audit`'s section, written as `hf-dp audit` writes it (AuditReport.write_to_card)."""
+    card(folder, report, ledger)
+    audit.write_to_card(folder, audited_model=audited_model)
+    return folder
+
+
+@pytest.mark.parametrize("audited_model", [True, False], ids=["this-run", "separate-run"])
+def test_an_audit_section_written_by_write_to_card_is_accepted(runs, tmp_path, audited_model):
+    """The report beside the card renders the section; a separate run's audit adds the not-covered item on how the
+    two runs compose, this run's own audit does not (scoring it is post-processing). Rewriting with the other flag
+    swaps both."""
+    from hf_dp.audit.record import AUDIT_FILE
+
     report, ledger = runs["secret"]
-    audit = ("## Empirical audit\n\nAn empirical check of the implementation, not part of the guarantee.\n\n"
-             "| Audit | Value |\n|---|---|\n| Empirical lower bound on ε | **0.12** |\n")
-    folder = card(tmp_path, report, ledger, audit_section=audit)
-    text = (folder / "README.md").read_text()
-    assert "The empirical audit below, with this model." in text
+    audit = audit_of(report)
+    folder = audited(tmp_path, report, ledger, audit, audited_model=audited_model)
     check_privacy_card(folder)
-    (folder / "README.md").write_text(text + f"\n## Summary\n\n{CLAIM}\n")
+    assert json.loads((folder / AUDIT_FILE).read_text()) == {**audit.to_dict(), "audited_model": audited_model}
+    composition = "**The empirical audit below, with this model.**"
+    text = (folder / "README.md").read_text()
+    assert text.count("## Empirical audit") == 1 and (composition in text) is not audited_model
+    audit.write_to_card(folder, audited_model=not audited_model)
+    check_privacy_card(folder)
+    text = (folder / "README.md").read_text()
+    assert text.count("## Empirical audit") == 1 and text.count(composition) == int(audited_model)
+    assert not list(folder.glob("*.tmp")) and not list(folder.glob(".*.tmp"))
+
+
+def _failing(text: str) -> str:
+    """A failed audit's section made to read as passed: the warning gone, the verdict sentence replaced."""
+    lines = [line for line in text.splitlines() if not line.startswith("**WARNING: the audit FAILED")]
+    passed = ("A lower bound well below the proven ε is expected: the canaries and the guesser are far weaker than "
+              "the worst case the proof covers.")
+    return "\n".join(passed if line.startswith("**The audit FAILED") else line for line in lines) + "\n"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t, lower: t + f"\n{CLAIM}\n", "adds the line 'This model is"),
+    (lambda t, lower: t.replace("| Audit | Value |", f"{CLAIM}\n\n| Audit | Value |"), "it says 'This model is"),
+    (lambda t, lower: t.replace("| δ of the bounds", "| Proven ε for every user | 0.1 |\n| δ of the bounds"),
+     "it says '\\| Proven ε for every user"),
+    (lambda t, lower: t.replace(f"**{lower}**", "**0.00**"), "it says '.*\\*\\*0.00\\*\\*"),
+    (lambda t, lower: t.replace("| Proven upper bound on ε (the accountant) | 8.00 |",
+                                "| Proven upper bound on ε (the accountant) | 0.10 |"), "0.10"),
+    (lambda t, lower: t.replace("this model's own training run", "a separate training run"), "a separate training"),
+    (lambda t, lower: t[: t.index("**What it does not show.**")], "it ends where the report gives"),
+], ids=["claim-appended", "claim-inside", "table-row", "lower-bound", "proven-epsilon", "which-run", "caveat-cut"])
+def test_an_edited_audit_section_is_refused(runs, tmp_path, edit, match):
+    report, ledger = runs["secret"]
+    audit = audit_of(report)
+    folder = audited(tmp_path, report, ledger, audit)
+    readme = folder / "README.md"
+    lower = f"{math.floor(audit.epsilon_lower_bound * 100) / 100:.2f}"
+    edited = edit(readme.read_text(), lower)
+    assert edited != readme.read_text()
+    readme.write_text(edited)
+    message = refused(folder, f'"Empirical audit" section .*{match}')
+    assert "AuditReport.write_to_card" in message and "hf-dp audit" in message and "--no_guarantee" in message
+
+
+def test_a_failed_audit_edited_to_read_as_passed_is_refused(runs, tmp_path):
+    """A separate run whose audit refutes its ε = 1: the warning dropped and the verdict rewritten in the card, or
+    the report's verdict and audit_failed edited with the section rendered from the true report."""
+    from hf_dp.audit.record import AUDIT_FILE
+
+    report, ledger = runs["secret"]
+    audit = audit_of(report, upper=1.0, flip=0.0)
+    assert audit.failed
+    folder = audited(tmp_path, report, ledger, audit, audited_model=False)
+    readme = folder / "README.md"
+    original = readme.read_text()
+    readme.write_text(_failing(original))
+    refused(folder, '"Empirical audit" section differs .* it says \'An empirical check')
+    readme.write_text(original)
+    check_privacy_card(folder)
+    record = json.loads((folder / AUDIT_FILE).read_text())
+    for key, value in (("verdict", "the audit passed: lower bound 3.16 <= proven ε 8.00 (ceiling 3.16)"),
+                       ("audit_failed", False)):
+        (folder / AUDIT_FILE).write_text(json.dumps({**record, key: value}))
+        refused(folder, f"says {key} = .* but its own figures give .*: the file was edited")
+
+
+def test_a_section_without_its_audit_report_is_refused(runs, tmp_path):
+    """No dp_audit.json: a section written with write_privacy_card(audit_section=...) or the file deleted; a file
+    that is not JSON."""
+    from hf_dp.audit.record import AUDIT_FILE
+
+    report, ledger = runs["secret"]
+    audit = audit_of(report)
+    by_string = card(tmp_path / "string", report, ledger, audit_section=audit.card_section())
+    refused(by_string, f"has an \"Empirical audit\" section but no audit report beside it \\({AUDIT_FILE}\\)")
+    folder = audited(tmp_path / "deleted", report, ledger, audit)
+    (folder / AUDIT_FILE).unlink()
+    refused(folder, "no audit report beside it")
+    (folder / AUDIT_FILE).write_text("{not json")
+    refused(folder, f"its audit report \\({AUDIT_FILE}\\) is not JSON")
+    (folder / AUDIT_FILE).write_text("[]")
+    refused(folder, "holds a list, not a report")
+
+
+def _report_edits():
+    import dataclasses
+
+    def steinke(**changes):
+        return lambda audit: dataclasses.replace(audit, steinke=dataclasses.replace(audit.steinke, **changes))
+
+    return [
+        (steinke(epsilon_lower_bound=0.5), True, "states the lower bound 0.5, which"),
+        (lambda a: steinke(epsilon_lower_bound=a.epsilon_lower_bound + 0.3)(a), True, "states the lower bound"),
+        (lambda a: steinke(correct=sum(a.steinke.guesses) + 1)(a), True, "has counts no audit gives"),
+        (lambda a: steinke(correct=a.steinke.correct - 20)(a), True, "states the lower bound"),
+        (lambda a: dataclasses.replace(a, epsilon_ceiling=9.0), True, "has ceiling 9.0, but 256 canaries"),
+        (lambda a: dataclasses.replace(a, epsilon_upper_bound=100.0), True, "tested ε = 100.0 on this model's own run"),
+        (lambda a: dataclasses.replace(a, epsilon_upper_bound=0.1), True, "tested ε = 0.1 on this model's own run"),
+        (lambda a: dataclasses.replace(a, epsilon_upper_bound=50.0), False, "above the target ε = 8"),
+        (lambda a: dataclasses.replace(a, mechanism="els"), True, "audited a run with mechanism = 'els'"),
+        (lambda a: dataclasses.replace(a, privacy_unit="example"), False, "with privacy_unit = 'example'"),
+        (lambda a: dataclasses.replace(a, mechanism="non-private", epsilon_upper_bound=None), False,
+         "mechanism = 'non-private'"),
+        (lambda a: dataclasses.replace(a, score=f"black-box. {CLAIM}"), True, "has score = 'black-box. This model"),
+    ]
+
+
+@pytest.mark.parametrize("change, audited_model, match", _report_edits(), ids=[
+    "lower-bound-down", "lower-bound-up", "correct-impossible", "correct-down", "ceiling", "epsilon-up",
+    "epsilon-down", "separate-above-target", "mechanism", "unit", "non-private", "score-text"])
+def test_an_audit_report_edited_and_its_section_regenerated_is_refused(runs, tmp_path, change, audited_model, match):
+    """The strongest edit a user can make with hf_dp's own code: an edited AuditReport written with write_to_card,
+    so section and file agree. Its figures must still follow from one another and from the ledger."""
+    report, ledger = runs["secret"]
+    folder = audited(tmp_path, report, ledger, change(audit_of(report)), audited_model=audited_model)
+    message = refused(folder, match)
+    assert "AuditReport.write_to_card" in message and "--no_guarantee" in message
+
+
+def test_the_audited_model_flag_is_recorded_as_a_boolean(runs, tmp_path):
+    from hf_dp.audit.record import AUDIT_FILE
+
+    report, ledger = runs["secret"]
+    folder = audited(tmp_path, report, ledger, audit_of(report))
+    record = json.loads((folder / AUDIT_FILE).read_text())
+    (folder / AUDIT_FILE).write_text(json.dumps({**record, "audited_model": "yes"}))
+    refused(folder, "records audited_model = 'yes'")
+
+
+def test_a_claim_after_the_audit_section_is_refused(runs, tmp_path):
+    """A section after the audit's is the card's own: its lines are checked for claims."""
+    report, ledger = runs["secret"]
+    folder = audited(tmp_path, report, ledger, audit_of(report))
+    readme = folder / "README.md"
+    readme.write_text(readme.read_text() + f"\n## Summary\n\n{CLAIM}\n")
     refused(folder, "adds a privacy claim")
+
+
+def test_an_edited_audit_section_goes_up_only_labelled_as_carrying_no_guarantee(runs, tmp_path, monkeypatch):
+    from app_fixtures import tiny_classifier
+
+    uploads = []
+
+    class Recorder:
+        endpoint = "http://127.0.0.1:9"
+
+        def __init__(self, token=None, **kwargs):
+            pass
+
+        def create_repo(self, repo_id, **kwargs):
+            return huggingface_hub.RepoUrl(f"https://hub.test/{repo_id}", endpoint="https://hub.test")
+
+        def upload_file(self, **kwargs):
+            uploads.append(kwargs["path_or_fileobj"].decode())
+
+        def upload_folder(self, **kwargs):
+            uploads.append(kwargs["ignore_patterns"])
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Recorder)
+    monkeypatch.setattr(publish_module, "ensure_hub_reachable", lambda *a, **k: None)
+    report, ledger = runs["secret"]
+    folder = audited(tmp_path, report, ledger, audit_of(report))
+    tiny_classifier(0, 20).save_pretrained(folder)
+    readme = folder / "README.md"
+    readme.write_text(readme.read_text() + f"{CLAIM}\n")
+    with pytest.raises(PrivacyCardError, match='"Empirical audit" section adds the line'):
+        publish(folder, "alice/m", token="t")
+    assert uploads == []
+    publish(folder, "alice/m", token="t", no_guarantee=True)
+    assert uploads[0].count(NO_GUARANTEE_BANNER) == 1 and "README.md" in uploads[1]

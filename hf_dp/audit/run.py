@@ -17,7 +17,8 @@
    (Mahloujifar et al.'s f-DP number, which assumes a Gaussian trade-off curve, is kept in the JSON as a
    diagnostic only: subsampled DP-SGD does not have one);
 5. it returns an [`AuditReport`] (also saved as `output_dir/_audit/report.json`) whose `card_section()` is the
-   model card's "Empirical audit" section.
+   model card's "Empirical audit" section; `write_to_card(model_dir)` puts it into the card with the report beside
+   it (`dp_audit.json`), which `hf-dp publish` renders the section from again ([`hf_dp.audit.record`]).
 
 What the audit is and is not: a check of the implementation. An ε lower bound above the accountant's ε means a
 bug (in sampling, clipping, noise or accounting); one well below it is expected, since the canaries and the
@@ -43,7 +44,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import re
 import secrets
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -257,7 +257,9 @@ class AuditReport:
         return "\n".join(lines)
 
     def write_to_card(self, model_dir: str | Path, *, audited_model: bool = False) -> Path:
-        """Put `card_section()` into `model_dir/README.md`: replace an earlier "Empirical audit" section, or append.
+        """Put `card_section()` into `model_dir/README.md` (replacing an earlier "Empirical audit" section, or
+        appended), and this report, with `audited_model`, into `model_dir/dp_audit.json` beside it: `hf-dp publish`
+        renders the section again from that file and refuses a card whose section differs.
 
         Args:
             model_dir: Folder holding the model card (README.md).
@@ -269,19 +271,9 @@ class AuditReport:
         Raises:
             FileNotFoundError: If there is no README.md (write the privacy card first).
         """
-        path = Path(model_dir) / "README.md"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: write the privacy card first "
-                                    "(trainer.write_privacy_card).")
-        text = path.read_text(encoding="utf-8")
-        section = self.card_section(audited_model=audited_model)
-        pattern = re.compile(rf"^{re.escape(_SECTION_TITLE)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-        if pattern.search(text):
-            text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-        path.write_text(text, encoding="utf-8")
-        return path
+        from hf_dp.audit.record import write_card_section
+
+        return write_card_section(self, model_dir, audited_model=audited_model)
 
 
 def choose_score(score: str) -> str:

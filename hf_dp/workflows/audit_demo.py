@@ -24,9 +24,9 @@ Writes:
 - `<results_dir>/audit.json`: the audit ([`~hf_dp.audit.AuditReport.to_dict`]) beside the proven ε, the audited
   model's test metric (completion perplexity, or accuracy) and the public-only baseline's on the same test rows
   (canaries removed), the settings and the timings;
-- `<results_dir>/models/audit/`: the audited model, its privacy card with the "Empirical audit" section, and
-  `_audit/` (the canaries with their coins, and the report), which `hf-dp publish` and `push_to_hub` never
-  upload.
+- `<results_dir>/models/audit/`: the audited model, its privacy card with the "Empirical audit" section and the
+  report that section is rendered from (`dp_audit.json`, which `hf-dp publish` checks it against), and `_audit/`
+  (the canaries with their coins, and the report), which `hf-dp publish` and `push_to_hub` never upload.
 
 The audited model trained on the canaries: it is a check of the implementation, not the model to release (the card
 says so). Measured at the default on the 2-core machine (2 threads, nothing else running): with `--sabotage

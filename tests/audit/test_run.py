@@ -29,6 +29,7 @@ from hf_dp.audit import (
     make_canaries,
     remove_canaries,
 )
+from hf_dp.audit.record import AUDIT_FILE, check_audit_record
 from hf_dp.audit.run import AUDIT_DIR, audit_guesses, choose_score
 from hf_dp.audit.scoring import row_losses, trainable_parameters
 
@@ -183,13 +184,13 @@ def test_noise_shrunk_behind_the_ledger_is_caught(tmp_path, monkeypatch):
 
 
 def test_canaries_are_users_excluded_from_counts_and_the_record_is_never_uploaded(tmp_path):
-    from hf_dp.hub import IGNORE_PATTERNS, check_privacy_card
+    from hf_dp.hub import IGNORE_PATTERNS, PrivacyCardError, check_privacy_card
 
     seen = {}
 
     def make_trainer(rows):
         seen["rows"] = rows
-        trainer = DPTrainer(model=_tiny_lm(), args=_args(tmp_path, max_steps=2, target_epsilon=8.0),
+        trainer = DPTrainer(model=_tiny_lm(), args=_args(tmp_path, max_steps=2, target_epsilon=8.0, noise_seed=None),
                             train_dataset=rows, data_collator=_collate)
         seen["trainer"] = trainer
         return trainer
@@ -217,12 +218,23 @@ def test_canaries_are_users_excluded_from_counts_and_the_record_is_never_uploade
         assert "README.md" in uploaded and not any(name.startswith(AUDIT_DIR) for name in uploaded)
     assert json.loads((out / AUDIT_DIR / "report.json").read_text()) == report.to_dict()
 
-    # The card gets the section; it is still a privacy card `hf-dp publish` accepts, and rewriting replaces it.
+    # The card gets the section and the report beside it (uploaded with the card); `hf-dp publish` accepts it,
+    # rewriting replaces it. A claim put inside the section, or the report removed, is refused.
     report.write_to_card(out, audited_model=True)
     report.write_to_card(out, audited_model=True)
     card = (out / "README.md").read_text()
     assert card.count("## Empirical audit") == 1 and "this model's own training run" in card
+    assert json.loads((out / AUDIT_FILE).read_text()) == {**report.to_dict(), "audited_model": True}
+    assert AUDIT_FILE in list(filter_repo_objects([AUDIT_FILE], ignore_patterns=IGNORE_PATTERNS))
     check_privacy_card(out)
+    claimed = card.replace("| Audit | Value |", "This model is (0.1, 1e-9)-DP.\n| Audit | Value |")
+    (out / "README.md").write_text(claimed)
+    with pytest.raises(PrivacyCardError, match="section differs .* it says 'This model is"):
+        check_privacy_card(out)
+    (out / "README.md").write_text(card)
+    (out / AUDIT_FILE).unlink()
+    with pytest.raises(PrivacyCardError, match="no audit report beside it"):
+        check_privacy_card(out)
 
 
 def test_remove_canaries_keeps_evaluation_and_baseline_clean():
@@ -345,6 +357,79 @@ def test_report_flags_a_lower_bound_above_the_claim():
     assert pure.fdp is None and "f-DP" not in pure.card_section() and "f-DP" not in report.card_section()
     chance = audit_report(np.random.default_rng(1).normal(size=256), included, delta=1e-5, epsilon_upper_bound=1.0)
     assert chance.epsilon_lower_bound == 0 and "no better than chance" in chance.card_section()
+
+
+def _genuine_reports():
+    """Reports `audit_report` writes: passed, failed, without DP, at δ = 0, at chance (bound 0), with guesses of
+    one's own, with 2 and with 1,000 canaries."""
+    scores, included = _separated(flip=0.1)
+    exact, coins = _separated()
+    chance = np.random.default_rng(1).normal(size=256)
+    few = np.array([True, False])
+    many, many_coins = _separated(m=1000, flip=0.3)
+    return [
+        audit_report(scores, included, delta=1e-5, epsilon_upper_bound=8.0, privacy_unit="user", mechanism="uls"),
+        audit_report(exact, coins, delta=1e-5, epsilon_upper_bound=0.5, privacy_unit="user", mechanism="uls"),
+        audit_report(scores, included, delta=1e-5, mechanism="non-private"),
+        audit_report(scores, included, delta=0.0, epsilon_upper_bound=2.0, privacy_unit="example"),
+        audit_report(chance, included, delta=1e-5, epsilon_upper_bound=1.0, score="trained-loss"),
+        audit_report(scores, included, delta=1e-3, confidence=0.5, guesses=[(10, 0), (30, 30)], score="white-box"),
+        audit_report(few.astype(float), few, delta=1e-5, epsilon_upper_bound=1.0),
+        audit_report(many, many_coins, delta=1e-6, epsilon_upper_bound=4.0),
+    ]
+
+
+def test_every_genuine_audit_record_passes_its_own_check():
+    """What write_to_card saves, read back: accepted, the same report and flag (a check that refused true reports
+    would refuse every audited card)."""
+    reports = _genuine_reports()
+    assert reports[1].failed and reports[4].epsilon_lower_bound == 0 and reports[3].fdp is None
+    for i, report in enumerate(reports):
+        record = json.loads(json.dumps({**report.to_dict(), "audited_model": bool(i % 2)}))
+        assert check_audit_record(record) == (report, bool(i % 2))
+
+
+def _edited(report, audited_model=True, **changes):
+    record = json.loads(json.dumps({**report.to_dict(), "audited_model": audited_model}))
+    for key, value in changes.items():
+        if "." in key:
+            outer, inner = key.split(".")
+            record[outer] = {**record[outer], inner: value}
+        else:
+            record[key] = value
+    return record
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"verdict": "the audit passed: lower bound 3.16 <= proven ε 8.00 (ceiling 3.16)"}, "says verdict = "),
+    ({"audit_failed": False}, "says audit_failed = False, but its own figures give True"),
+    ({"epsilon_lower_bound": 0.0}, "says epsilon_lower_bound = 0.0"),
+    ({"steinke.epsilon_lower_bound": 0.0, "epsilon_lower_bound": 0.0, "verdict": None, "audit_failed": False,
+      "exceeds_upper_bound": False}, "says (audit_failed|exceeds_upper_bound|verdict)"),
+    ({"steinke.correct": 300, "correct": 300}, "has counts no audit gives"),
+    ({"steinke.included": 300, "included": 300}, "has counts no audit gives"),
+    ({"steinke.canaries": 255.5, "canaries": 255.5}, "has canaries = 255.5, which no audit writes"),
+    ({"steinke.delta": float("nan"), "delta": float("nan")}, "delta = nan"),
+    ({"steinke.method": "mahloujifar-melis-chaudhuri-2024-gaussian"}, "method 'mahloujifar"),
+    ({"score": "auto"}, "has score = 'auto'"),
+    ({"audited_model": None}, "records audited_model = None"),
+    ({"steinke": None}, "is not one AuditReport.to_dict wrote"),
+], ids=["verdict", "audit-failed", "top-level-bound", "bound-and-verdict", "correct", "included", "canaries", "delta",
+        "method", "score", "flag", "no-result"])
+def test_an_edited_audit_record_is_refused(changes, match):
+    """A failed audit's record (lower bound 3.16 > ε 0.5) edited by hand: each figure that does not follow from the
+    others is named."""
+    failed = _genuine_reports()[1]
+    with pytest.raises(ValueError, match=match) as error:
+        check_audit_record(_edited(failed, **changes))
+    assert "\n" not in str(error.value) and AUDIT_FILE in str(error.value)
+
+
+def test_write_to_card_needs_the_card_first_and_writes_nothing_without_it(tmp_path):
+    report = _genuine_reports()[0]
+    with pytest.raises(FileNotFoundError, match="write the privacy card first"):
+        report.write_to_card(tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_audit_guesses_are_few_and_valid():

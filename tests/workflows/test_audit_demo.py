@@ -119,6 +119,7 @@ def test_a_failed_audit_is_loud_and_exits_with_code_3(monkeypatch, capsys):
 @pytest.mark.slow
 def test_quick_audit_writes_audit_json_card_section_and_a_private_record(tmp_path, capsys):
     from hf_dp.audit import Canaries, is_canary_user
+    from hf_dp.audit.record import AUDIT_FILE, check_audit_record
     from hf_dp.hub import IGNORE_PATTERNS
 
     assert audit_demo.main(["--task", "classification", "--quick", "--results_dir", str(tmp_path), "--no_progress",
@@ -141,8 +142,10 @@ def test_quick_audit_writes_audit_json_card_section_and_a_private_record(tmp_pat
     assert "fixed-size sample of 48 of the available users" in card and "replace-one" in result["not_covered"][0]
     files = [str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file()]
     uploaded = list(filter_repo_objects(files, ignore_patterns=IGNORE_PATTERNS))
-    assert "README.md" in uploaded and "config.json" in uploaded
-    assert not any("_audit" in name or "canar" in name for name in uploaded)
+    assert "README.md" in uploaded and "config.json" in uploaded and AUDIT_FILE in uploaded  # the section's report
+    assert not any(name.startswith("_audit") or "canar" in name for name in uploaded)
+    saved, audited_model = check_audit_record(json.loads((model_dir / AUDIT_FILE).read_text()))
+    assert audited_model and saved.to_dict() == audit and saved.card_section(audited_model=True).strip() in card
     out = capsys.readouterr().out
     assert "ε audited (lower bound, Steinke et al.)" in out and "audit.json" in out
 
