@@ -25,13 +25,10 @@ def arrow_user_codes(dataset, column: str) -> tuple[np.ndarray, list] | None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    try:
-        from datasets import Dataset
-    except ImportError:  # pragma: no cover - datasets is a dependency
+    read = table_column(dataset, column)
+    if read is None:
         return None
-    if not isinstance(dataset, Dataset) or getattr(dataset, "format", {}).get("type") == "custom":
-        return None  # a transform decides what dataset[column] holds
-    array = dataset.data.column(column)  # the whole table: a select or a shuffle is applied below
+    array, indices = read
     kind = array.type
     if pa.types.is_null(kind):
         codes = np.full(len(array), -1, dtype=np.int64)
@@ -48,7 +45,18 @@ def arrow_user_codes(dataset, column: str) -> tuple[np.ndarray, list] | None:
             return None  # 0.0 and -0.0: two Arrow values, one user for the row walk
     else:
         return None
-    indices = getattr(dataset, "_indices", None)  # the rows a select, shuffle or filter kept, in their order
-    if indices is not None:
-        codes = codes[indices.column(0).to_numpy()]
-    return codes, values
+    return (codes if indices is None else codes[indices]), values
+
+
+def table_column(dataset, column: str):
+    """`(array, indices)`: the column over the dataset's whole Arrow table, and the table rows the dataset holds, in
+    its order (`None`: all, in order; a select, shuffle or filter sets them); `None` for what is not a
+    `datasets.Dataset` read as stored (a transform decides what `dataset[column]` holds)."""
+    try:
+        from datasets import Dataset
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        return None
+    if not isinstance(dataset, Dataset) or getattr(dataset, "format", {}).get("type") == "custom":
+        return None
+    indices = getattr(dataset, "_indices", None)
+    return dataset.data.column(column), (None if indices is None else indices.column(0).to_numpy())
