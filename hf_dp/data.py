@@ -174,7 +174,8 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
     kept[rows] = True
     keep = np.flatnonzero(kept)  # the kept rows, in the dataset's order
     position = np.cumsum(kept) - 1  # a kept row's position in the partition's dataset
-    user_rows = np.split(position[rows], np.cumsum(counts)[:-1])
+    grouped, ends = position[rows], np.cumsum(counts).tolist()
+    user_rows = [grouped[start:end] for start, end in zip([0] + ends[:-1], ends)]  # views of one array
     dataset = dataset.remove_columns(user_id_column)
     if len(keep) < len(index.codes):
         dataset = dataset.select(keep)
