@@ -21,7 +21,7 @@ from accelerate.utils import send_to_device
 from transformers import DataCollatorWithFlattening, Trainer
 
 from .clipping import UnsupportedLayerError
-from .data import user_id_kinds, user_keys
+from .data import distinct_user_ids, user_id_kinds, user_keys
 from .user_column import table_column
 from .losses import LOSS_FUNC_PACKED, is_causal_lm, packed_example_ids, per_example_loss
 
@@ -245,9 +245,9 @@ def check_eval_users(eval_dataset, train_dataset, user_id_column: str) -> None:
         if user_id_column not in (getattr(dataset, "column_names", None) or []):
             continue
         if train_users is None:
-            train_ids = train_dataset[user_id_column]
+            train_ids = distinct_user_ids(train_dataset, user_id_column)
             train_users, train_kinds = user_keys(train_ids), user_id_kinds(train_ids)
-        eval_ids = dataset[user_id_column]
+        eval_ids = distinct_user_ids(dataset, user_id_column)
         eval_kinds = user_id_kinds(eval_ids)
         if train_kinds and eval_kinds and set(eval_kinds) != set(train_kinds):
             raise ValueError(

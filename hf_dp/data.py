@@ -313,6 +313,17 @@ def _check_one_id_type(keys, user_id_column: str) -> None:
                 )
 
 
+def distinct_user_ids(dataset, user_id_column: str):
+    """The ids of `dataset`'s user column, each distinct id once where the column is read through Arrow
+    ([`~hf_dp.user_column.arrow_user_codes`]), else every row's (`dataset[user_id_column]`): what [`user_keys`] and
+    [`user_id_kinds`] read, in a second for 10⁷ rows."""
+    read = arrow_user_codes(dataset, user_id_column)
+    if read is None:
+        return dataset[user_id_column]
+    codes, values = read
+    return [values[i] for i in np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(values)))]
+
+
 def user_id_kinds(ids) -> dict:
     """The kinds of the present user ids ("string", "number", "list", ...), each with one example id (missing ids
     skipped): ids of two kinds cannot be compared (3 and "3" may be one person)."""

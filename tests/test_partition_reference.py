@@ -208,3 +208,16 @@ def test_a_trainer_partitions_like_the_row_by_row_grouping(tmp_path, overrides):
     assert trainer.partition.row_user.tolist() == expected.row_user.tolist()
     assert [r.tolist() for r in trainer.partition.user_rows] == [r.tolist() for r in expected.user_rows]
     assert trainer.partition.dataset["input_ids"] == expected.dataset["input_ids"]
+
+
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_the_eval_check_reads_the_same_users_once_each(name):
+    """check_eval_users compares sets of users and their kinds: read through Arrow, each id once, they are the
+    row walk's."""
+    from hf_dp.data import distinct_user_ids, user_id_kinds, user_keys
+
+    dataset = DATASETS[name]
+    ids = distinct_user_ids(dataset, "user_id")
+    assert user_keys(ids) == user_keys(dataset["user_id"])
+    assert set(user_id_kinds(ids)) == set(user_id_kinds(dataset["user_id"]))
+    assert (len(ids) < len(dataset)) == (name != "lists")  # each id once, where Arrow reads the column
