@@ -7,8 +7,9 @@ class label a row), then times, each in a fresh process (so each peak RSS is its
   without a bound (example level); `bound_rows` (what `DPSFTTrainer` keeps before tokenizing, 4·G per user);
 - `DPTrainer(...)` with a tiny BERT built from its config, for ULS, ELS and `redraw_rows` (construction only).
 
-Rows/s is rows of the dataset per second; "peak RSS" is the process's peak resident memory during the stage above
-its resident memory before it (the dataset already built). Target on the 2-core machine: ≤ 10 s for 10⁶ users and
+The dataset is saved once and memory-mapped in each process, as `datasets` loads its cache. Rows/s is rows of the
+dataset per second; "peak RSS" is the process's peak resident memory during the stage above its resident memory
+before it (the kernel's high-water mark, reset at the start). Target on the 2-core machine: ≤ 10 s for 10⁶ users and
 10⁷ rows.
 
     python benchmarks/partition_speed.py [--users 100000 1000000] [--repeats 3] [--shape zipf|uniform]
@@ -97,9 +98,12 @@ def _stages():
     }
 
 
-def _run(users: int, shape: str, stage: str, queue) -> None:
-    """One stage in this (fresh) process: (seconds, peak RSS above the start in MiB, or None)."""
-    dataset = synthetic_users(users, shape)
+def _run(path: str, stage: str, queue) -> None:
+    """One stage in this (fresh) process, on the dataset saved at `path` (memory-mapped, as datasets loads its
+    cache): (seconds, peak RSS above the start in MiB, or None)."""
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(path)
     run = _stages()[stage]
     run(synthetic_users(500))  # imports and first-call costs, on a tiny dataset
     start_rss = _rss_mib()
@@ -120,18 +124,24 @@ def main() -> None:
                         help="'partition' (the data functions), 'trainer' (DPTrainer construction), or both")
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
-    print(f"{os.cpu_count()} CPUs; seconds: median of {args.repeats} (min in brackets), each in a fresh process\n", flush=True)
+    print(f"{os.cpu_count()} CPUs; seconds: median of {args.repeats} (min in brackets), each in a fresh process\n",
+          flush=True)
     print("| users | rows | stage | seconds | rows/s | peak RSS above start (MiB) |")
     print("|---|---|---|---|---|---|")
     for users in args.users:
-        rows = len(synthetic_users(users, args.shape))
+        folder = tempfile.TemporaryDirectory()
+        path = os.path.join(folder.name, "rows")
+        dataset = synthetic_users(users, args.shape)
+        dataset.save_to_disk(path)
+        rows = len(dataset)
+        del dataset
         for stage in _stages():
             if ("trainer" if "DPTrainer" in stage else "partition") not in args.stages:
                 continue
             results = []
             for _ in range(args.repeats):
                 queue = context.Queue()
-                process = context.Process(target=_run, args=(users, args.shape, stage, queue))
+                process = context.Process(target=_run, args=(path, stage, queue))
                 process.start()
                 process.join()
                 if process.exitcode:
@@ -142,6 +152,7 @@ def main() -> None:
             median = statistics.median(seconds)
             print(f"| {users:,} | {rows:,} | {stage} | {median:.2f} ({min(seconds):.2f}) | {rows / median:,.0f} | "
                   f"{'n/a' if peak is None else f'{peak:,.0f}'} |", flush=True)
+        folder.cleanup()
 
 
 if __name__ == "__main__":

@@ -256,7 +256,8 @@ def _arrow_examples_per_user(path: str, suffix: str, column: str) -> list[int] |
         elif suffix in (".csv", ".tsv"):
             from pyarrow import csv
 
-            convert = csv.ConvertOptions(include_columns=[column], null_values=PANDAS_NA_VALUES, strings_can_be_null=True)
+            convert = csv.ConvertOptions(include_columns=[column], null_values=PANDAS_NA_VALUES,
+                                         strings_can_be_null=True)
             table = csv.read_csv(path, parse_options=csv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ","),
                                  convert_options=convert)
         elif suffix == ".jsonl":

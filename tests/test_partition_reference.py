@@ -62,7 +62,8 @@ def _reference_partition(dataset, column: str, bound, secret, redraw_rows: bool 
     if redraw_rows and bound is not None:
         redraw = RowRedraw(keys=np.array([_reference_seed(secret, u, "redrawn rows") for u in rows_by_user],
                                          dtype=np.uint64), bound=int(bound))
-    kept = [rows if redraw else _reference_draw(rows, bound, secret, user, "rows") for user, rows in rows_by_user.items()]
+    kept = [rows if redraw else _reference_draw(rows, bound, secret, user, "rows")
+            for user, rows in rows_by_user.items()]
     keep = np.sort(np.concatenate([np.asarray(r, dtype=np.int64) for r in kept]))
     position = np.full(len(ids), -1, dtype=np.int64)
     position[keep] = np.arange(len(keep))

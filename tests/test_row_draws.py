@@ -42,7 +42,9 @@ def test_where_numpy_redraws_or_tail_shuffles_the_positions_are_still_numpys():
 
 def test_a_copy_that_disagrees_with_numpy_is_replaced_by_numpys_draws(monkeypatch, caplog):
     seeds, sizes = np.arange(1, 41, dtype=np.uint64), np.full(40, 9)
-    wrong = lambda seeds, sizes, bound: (np.tile(np.arange(bound), (len(seeds), 1)), np.zeros(len(seeds), bool))
+    def wrong(seeds, sizes, bound):  # the first G positions of every user, none left to numpy
+        return np.tile(np.arange(bound), (len(seeds), 1)), np.zeros(len(seeds), bool)
+
     monkeypatch.setattr(row_draws, "_floyd", wrong)
     with caplog.at_level(logging.WARNING, logger="hf_dp.row_draws"):
         chosen = choose_positions(seeds, sizes, 3)
