@@ -12,13 +12,17 @@ import functools
 import inspect
 import warnings
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import transformers
 from accelerate.utils import send_to_device
 from transformers import DataCollatorWithFlattening, Trainer
 
 from .clipping import UnsupportedLayerError
-from .data import user_id_kinds, user_keys
+from .data import distinct_user_ids, user_id_kinds, user_keys
+from .user_column import table_column
 from .losses import LOSS_FUNC_PACKED, is_causal_lm, packed_example_ids, per_example_loss
 
 # The transformers versions the DP mixin is tested with (pyproject.toml declares the same range).
@@ -241,9 +245,9 @@ def check_eval_users(eval_dataset, train_dataset, user_id_column: str) -> None:
         if user_id_column not in (getattr(dataset, "column_names", None) or []):
             continue
         if train_users is None:
-            train_ids = train_dataset[user_id_column]
+            train_ids = distinct_user_ids(train_dataset, user_id_column)
             train_users, train_kinds = user_keys(train_ids), user_id_kinds(train_ids)
-        eval_ids = dataset[user_id_column]
+        eval_ids = distinct_user_ids(dataset, user_id_column)
         eval_kinds = user_id_kinds(eval_ids)
         if train_kinds and eval_kinds and set(eval_kinds) != set(train_kinds):
             raise ValueError(
@@ -296,17 +300,22 @@ def check_labels(dataset, model) -> None:
     width in `verify_clipping`.)"""
     if "labels" not in (getattr(dataset, "column_names", None) or []):
         return
-    labels = dataset["labels"]
-    first = next((label for label in labels if label is not None), None)
-    if isinstance(first, list):  # token labels
-        start = 1 if is_causal_lm(model) else 0  # a causal LM's first label is never a target (the shift)
-        if not any(token != -100 for row in labels if row for token in row[start:]):
-            raise ValueError("No label in the training data is a target (every label is -100"
-                             + (", or only the first token of a row, which a causal LM never predicts" if start else "")
-                             + "): every loss would be 0 and the run would train on noise alone. Check the masking "
-                             "(e.g. assistant-only or completion-only labels that match nothing) and the truncation "
-                             "(a max_length that cuts every labelled token away).")
-    elif isinstance(first, str):
+    start = 1 if is_causal_lm(model) else 0  # a causal LM's first label is never a target (the shift)
+    read = table_column(dataset, "labels")
+    if read is not None and _integer_lists(read[0].type):  # token labels, read through Arrow
+        token_labels, has_target, first = True, _token_targets(*read, start=start), None
+    else:
+        labels = dataset["labels"]
+        first = next((label for label in labels if label is not None), None)
+        token_labels = isinstance(first, list)
+        has_target = token_labels and any(token != -100 for row in labels if row for token in row[start:])
+    if token_labels and not has_target:
+        raise ValueError("No label in the training data is a target (every label is -100"
+                         + (", or only the first token of a row, which a causal LM never predicts" if start else "")
+                         + "): every loss would be 0 and the run would train on noise alone. Check the masking "
+                         "(e.g. assistant-only or completion-only labels that match nothing) and the truncation "
+                         "(a max_length that cuts every labelled token away).")
+    if isinstance(first, str):
         raise ValueError(f"The training labels are strings (e.g. {first!r}): map each class to an integer id 0..n-1 "
                          "(e.g. with datasets' class_encode_column) before training.")
 
@@ -316,7 +325,45 @@ def check_class_labels(dataset, num_classes: int) -> None:
     step otherwise). Only decides whether to train; nothing is released."""
     if "labels" not in (getattr(dataset, "column_names", None) or []):
         return
-    bad = [label for label in dataset["labels"] if isinstance(label, int) and not 0 <= label < num_classes]
+    read = table_column(dataset, "labels")
+    if read is not None and pa.types.is_integer(read[0].type):
+        array, indices = read
+        labels = pc.fill_null(array, 0).to_numpy()  # a missing label is no class label (0 is one)
+        labels = labels if indices is None else labels[indices]
+        bad = labels[(labels < 0) | (labels >= num_classes)].tolist()
+    else:
+        bad = [label for label in dataset["labels"] if isinstance(label, int) and not 0 <= label < num_classes]
     if bad:
         raise ValueError(f"{len(bad)} class label(s) outside 0..{num_classes - 1} (e.g. {bad[0]}): the model's head "
                          f"has {num_classes} outputs; set num_labels to the number of classes or fix the labels.")
+
+
+def _integer_lists(kind) -> bool:
+    """An Arrow list (or large list) of integers: token labels."""
+    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)
+
+
+def _token_targets(array, indices, *, start: int, block: int = 1 << 16) -> bool:
+    """Whether a row of the dataset has a token label other than -100 from position `start` on, read through Arrow a
+    block of rows at a time (the first block with one answers): `array` the column over the whole table, `indices`
+    the table rows the dataset holds (`None`: all)."""
+    selected = None
+    if indices is not None:
+        selected = np.zeros(len(array), dtype=bool)
+        selected[indices] = True
+    offset = 0
+    for chunk in array.chunks:
+        for begin in range(0, len(chunk), block):
+            rows = chunk.slice(begin, block)
+            lengths = pc.fill_null(pc.list_value_length(rows), 0).to_numpy().astype(np.int64)
+            targets = pc.fill_null(pc.not_equal(pc.list_flatten(rows), -100), True).to_numpy(zero_copy_only=False)
+            before = np.concatenate([[0], np.cumsum(targets, dtype=np.int64)])  # targets before each token
+            ends = np.cumsum(lengths)
+            found = before[ends] - before[np.minimum(ends - lengths + start, ends)] > 0
+            if selected is not None:
+                found &= selected[offset + begin:offset + begin + len(rows)]
+            if found.any():
+                return True
+        offset += len(chunk)
+    return False
+

@@ -10,12 +10,17 @@ import hashlib
 import json
 import logging
 import numbers
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
+from .row_draws import choose_positions
+from .user_column import arrow_user_codes
+
 logger = logging.getLogger(__name__)
+# keyed_seed's encoding of a user id: json.dumps(user_id, ensure_ascii=False, separators=(",", ":"), sort_keys=True,
+# default=str), built once.
+_ID_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, default=str)
 
 @dataclass
 class UserPartition:
@@ -72,12 +77,66 @@ class RowRedraw:
 
 
 def examples_per_user(dataset, user_id_column: str) -> np.ndarray:
-    """Rows per user (ignoring rows without a user id): what the contribution-bound heuristics read."""
+    """Rows per user (ignoring rows without a user id), sorted: what the contribution-bound heuristics read."""
     check_user_column(dataset, user_id_column)
-    keys = _as_keys(dataset[user_id_column])
-    _check_one_id_type(keys, user_id_column)
-    counts = Counter(u for u in keys if u is not None)
-    return np.array(sorted(counts.values()), dtype=np.int64)
+    return np.sort(index_users(dataset, user_id_column).counts())
+
+
+@dataclass
+class UserIndex:
+    """The user column read once: every row's user, the users in order of first appearance.
+
+    Attributes:
+        users (`list`): the user ids (lists as tuples), in the order their first row comes.
+        codes (`np.ndarray`): `(num_rows,)` int64, each row's index into `users`; -1 for a row without a user id.
+    """
+
+    users: list
+    codes: np.ndarray
+
+    @property
+    def missing(self) -> int:
+        """Rows without a user id."""
+        return int(np.count_nonzero(self.codes < 0))
+
+    def counts(self) -> np.ndarray:
+        """`(num_users,)` rows of each user."""
+        return np.bincount(self.codes[self.codes >= 0], minlength=len(self.users))
+
+    def grouped(self) -> np.ndarray:
+        """Every row with a user id, grouped by user (users in order, each user's rows ascending)."""
+        return np.argsort(self.codes, kind="stable")[self.missing:]
+
+
+def index_users(dataset, user_id_column: str) -> UserIndex:
+    """Read the user column once: the users in order of first appearance and each row's user, the same users and rows
+    as walking the rows (missing ids dropped, lists as tuples, ids of mixed types refused).
+
+    Strings and numbers of a `datasets.Dataset` are read through Arrow ([`~hf_dp.user_column.arrow_user_codes`]) and
+    checked once per distinct id; other columns are walked row by row.
+
+    Raises:
+        ValueError: ids that mix types (3 and "3") or dicts.
+    """
+    read = arrow_user_codes(dataset, user_id_column)
+    if read is None:
+        keys = _as_keys(dataset[user_id_column])
+        _check_one_id_type(keys, user_id_column)
+        positions: dict = {}
+        codes = np.fromiter((-1 if key is None else positions.setdefault(key, len(positions)) for key in keys),
+                            dtype=np.int64, count=len(keys))
+        return UserIndex(users=list(positions), codes=codes)
+    codes, values = read
+    lookup = np.array([-1 if _is_missing(value) else i for i, value in enumerate(values)] + [-1], dtype=np.int64)
+    codes = lookup[codes]  # a missing id (NaN, a blank string) is no user; -1 stays -1
+    rows = np.flatnonzero(codes >= 0)
+    first = np.full(len(values), len(codes), dtype=np.int64)
+    np.minimum.at(first, codes[rows], rows)
+    present = np.flatnonzero(first < len(codes))
+    order = present[np.argsort(first[present], kind="stable")]  # by first row
+    renumber = np.full(len(values) + 1, -1, dtype=np.int64)
+    renumber[order] = np.arange(len(order))
+    return UserIndex(users=[values[i] for i in order], codes=renumber[codes])
 
 
 def partition_by_user(dataset, user_id_column: str, contribution_bound: int | None, secret,
@@ -94,44 +153,34 @@ def partition_by_user(dataset, user_id_column: str, contribution_bound: int | No
             id remains.
     """
     check_user_column(dataset, user_id_column)
-    ids = dataset[user_id_column]
-    missing = sum(_is_missing(u) for u in ids)
-    if missing:
+    index = index_users(dataset, user_id_column)
+    if index.missing:
         logger.warning("Dropping %d training rows without a %r value (None, NaN or an empty string): they are not "
-                       "trained on, and not counted as users.", missing, user_id_column)
-    keys = _as_keys(ids)
-    _check_one_id_type(keys, user_id_column)
-    rows_by_user: dict = {}
-    for row, user in enumerate(keys):
-        if user is not None:
-            rows_by_user.setdefault(user, []).append(row)
-    if not rows_by_user and len(keys) == 0:
+                       "trained on, and not counted as users.", index.missing, user_id_column)
+    if not index.users and len(index.codes) == 0:
         raise ValueError("The training dataset has no rows: DP training needs at least one user's rows.")
-    if not rows_by_user:
+    if not index.users:
         raise ValueError(
             f"No training row has a {user_id_column!r} value: DP training needs at least one user. "
             "Fill the user column or point --user_id_column at the right one."
         )
+    rows, counts = index.grouped(), index.counts()
     redraw = None
     if redraw_rows and contribution_bound is not None:
-        keys = np.array([keyed_seed(secret, user, "redrawn rows") for user in rows_by_user], dtype=np.uint64)
-        redraw = RowRedraw(keys=keys, bound=int(contribution_bound))
-    kept = [rows if redraw else _draw_rows(rows, contribution_bound, secret, user, "rows")
-            for user, rows in rows_by_user.items()]
-    keep = np.sort(np.concatenate([np.asarray(r, dtype=np.int64) for r in kept]))
-    position = np.full(len(ids), -1, dtype=np.int64)
-    position[keep] = np.arange(len(keep))
-    row_user = np.empty(len(keep), dtype=np.int64)
-    user_rows = []
-    for user_index, rows in enumerate(kept):
-        positions = position[np.asarray(rows, dtype=np.int64)]
-        row_user[positions] = user_index
-        user_rows.append(positions)
+        redraw = RowRedraw(keys=keyed_seeds(secret, index.users, "redrawn rows"), bound=int(contribution_bound))
+    else:
+        rows, counts = _bounded(rows, counts, contribution_bound, secret, index.users, "rows")
+    kept = np.zeros(len(index.codes), dtype=bool)
+    kept[rows] = True
+    keep = np.flatnonzero(kept)  # the kept rows, in the dataset's order
+    position = np.cumsum(kept) - 1  # a kept row's position in the partition's dataset
+    grouped, ends = position[rows], np.cumsum(counts).tolist()
+    user_rows = [grouped[start:end] for start, end in zip([0] + ends[:-1], ends)]  # views of one array
     dataset = dataset.remove_columns(user_id_column)
-    if len(keep) < len(ids):
-        dataset = dataset.select(keep.tolist())
-    return UserPartition(dataset=dataset, row_user=row_user, user_rows=user_rows, contribution_bound=contribution_bound,
-                         redraw=redraw)
+    if len(keep) < len(index.codes):
+        dataset = dataset.select(keep)
+    return UserPartition(dataset=dataset, row_user=index.codes[keep], user_rows=user_rows,
+                         contribution_bound=contribution_bound, redraw=redraw)
 
 
 def keyed_seed(secret, user_id, purpose: str) -> int:
@@ -154,9 +203,24 @@ def keyed_seed(secret, user_id, purpose: str) -> int:
         key = hashlib.blake2b(key).digest()
     if isinstance(user_id, np.generic):
         user_id = user_id.item()
-    message = json.dumps(user_id, ensure_ascii=False, separators=(",", ":"), sort_keys=True, default=str).encode()
+    message = _ID_ENCODER.encode(user_id).encode()
     digest = hashlib.blake2b(message, key=key, person=purpose.encode()[:16], digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def keyed_seeds(secret, user_ids, purpose: str) -> np.ndarray:
+    """`(len(user_ids),)` uint64: [`keyed_seed`] of every user id (the key and purpose set up once)."""
+    key = secret if isinstance(secret, bytes) else str(secret).encode()
+    if len(key) > 64:
+        key = hashlib.blake2b(key).digest()
+    person, encode, blake2b = purpose.encode()[:16], _ID_ENCODER.encode, hashlib.blake2b
+    seeds = np.empty(len(user_ids), dtype=np.uint64)
+    for index, user_id in enumerate(user_ids):
+        if isinstance(user_id, np.generic):
+            user_id = user_id.item()
+        digest = blake2b(encode(user_id).encode(), key=key, person=person, digest_size=8).digest()
+        seeds[index] = int.from_bytes(digest, "big")
+    return seeds
 
 
 def keyed_uniform(secret, user_id, purpose: str) -> float:
@@ -173,24 +237,30 @@ def bound_rows(dataset, user_id_column: str, contribution_bound: int, secret, pu
         TypeError, ValueError: as [`partition_by_user`] (no user column, ids of several types).
     """
     check_user_column(dataset, user_id_column)
-    keys = _as_keys(dataset[user_id_column])
-    _check_one_id_type(keys, user_id_column)
-    rows_by_user: dict = {}
-    for row, user in enumerate(keys):
-        rows_by_user.setdefault(user, []).append(row)
-    if all(len(rows) <= contribution_bound for user, rows in rows_by_user.items() if user is not None):
+    index = index_users(dataset, user_id_column)
+    counts = index.counts()
+    if not len(counts) or counts.max() <= contribution_bound:
         return dataset
-    keep = [row for user, rows in rows_by_user.items()
-            for row in (rows if user is None else _draw_rows(rows, contribution_bound, secret, user, purpose))]
-    return dataset.select(sorted(keep))
+    rows, _ = _bounded(index.grouped(), counts, contribution_bound, secret, index.users, purpose)
+    kept = index.codes < 0  # rows without a user id stay
+    kept[rows] = True
+    return dataset.select(np.flatnonzero(kept))
 
 
-def _draw_rows(rows: list, contribution_bound: int | None, secret, user, purpose: str) -> list:
-    """At most `contribution_bound` of one user's `rows`, drawn from (`secret`, user, `purpose`) alone."""
-    if contribution_bound is None or len(rows) <= contribution_bound:
-        return rows
-    rng = np.random.default_rng(keyed_seed(secret, user, purpose))
-    return sorted(rng.choice(rows, size=contribution_bound, replace=False).tolist())
+def _bounded(rows: np.ndarray, counts: np.ndarray, contribution_bound: int | None, secret, users: list,
+             purpose: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rows grouped by user (`counts` each) cut to at most `contribution_bound` per user: for a user with more, the
+    rows at numpy's `default_rng(keyed_seed(secret, user, purpose)).choice(n, size=G, replace=False)`, drawn for all
+    such users at once ([`~hf_dp.row_draws.choose_positions`]). Returns the kept rows, grouped, and their counts."""
+    if contribution_bound is None or not len(counts) or counts.max() <= contribution_bound:
+        return rows, counts
+    over = np.flatnonzero(counts > contribution_bound)
+    positions = choose_positions(keyed_seeds(secret, [users[u] for u in over], purpose), counts[over],
+                                 contribution_bound)  # (over users, G)
+    starts = np.cumsum(counts) - counts
+    kept = np.repeat(counts <= contribution_bound, counts)
+    kept[(starts[over, None] + positions).ravel()] = True
+    return rows[kept], np.minimum(counts, contribution_bound)
 
 
 def check_user_column(dataset, user_id_column: str) -> None:
@@ -241,6 +311,17 @@ def _check_one_id_type(keys, user_id_column: str) -> None:
                     "both ways (3 and '3') would count as two users. Give every id one type where the rows are built, "
                     "e.g. str(user_id)."
                 )
+
+
+def distinct_user_ids(dataset, user_id_column: str):
+    """The ids of `dataset`'s user column, each distinct id once where the column is read through Arrow
+    ([`~hf_dp.user_column.arrow_user_codes`]), else every row's (`dataset[user_id_column]`): what [`user_keys`] and
+    [`user_id_kinds`] read, in a second for 10⁷ rows."""
+    read = arrow_user_codes(dataset, user_id_column)
+    if read is None:
+        return dataset[user_id_column]
+    codes, values = read
+    return [values[i] for i in np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(values)))]
 
 
 def user_id_kinds(ids) -> dict:

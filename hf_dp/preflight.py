@@ -16,6 +16,8 @@ import tempfile
 
 import numpy as np
 
+from .user_column import table_column
+
 # Columns the model or its loss read: a user id there would be removed before the model sees the rows.
 MODEL_COLUMNS = ("input_ids", "labels", "label", "label_ids", "attention_mask", "token_type_ids", "position_ids")
 _CALLS_SUPER_STEP = re.compile(r"super\([^)]*\)\s*\.\s*training_step\s*\(")
@@ -113,7 +115,11 @@ def check_input_ids(dataset, model) -> None:
 
     if "input_ids" not in (getattr(dataset, "column_names", None) or []) or len(dataset) == 0:
         return
-    column = dataset.with_format("arrow")[:]["input_ids"]
+    read = table_column(dataset, "input_ids")  # a selection's rows taken in Arrow, not gathered row by row
+    if read is None:
+        column = dataset.with_format("arrow")[:]["input_ids"]
+    else:
+        column = read[0] if read[1] is None else read[0].take(read[1])
     if not pa.types.is_list(column.type) and not pa.types.is_large_list(column.type):
         return
     lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)

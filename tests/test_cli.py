@@ -338,3 +338,40 @@ def test_check_numbers_rules():
         assert str(error.value).startswith(message)
     with pytest.raises(ValueError, match=r"^steps=0: use .*; count=-1: use a whole number >= 0\.$"):
         check_numbers(Flags(steps=0, count=-1), rules, flags=False)  # every bad field, on one line
+
+
+def _pandas_counts(path, column: str) -> list[int]:
+    """The rows per user as `hf-dp plan --data` counted them with pandas alone."""
+    from collections import Counter
+
+    suffix = path.suffix
+    frame = {".csv": pd.read_csv, ".tsv": lambda p: pd.read_csv(p, sep="\t"), ".parquet": pd.read_parquet,
+             ".jsonl": lambda p: pd.read_json(p, lines=True)}[suffix](path)
+    return sorted(Counter(frame[column].dropna().tolist()).values())
+
+
+@pytest.mark.parametrize("suffix", ["csv", "tsv", "jsonl", "parquet"])
+@pytest.mark.parametrize("ids", [
+    ["u1", "u2", "u1", "", "NA", "None", "  ", "u3", "n/a", "u2", "null", "u1"],  # what pandas reads as missing
+    [3, 7, 3, 3, None, 12, 7, 10**15],
+    [True, False, True],
+])
+def test_plan_counts_a_files_users_through_arrow_as_pandas_did(tmp_path, suffix, ids):
+    frame = pd.DataFrame({"author": pd.Series(ids, dtype=object), "text": [f"t{i}" for i in range(len(ids))]})
+    path = tmp_path / f"train.{suffix}"
+    {"csv": lambda p: frame.to_csv(p, index=False), "tsv": lambda p: frame.to_csv(p, index=False, sep="\t"),
+     "jsonl": lambda p: frame.to_json(p, orient="records", lines=True),
+     "parquet": lambda p: frame.astype({"author": type(ids[0])} if None not in ids else {}).to_parquet(p)}[suffix](path)
+    arrow = cli._arrow_examples_per_user(str(path), f".{suffix}", "author")
+    assert arrow is not None  # read through Arrow
+    assert arrow == cli._read_examples_per_user(str(path), "author") == _pandas_counts(path, "author")
+
+
+def test_plan_leaves_to_pandas_what_arrow_cannot_read_alike(tmp_path):
+    mixed = tmp_path / "mixed.jsonl"  # 3 and "3": Arrow cannot type the column
+    mixed.write_text('{"author": 3}\n{"author": "3"}\n{"author": 3}\n')
+    floats = tmp_path / "floats.csv"
+    floats.write_text("author\n1.5\n-0.0\n0.0\nnan\n1.5\n")
+    for path in (mixed, floats):
+        assert cli._arrow_examples_per_user(str(path), path.suffix, "author") is None
+        assert cli._read_examples_per_user(str(path), "author") == _pandas_counts(path, "author")

@@ -110,3 +110,54 @@ def test_the_supported_transformers_range():
     assert version_supported(transformers.__version__)
     assert version_supported("5.24.0") and version_supported("5.99.1")
     assert not version_supported("4.57.0") and not version_supported("6.0.0")
+
+
+# ---- the label checks read the labels column through Arrow, as the row walk would decide -------------------------
+
+
+def _row_walk_has_target(rows, start: int) -> bool:
+    return any(token != -100 for row in rows if row for token in row[start:])
+
+
+@pytest.mark.parametrize("start", [0, 1])
+def test_token_labels_are_judged_through_arrow_as_by_the_row_walk(start):
+    """Many blocks of rows (the block is 7 rows here), nulls, empty rows, a selection that keeps or drops the one row
+    with a target, a first-token-only target (no target for a causal LM): each answer is the row walk's."""
+    from datasets import Dataset
+
+    from hf_dp.compatibility import _token_targets
+    from hf_dp.user_column import table_column
+
+    masked = [[-100, -100, -100]] * 40 + [None, [], [-100]]
+    cases = {"none": masked, "late": masked + [[-100, -100, 5]], "first token only": masked + [[7, -100]],
+             "null token": masked + [[-100, None]]}
+    for name, rows in cases.items():
+        data = Dataset.from_dict({"labels": rows})
+        for view in (data, data.select(range(len(rows) - 1)), data.shuffle(seed=0), data.select([len(rows) - 1, 3])):
+            expected = _row_walk_has_target(view["labels"], start)
+            assert _token_targets(*table_column(view, "labels"), start=start, block=7) == expected, (name, start)
+    assert _token_targets(*table_column(Dataset.from_dict({"labels": cases["late"]}), "labels"), start=1, block=7)
+
+
+def test_the_label_checks_refuse_through_arrow_what_they_refused_row_by_row():
+    from datasets import Dataset
+
+    from hf_dp.compatibility import check_class_labels, check_labels
+    from trainer_fixtures import tiny_bert, tiny_llama
+
+    only_first = Dataset.from_dict({"labels": [[5, -100, -100]] * 300})
+    check_labels(only_first, tiny_bert())  # a token classifier learns from the first token
+    with pytest.raises(ValueError, match="only the first token of a row, which a causal LM never predicts"):
+        check_labels(only_first, tiny_llama())
+    late = Dataset.from_dict({"labels": [[-100, -100]] * 70000 + [[-100, 4]]})
+    check_labels(late, tiny_llama())  # the target in the last row, past the first block
+    with pytest.raises(ValueError, match="No label in the training data is a target"):
+        check_labels(late.select(range(70000)), tiny_llama())
+    classes = Dataset.from_dict({"labels": [0, 1, None, 2, 7, -1] * 3})
+    with pytest.raises(ValueError, match=r"^6 class label\(s\) outside 0..2 \(e.g. 7\)"):
+        check_class_labels(classes, 3)
+    check_class_labels(classes.select([0, 1, 2, 3]), 3)  # the selection holds none of them
+    with pytest.raises(ValueError, match=r"^1 class label\(s\) outside 0..2 \(e.g. -1\)"):
+        check_class_labels(classes.select([5, 0]), 3)
+    with pytest.raises(ValueError, match="The training labels are strings"):
+        check_labels(Dataset.from_dict({"labels": [None, "spam"]}), tiny_bert())

@@ -353,3 +353,22 @@ def test_dict_user_ids_are_refused_before_trl_prepares_the_rows(tmp_path):
     data = conversations().map(lambda row: {"user_id": {"id": row["user_id"]}})
     with pytest.raises(ValueError, match="user_id_column 'user_id' holds dicts .* a user id must be one value"):
         trainer(tmp_path, dataset=data, contribution_bound=2)
+
+
+def test_text_and_prompt_completion_rows_are_checked_in_arrow_as_row_by_row(tmp_path, monkeypatch):
+    """Good string columns pass without the row walk (it is made to fail here); a missing text or an empty
+    completion goes to the row walk, which names the row; a selection that leaves the bad row out passes."""
+    from hf_dp import sft
+
+    args = config(tmp_path)
+    text = Dataset.from_dict({"text": ["w1 w2", None, "w3"] * 2, "user_id": list("abcabc")})
+    pairs = Dataset.from_dict({"prompt": ["w1"] * 4, "completion": ["w2", "", "w3", "w4"], "user_id": list("abcd")})
+    with pytest.raises(ValueError, match="row 1: 'text' is None, not a string"):
+        sft.prepare_rows(text, args, None, "train_dataset")
+    with pytest.raises(ValueError, match="row 1: the completion is an empty string"):
+        sft.prepare_rows(pairs, args, None, "train_dataset")
+    assert not sft._strings_pass(text.select([2, 1]), ["text"])
+    monkeypatch.setattr(Dataset, "select_columns", lambda *a, **k: pytest.fail("the rows were walked"))
+    for good, fields in ((text.select([0, 2, 5]), ["text"]), (pairs.select([3, 0, 2]), ["prompt", "completion"])):
+        assert sft._strings_pass(good, fields)
+        assert sft.prepare_rows(good, args, None, "train_dataset") is good
