@@ -37,7 +37,7 @@ import triton.language as tl
 from .transfer import to_device
 
 TILE = 1024  # elements per program
-QUANTUM = tl.constexpr(2.0**-24)  # hf_dp.noise.QUANTUM (checked there)
+QUANTUM = tl.constexpr(2.0**-24)  # hf_dp.noise.QUANTUM (tests/test_noise_kernel.py checks they agree)
 _HEADER = 3  # the table starts with k0, k1 and the block's element count
 _ROW = 6  # per segment: address, first element, parameter, first tile, count, first element in the block
 _MODES = {"add": 0, "words": 1, "normals": 2}

@@ -86,6 +86,10 @@ def test_the_kernel_adds_what_the_reference_engine_adds(dtype, std):
     assert (torch.cat(grads) != before).double().mean() > 0.9  # the noise was added
 
 
+def test_the_kernel_rounds_to_the_grid_the_reference_rounds_to():
+    assert noise_kernel.QUANTUM.value == noise.QUANTUM
+
+
 def test_two_ranks_add_identical_noise():
     """DDP: every rank adds the noise of the same elements; the kernel is a pure function of (key, element)."""
     grads = [[torch.full((count,), 0.25) for _, _, count in SEGMENTS] for _ in range(2)]
