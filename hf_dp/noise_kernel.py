@@ -38,8 +38,8 @@ from .transfer import to_device
 
 TILE = 1024  # elements per program
 QUANTUM = tl.constexpr(2.0**-24)  # hf_dp.noise.QUANTUM (tests/test_noise_kernel.py checks they agree)
-_HEADER = 3  # the table starts with k0, k1 and the block's element count
-_ROW = 6  # per segment: address, first element, parameter, first tile, count, first element in the block
+_HEADER = tl.constexpr(3)  # the table starts with k0, k1 and the block's element count
+_ROW = tl.constexpr(6)  # per segment: address, first element, parameter, first tile, count, first element in the block
 _MODES = {"add": 0, "words": 1, "normals": 2}
 _M0 = tl.constexpr(0xD2511F53)  # Philox4x32-10's multipliers and key increments (Salmon et al. 2011)
 _M1 = tl.constexpr(0xCD9E8D57)
@@ -95,8 +95,8 @@ def noise_kernel(table, std_ptr, out, MODE: tl.constexpr, OUT_DTYPE: tl.constexp
     tile = tl.program_id(0)
     k0 = tl.load(table).to(tl.uint32)
     k1 = tl.load(table + 1).to(tl.uint32)
-    segment = tl.load(table + 3 + tile)
-    row = table + 3 + tl.num_programs(0) + 6 * segment
+    segment = tl.load(table + _HEADER + tile)
+    row = table + _HEADER + tl.num_programs(0) + _ROW * segment
     offsets = (tile - tl.load(row + 3)) * TILE + tl.arange(0, TILE).to(tl.int64)  # within the segment
     inside = offsets < tl.load(row + 4)
     element = tl.load(row + 1) + offsets  # in the whole tensor
