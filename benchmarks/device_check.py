@@ -48,6 +48,11 @@ step memory (target ≤ 1.15); `ratios[config][finetune]["dp"]` also has the int
 start plus peak) ratios. A run or probe that fails is reported in the JSON (`error`, `probe_errors`) and the rest goes
 on; the JSON is rewritten after every (config, finetune).
 
+The noise (`noise`, `noise_kernel`; benchmarks/noise_check.py): one step's noise per model shape, bytes per element
+of the device path, the law of 2·10⁹ device draws, and the fused Triton kernel against the reference engine (words
+bit for bit on 3·10⁶ elements, normals in ulps, rounded sums, host syncs, compiled variants) with its ms per step for
+10⁸ and 10⁹ float32 elements beside `torch.randn` + add and the reference engine (about a minute).
+
 First of all, exactness (`exactness[config]`): ghost-clipped per-example gradient norms of a 2-layer slice of each
 config (4 padded examples x 64 tokens, full fine-tuning) computed on the device in `--dtype`, against per-example
 norms from `torch.func.grad` in float32 on the CPU, same weights; the worst relative error (bf16: ~1e-2 expected).
@@ -594,6 +599,14 @@ def main(argv=None) -> dict:
     except Exception as error:  # noqa: BLE001 - the timing below is still worth having
         traceback.print_exc()
         report["noise"] = {"error": f"{type(error).__name__}: {error}"}
+    try:  # the fused noise kernel: its words against the reference engine's, ms per step for 1e8 and 1e9 elements
+        import noise_check
+
+        report["noise_kernel"] = noise_check.kernel_check(args.device, sizes=(10**7,) if args.quick else (10**8, 10**9))
+        print(f"noise kernel: {report['noise_kernel']}", flush=True)
+    except Exception as error:  # noqa: BLE001 - the timing below is still worth having
+        traceback.print_exc()
+        report["noise_kernel"] = {"error": f"{type(error).__name__}: {error}"}
     report["profiler_priming_error"] = prime_profiler(cuda)
     with tempfile.TemporaryDirectory() as output_dir:
         for config_name in args.configs:

@@ -7,16 +7,26 @@ For each shape (the trainable parameters of: host_overhead.py's tiny 12-layer Ll
 check's llama-12x768, full and LoRA r = 8 on q/k/v/o; SmolLM2-135M's shape with the chat study's LoRA, r = 8 on the
 q and v projections of the top 4 layers) it times one step's noise, float32 gradients already in place:
 
-- `new`: `hf_dp.noise.add_noise` (numpy's Philox4x64 on the CPU, Philox4x32 in torch ops on a CUDA device; float64
-  Box–Muller from 159-bit uniforms; the sum rounded once);
+- `new`: `hf_dp.noise.add_noise` (numpy's Philox4x64 on the CPU, Philox4x32 in the fused Triton kernel on a CUDA
+  device; float64 Box–Muller from 159-bit uniforms; the sum rounded once);
 - `old`: the path it replaced: one `torch.randn` (float32) per parameter and chunk of 2²⁰ elements, each from a
   generator seeded by a 63-bit keyed hash, added in float32;
-- `device_ops`: the aten ops of the device engine's draw and addition (counted on whatever device runs the check).
+- `device_ops`: the aten ops of the reference device engine's draw and addition (torch integer ops, what a CUDA
+  device runs where the fused kernel cannot; counted on whatever device runs the check).
+
+Bytes per element of the device path (`traffic`, on any machine): the fused kernel's, counted at its loads and
+stores by Triton's interpreter (`TRITON_INTERPRET=1`, in a subprocess) on a block of several float32 and bf16
+gradients, and the accesses in its PTX compiled for sm_90 (per thread; no GPU needed); the reference engine's,
+counted as the bytes each of its aten ops reads and writes (inputs and outputs; views free).
 
 Each time is the median of `--repeats` calls after one warm-up, with a device synchronisation around each. On CUDA
 it also checks the device engine against the CPU (the same integer words: Philox4x32 in torch ops is exact on both)
 and draws `--draws` normals on the device: mean, std, largest |z| and the count beyond 5.8σ, where torch's CPU
-float32 normals never go, against the Gaussian's expectation. Everything is printed and returned as a dict.
+float32 normals never go, against the Gaussian's expectation; and checks the fused kernel (`kernel_check`): its words
+against the reference engine's on a few million elements (odd sizes, many parameters, shards, past 2³²), its
+normals in float64 ulps, its rounded sums, host syncs and compiled variants over steps, and ms per step for 10⁸ and
+10⁹ float32 elements beside `torch.randn` + add and the reference engine. Everything is printed and returned as a
+dict.
 """
 from __future__ import annotations
 
@@ -24,9 +34,12 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -156,6 +169,189 @@ def device_against_cpu(device: torch.device, draws: int) -> dict:
             "beyond_5_8_expected": total * 2 * stats.norm.sf(5.8)}
 
 
+# ---- the fused kernel: bytes per element, and on a GPU its agreement with the reference engine and its speed ----
+
+_COUNT_SCRIPT = """
+import json, torch
+from hf_dp import noise_kernel
+segments = [(0, 0, 40_000), (1, 3, 777), (2, 2**32 - 5, 90_001)]
+report = {}
+for dtype in (torch.float32, torch.bfloat16):
+    grads = [torch.zeros(count, dtype=dtype) for _, _, count in segments]
+    std = torch.tensor([0.01], dtype=torch.float64)
+    report[str(dtype).split(".")[1]] = noise_kernel.count_traffic(
+        lambda: noise_kernel.add_noise_(grads, segments, (1, 2), std))
+print(json.dumps(report))
+"""
+
+
+class _Bytes(TorchDispatchMode):
+    """Bytes each non-view aten op reads and writes: its tensor inputs and outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.overloadpacket.__name__ not in VIEWS:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def reference_traffic(elements: int = 1 << 16) -> float:
+    """Bytes per element the reference engine's aten ops move (float32 gradients, one parameter), on the CPU."""
+    grads = [torch.zeros(elements)]
+    counter = _Bytes()
+    with counter:
+        _device_engine(grads, 2**255 + 1, 3)
+    return counter.bytes / elements
+
+
+def ptx_accesses(dtype: str = "float32") -> dict:
+    """The global loads and stores in the kernel's PTX for sm_90 (compiled here, no GPU needed), per thread, and the
+    elements a thread handles."""
+    import re
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_dp import noise_kernel
+
+    signature = {"table": "*i64", "std_ptr": "*fp64", "out": "*i64", "MODE": "constexpr", "OUT_DTYPE": "constexpr",
+                 "TILE": "constexpr"}
+    source = ASTSource(noise_kernel.noise_kernel, signature,
+                       constexprs={"MODE": 0, "OUT_DTYPE": getattr(tl, dtype), "TILE": noise_kernel.TILE})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    accesses = {}
+    for access in re.findall(r"\b(?:ld|st)\.global[.\w]*", compiled.asm["ptx"]):
+        accesses[access] = accesses.get(access, 0) + 1
+    threads = 32 * compiled.metadata.num_warps
+    return {"accesses_per_thread": accesses, "elements_per_thread": noise_kernel.TILE // threads}
+
+
+def traffic() -> dict:
+    """Bytes per element of the device path: the fused kernel's (interpreter count, PTX) and the reference's."""
+    report = {"reference_bytes_per_element": reference_traffic()}
+    try:
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        done = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300, check=True)
+        counts = json.loads(done.stdout.strip().splitlines()[-1])
+        report["kernel_counted"] = counts
+        report["kernel_bytes_per_element"] = {
+            dtype: (c["gradient_bytes"] + c["table_bytes"]) / c["elements"] for dtype, c in counts.items()}
+    except Exception as error:  # noqa: BLE001 - e.g. no triton here
+        report["kernel_counted"] = {"error": f"{type(error).__name__}: {str(error)[-300:]}"}
+    try:
+        report["kernel_ptx"] = {dtype: ptx_accesses(dtype) for dtype in ("float32", "bfloat16")}
+    except Exception as error:  # noqa: BLE001 - e.g. no triton, or no NVIDIA backend in it
+        report["kernel_ptx"] = {"error": f"{type(error).__name__}: {str(error)[-300:]}"}
+    return report
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    same_sign = (a >= 0) == (b >= 0)
+    return torch.where(same_sign, (a.view(torch.int64) - b.view(torch.int64)).abs(), torch.iinfo(torch.int64).max)
+
+
+def _time_cuda(call, repeats: int) -> float:
+    """Median ms of `call()` after one warm-up, with CUDA events."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _reference_add(flat: torch.Tensor, seed: int, step: int, std) -> None:
+    """What add_noise did on CUDA before the kernel: the reference engine, block by block (one parameter)."""
+    for first in range(0, flat.numel(), noise.DEVICE_BLOCK):
+        size = min(noise.DEVICE_BLOCK, flat.numel() - first)
+        words = noise._device_words(seed, step, 1, [(0, first, size)], flat.device)
+        noise._add_rounded([flat[first:first + size]], noise._box_muller(words), std)
+
+
+def _time_step(size: int, device: torch.device, norm: torch.Tensor, seed: int, step: int, repeats: int) -> dict:
+    """ms for one step's noise on `size` float32 elements: add_noise (the kernel, a launch per block of 2²³),
+    torch.randn + add, and the reference engine."""
+    param = torch.nn.Parameter(torch.zeros(size, device=device))
+    param.grad = grad = torch.zeros_like(param)
+    std = (norm * 3e-3).to(torch.float64)
+    row = {"kernel": _time_cuda(lambda: noise.add_noise([param], noise_multiplier=1.0, max_grad_norm=norm, seed=seed,
+                                                        step=step, scale=3e-3), repeats),
+           "randn_add": _time_cuda(lambda: grad.add_(torch.randn_like(grad), alpha=3e-3), repeats),
+           "reference": _time_cuda(lambda: _reference_add(grad, seed, step, std), 1 if size > 10**8 else repeats)}
+    row["kernel_vs_randn_add"] = row["kernel"] / row["randn_add"]
+    row["reference_vs_kernel"] = row["reference"] / row["kernel"]
+    print(f"noise kernel, {size:.0e} float32 elements: {row['kernel']:.2f} ms a step; torch.randn + add "
+          f"{row['randn_add']:.2f} ms; reference engine {row['reference']:.1f} ms", flush=True)
+    return row
+
+
+def kernel_check(device: str = "cuda", sizes=(10**8, 10**9), elements: int = 3 * 10**6, repeats: int = 3) -> dict:
+    """On CUDA: the fused kernel against the reference engine, and its speed (see the module docstring)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"skipped": f"needs a CUDA device, not {device}"}
+    from hf_dp import noise_kernel
+
+    seed, step = 2**255 + 77, 5
+    key = noise._device_key(seed, step, 1)
+    segments = [(0, 0, elements // 2 + 1), (3, 12_345, 1023), (7, 2**32 - 1000, elements // 2 - 3), (2, 5, 1)]
+    words = noise_kernel.draws(segments, key, device)
+    reference = noise._device_words(seed, step, 1, segments, device)
+    normals = noise_kernel.draws(segments, key, device, what="normals")
+    ulps = _ulps(normals, noise._box_muller(reference))
+    report = {"elements": words.shape[1], "words_equal": bool(torch.equal(words, reference)),
+              "normals_max_ulps": int(ulps.max()), "normals_differing_fraction": float((ulps > 0).double().mean())}
+    std = torch.tensor([3e-3], dtype=torch.float64, device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        generator = torch.Generator(device=device).manual_seed(0)
+        grads = [torch.randn(count, generator=generator, device=device).mul_(1e-2).to(dtype)
+                 for _, _, count in segments]
+        expected = [grad.clone() for grad in grads]
+        noise_kernel.add_noise_(grads, segments, key, std)
+        noise._add_rounded(expected, noise._box_muller(reference), std)
+        report[f"{str(dtype).split('.')[1]}_sums_differing"] = int((torch.cat(grads) != torch.cat(expected)).sum())
+    params = [torch.nn.Parameter(torch.zeros(count, device=device)) for count in (4_000_001, 1023, 77)]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    norm = torch.tensor(1.0, device=device)  # adaptive clipping's C: a device tensor, never read back
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for step_index in range(3):
+                noise.add_noise(params, noise_multiplier=1.0, max_grad_norm=norm, seed=seed + step_index,
+                                step=step_index, scale=0.01)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    report["syncs_in_3_steps"] = sum("synchroniz" in str(w.message) for w in caught)
+    report["kernel_failure"] = noise._kernel_failure
+    try:  # one compiled variant per (mode, dtype): neither the key nor the step recompiles
+        report["compiled_variants"] = sum(len(cache[0]) for cache in noise_kernel.noise_kernel.device_caches.values())
+    except Exception as error:  # noqa: BLE001 - an internal attribute of triton's JITFunction
+        report["compiled_variants"] = f"unknown ({type(error).__name__})"
+    report["ms_per_step"] = {}
+    for size in sizes:
+        free = torch.cuda.mem_get_info(device)[0]
+        if 16 * size > free:  # the reference's blocks add 2 GiB; randn its float32 draws
+            report["ms_per_step"][str(size)] = f"skipped: {free / 2**30:.1f} GiB free"
+            continue
+        report["ms_per_step"][f"{size:.0e}"] = _time_step(size, device, norm, seed, step, repeats)
+        torch.cuda.empty_cache()
+    return report
+
+
 def run(device: str = "cpu", repeats: int = 5, draws: int = 2 * 10**9, quick: bool = False) -> dict:
     device = torch.device(device)
     names = QUICK_SHAPES if quick else tuple(SHAPES)
@@ -165,6 +361,10 @@ def run(device: str = "cpu", repeats: int = 5, draws: int = 2 * 10**9, quick: bo
         print(f"noise {name} ({row['parameters']:,} parameters in {row['tensors']} tensors): new "
               f"{row['new_ms']:.2f} ms ({row['new_ops']} ops), old {row['old_ms']:.2f} ms ({row['old_ops']} ops), "
               f"device engine {row['device_engine_ops']} ops", flush=True)
+    report["traffic"] = bytes_ = traffic()
+    print(f"noise bytes per element, device path: fused kernel {bytes_.get('kernel_bytes_per_element')} (counted at "
+          f"its loads and stores), reference engine {bytes_['reference_bytes_per_element']:,.0f} (its ops' inputs and "
+          "outputs)", flush=True)
     if device.type == "cuda":
         report["device_law"] = law = device_against_cpu(device, draws)
         print(f"noise on the device: words equal the CPU's: {law['words_equal_cpu']}; {law['draws']:.3g} draws, mean "
@@ -184,6 +384,8 @@ def main(argv=None) -> dict:
     if args.device == "cpu":
         torch.set_num_threads(1)
     report = run(args.device, args.repeats, args.draws, args.quick)
+    if args.device.startswith("cuda"):
+        report["kernel"] = kernel_check(args.device, sizes=(10**8,) if args.quick else (10**8, 10**9))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return report

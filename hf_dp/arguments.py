@@ -118,7 +118,7 @@ class DPTrainingArguments(TrainingArguments):
             anyone who knows it. Default: fresh OS entropy, never written to disk.
         secure_noise (`bool`, *optional*, defaults to `False`):
             Draw the uniform bits of the Gaussian noise from a cryptographic generator (SHAKE-256 keyed by the whole
-            secret) instead of the statistical Philox (numpy's on the CPU, torch ops on a CUDA device). The same
+            secret) instead of the statistical Philox (numpy's on the CPU, a Triton kernel on a CUDA device). The same
             Box–Muller sampler turns either into normals (draws reach 14.85σ), so ε and δ are the same; slower on
             large models (the bits are made on the host).
 

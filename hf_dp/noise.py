@@ -8,8 +8,9 @@ Three choices make the floating-point noise the Gaussian mechanism the accountan
   counter is (element, parameter). Nothing truncates the key on the way, distinct (step, parameter, element)
   never share a draw, and a rank holding a shard (FSDP2) draws its own elements only: 1, 2 or N processes add
   the same noise. On the host (CPU) the generator is numpy's Philox4x64-10 (128-bit key); on a CUDA device,
-  Philox4x32-10 computed with torch integer ops on the device (64-bit key per step); with `secure_noise`, the
-  cryptographic SHAKE-256 keyed by the whole secret.
+  Philox4x32-10 (64-bit key per step) in one fused Triton kernel per block ([`~hf_dp.noise_kernel`]), or, where
+  that cannot run (no triton), in torch integer ops, the reference engine, which draws the same integers; with
+  `secure_noise`, the cryptographic SHAKE-256 keyed by the whole secret.
 - **Tails.** A Box–Muller pair (R·cos θ, R·sin θ) has R = sqrt(−2 ln u₁) from a 159-bit uniform u₁ ≥ 2⁻¹⁵⁹ and θ
   from a 53-bit one, in float64: its law is the Gaussian pair conditioned on R ≤ 14.85, each pair leaving out
   2⁻¹⁵⁹ of the Gaussian's mass, which [`~hf_dp.accounting.floating_point.sampler_delta`] adds to δ. On the host both
@@ -27,6 +28,7 @@ few ops for the noise whatever the number of parameters.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import secrets
 import struct
@@ -39,13 +41,14 @@ from .accounting.floating_point import NOISE_REACH, TAIL_BITS
 from .sharding import local_elements
 from .transfer import to_device
 
+logger = logging.getLogger(__name__)
 __all__ = ["fresh_seed", "noise_source", "standard_normal", "add_noise", "add_scalar_noise", "SECRET_BITS",
            "BLOCK", "DEVICE_BLOCK", "QUANTUM"]
 
 SECRET_BITS = 256  # a fresh secret's width
 BLOCK = 1 << 20  # elements drawn at a time on the host (their float64 noise and generator words: about 40 MiB)
 HOST_CHUNK = 1 << 16  # elements a host thread draws and adds at once (their words and float64 noise stay in cache)
-DEVICE_BLOCK = 1 << 23  # on a CUDA device: about 2 GiB of integer temporaries, and ~100 kernels a block
+DEVICE_BLOCK = 1 << 23  # on a CUDA device: one kernel launch (the reference engine: 2 GiB of temporaries, ~100 ops)
 QUANTUM = 2.0**-24  # released values are multiples of QUANTUM·std before the cast to the gradient's dtype
 _NOISE_STREAM, _LOGGING_STREAM = 1, 2
 _SECURE_CHUNK = 1 << 16  # elements per SHAKE-256 output stream (a shard reads only the chunks it holds)
@@ -65,11 +68,22 @@ def noise_source(secure: bool, device_type: str = "cpu") -> str:
                "deviations), added in float64 and rounded once")
     if secure:
         return f"cryptographic: SHAKE-256 keyed by the run's secret (OS entropy), {sampler}"
-    generator = ("Philox4x32-10 in torch ops on the CUDA device, keyed per step (64 bits) by BLAKE2b of the run's "
-                 "secret" if device_type == "cuda" else
+    generator = (f"Philox4x32-10 {_device_engine()} on the CUDA device, keyed per step (64 bits) by BLAKE2b of the "
+                 "run's secret" if device_type == "cuda" else
                  "numpy's Philox4x64-10, keyed per step (128 bits) by BLAKE2b of the run's secret")
     return (f"{generator} (256 bits from OS entropy), counter = (element, parameter); {sampler}: statistically, "
             "not cryptographically, strong")
+
+
+def _device_engine() -> str:
+    """Which engine draws on a CUDA device: the fused kernel, or the reference engine once it could not run."""
+    if _kernel_failure is None:
+        try:
+            import triton  # noqa: F401 - CUDA builds of torch ship it
+        except ImportError:
+            return "in torch integer ops (triton is not installed)"
+        return "in one fused Triton kernel per block (hf_dp.noise_kernel)"
+    return f"in torch integer ops (the fused kernel could not run: {_kernel_failure})"
 
 
 def _secret_bytes(seed: int) -> bytes:
@@ -148,8 +162,7 @@ def _device_words(seed: int, step: int, stream: int, segments, device) -> torch.
     """`(4, n)` int64 words computed on `device` by Philox4x32-10 in torch integer ops: element e of parameter j
     takes two blocks, at counters (e mod 2³², ⌊e/2³²⌋ + 2³¹·half, j, 0), half ∈ {0, 1}; each word is 53 bits of
     two 32-bit outputs."""
-    key = _stream_key(seed, step, stream, 8, b"philox4x32")
-    k0, k1 = struct.unpack("<II", key)
+    k0, k1 = _device_key(seed, step, stream)
     counts = [count for _, _, count in segments]
     n = sum(counts)
     offsets = np.cumsum([0] + counts[:-1])
@@ -165,6 +178,11 @@ def _device_words(seed: int, step: int, stream: int, segments, device) -> torch.
     c0, c1, c2, c3 = _philox4x32(counter, k0, k1)
     high, low = torch.stack([c0, c2]).reshape(2, 2, n), torch.stack([c1, c3]).reshape(2, 2, n)  # (word, half, n)
     return ((high << 21) | (low >> 11)).transpose(0, 1).reshape(4, n)
+
+
+def _device_key(seed: int, step: int, stream: int) -> tuple[int, int]:
+    """The 64-bit Philox4x32 key of (step, stream) on a CUDA device, as two 32-bit words."""
+    return struct.unpack("<II", _stream_key(seed, step, stream, 8, b"philox4x32"))
 
 
 def _philox4x32(counter: torch.Tensor, k0: int, k1: int, rounds: int = 10):
@@ -252,8 +270,38 @@ def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step
             continue
         segments = [(index, first, flat.numel()) for index, first, flat in block]
         grads = [flat for _, _, flat in block]
-        noise = standard_normal(seed, step, segments, device=grads[0].device, secure=secure)
-        _add_rounded(grads, noise, std)
+        if grads[0].device.type == "cuda" and not secure:
+            _add_device_noise(seed, step, segments, grads, std)
+        else:
+            _add_rounded(grads, standard_normal(seed, step, segments, device=grads[0].device, secure=secure), std)
+
+
+_kernel_failure = None  # why the fused kernel could not run, once it could not (then the reference engine draws)
+
+
+def _add_device_noise(seed: int, step: int, segments, grads: list, std) -> None:
+    """A block's noise on a CUDA device: one fused kernel launch per gradient dtype; where the kernel cannot run
+    (no triton, or it fails to compile or launch), the reference engine, with a warning the first time."""
+    global _kernel_failure
+    device = grads[0].device
+    std = std if isinstance(std, torch.Tensor) else torch.tensor(std, dtype=torch.float64)
+    std = to_device(std.reshape(1), device) if std.device != device else std.reshape(1)
+    for dtype in dict.fromkeys(grad.dtype for grad in grads):
+        group = [index for index, grad in enumerate(grads) if grad.dtype == dtype]
+        group_segments, group_grads = [segments[i] for i in group], [grads[i] for i in group]
+        if _kernel_failure is None:
+            try:
+                from . import noise_kernel
+
+                noise_kernel.add_noise_(group_grads, group_segments, _device_key(seed, step, _NOISE_STREAM), std)
+                continue
+            except Exception as error:  # noqa: BLE001 - raised before the launch: nothing was added
+                _kernel_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+                logger.warning("The fused noise kernel cannot run (%s); the noise is drawn by the reference engine "
+                               "(torch integer ops: the same noise, ~6.7 kB of memory traffic per element).",
+                               _kernel_failure)
+        words = _device_words(seed, step, _NOISE_STREAM, group_segments, device)
+        _add_rounded(group_grads, _box_muller(words), std)
 
 
 def _block_size(device, secure: bool) -> int:

@@ -284,3 +284,28 @@ def test_secure_gradient_noise_has_the_planned_std_and_is_reproducible():
     drawn = noised()
     assert abs(drawn.std().item() - 1.5 * 0.2 * 0.5) < 0.003
     assert torch.equal(drawn, noised())
+
+
+def test_without_triton_a_cuda_block_is_noised_by_the_reference_engine_with_one_warning(monkeypatch, caplog):
+    """Where triton is missing (a CPU build of torch), the CUDA path's fused kernel cannot be imported: the
+    reference engine draws the same noise, one warning says so, and the noise source names the engine."""
+    import sys
+
+    import hf_dp
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.delitem(sys.modules, "hf_dp.noise_kernel", raising=False)
+    monkeypatch.delattr(hf_dp, "noise_kernel", raising=False)
+    monkeypatch.setattr(noise, "_kernel_failure", None)
+    assert "in torch integer ops (triton is not installed)" in noise.noise_source(False, "cuda")
+    segments = [(0, 5, 300), (2, 0, 41)]
+    grads = [torch.zeros(count) for _, _, count in segments]
+    expected = [grad.clone() for grad in grads]
+    with caplog.at_level("WARNING", logger="hf_dp.noise"):
+        noise._add_device_noise(3, 1, segments, grads, 0.5)
+        noise._add_device_noise(3, 1, segments, [grad.clone() for grad in grads], 0.5)
+    noise._add_rounded(expected, noise._box_muller(noise._device_words(3, 1, 1, segments, torch.device("cpu"))), 0.5)
+    assert all(torch.equal(grad, reference) for grad, reference in zip(grads, expected))
+    warnings = [record.getMessage() for record in caplog.records if "fused noise kernel" in record.getMessage()]
+    assert len(warnings) == 1 and "triton" in warnings[0] and "reference engine" in warnings[0]
+    assert "the fused kernel could not run: " in noise.noise_source(False, "cuda")
