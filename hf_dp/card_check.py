@@ -188,7 +188,7 @@ def _rendered(expected: Mapping[str, Any], metadata: Mapping[str, Any], text: st
     on composing two runs: [`~hf_dp.audit.AuditReport.write_to_card`] writes the card so)."""
     from huggingface_hub import ModelCard
 
-    from .card import render_privacy_card
+    from .card import LIBRARY_ITEMS, render_privacy_card
 
     evaluation = metadata.get("dp_evaluation") or {}
     title = re.search(r"(?m)^# (.+)$", text)
@@ -201,6 +201,7 @@ def _rendered(expected: Mapping[str, Any], metadata: Mapping[str, Any], text: st
               "library_name": metadata.get("library_name") or "transformers",
               "model_name": title.group(1).strip() if title else None,
               "audit_section": audit[0] if audit and not audit[1] else None,
+              "extra_not_covered": [item for item in LIBRARY_ITEMS if f"- {item}" in text],  # hf_dp's own items
               **{key: evaluation.get(key) for key in ("eval_result", "baseline_result", "non_private_result")},
               "metric_name": evaluation.get("metric_name") or "accuracy"}
     try:

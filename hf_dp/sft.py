@@ -28,6 +28,7 @@ from transformers import TrainingArguments
 
 from .accounting.planner import CONTRIBUTION_BOUND_GRID
 from .arguments import DPTrainingArguments
+from .card import SFT_METRICS_ITEM
 from .checkpoint import read_checkpoint
 from .data import bound_rows, check_user_column
 from .mechanisms import get_mechanism
@@ -225,9 +226,8 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
 
     def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
         """DPTrainer's card, saying which of SFTTrainer's metrics were dropped."""
-        dropped = ("**SFTTrainer's training metrics.** TRL computes token accuracy, entropy and token counts from "
-                   "each training batch; they were not logged, since ε would not cover them.")
-        extra = [*card_kwargs.pop("extra_not_covered", self.privacy_card_kwargs.get("extra_not_covered", ())), dropped]
+        extra = [*card_kwargs.pop("extra_not_covered", self.privacy_card_kwargs.get("extra_not_covered", ())),
+                 SFT_METRICS_ITEM]
         return super().write_privacy_card(output_dir, extra_not_covered=extra, **card_kwargs)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:

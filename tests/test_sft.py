@@ -91,7 +91,9 @@ def test_dp_sft_trains_with_the_ledger_card_and_no_batch_metrics(tmp_path, sampl
     card = (tmp_path / "out" / "README.md").read_text()
     assert "user-level" in card and "SFTTrainer's training metrics" in card  # the privacy card, not TRL's
     assert "pipeline_tag: text-generation" in card
-    assert check_privacy_card(tmp_path / "out")["epsilon"] == pytest.approx(report["epsilon"], rel=1e-2)
+    # a fixed noise_seed (the test's): the card is checked, and accepted only as carrying no guarantee
+    checked = check_privacy_card(tmp_path / "out", no_guarantee=True)
+    assert checked["epsilon"] == pytest.approx(report["epsilon"], rel=1e-2)
 
 
 def test_example_level_and_padding_free_train(tmp_path):
