@@ -102,8 +102,8 @@ def noise_kernel(table, std_ptr, out, MODE: tl.constexpr, OUT_DTYPE: tl.constexp
     element = tl.load(row + 1) + offsets  # in the whole tensor
     c0 = (element & 0xFFFFFFFF).to(tl.uint32)
     c1 = (element >> 32).to(tl.uint32)
-    c2 = tl.zeros_like(c0) + tl.load(row + 2).to(tl.uint32)
-    c3 = tl.zeros_like(c0)
+    c2 = c0 * 0 + tl.load(row + 2).to(tl.uint32)
+    c3 = c0 * 0
     a0, a1, a2, a3 = _philox4x32(c0, c1, c2, c3, k0, k1)
     b0, b1, b2, b3 = _philox4x32(c0, c1 | 0x80000000, c2, c3, k0, k1)
     w0, w1, w2, w3 = _word(a0, a1), _word(a2, a3), _word(b0, b1), _word(b2, b3)
