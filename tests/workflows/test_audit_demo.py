@@ -240,7 +240,9 @@ def _check_sft_audit(tmp_path, result, *, canaries: int, train_users: int):
     assert "## Empirical audit" in card and "this model's own training run" in card
     files = [str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file()]
     uploaded = list(filter_repo_objects(files, ignore_patterns=IGNORE_PATTERNS))
-    assert "README.md" in uploaded and not any("_audit" in name or "canar" in name for name in uploaded)
+    # The report the card's section is rendered from goes up with it; the canaries' coins (`_audit/`) never do.
+    assert "README.md" in uploaded and "dp_audit.json" in uploaded
+    assert not any(name.startswith("_") or "canar" in name for name in uploaded)
 
 
 def test_quick_sft_audit_on_a_tiny_chat_model(tmp_path, tiny_chat_settings, capsys):

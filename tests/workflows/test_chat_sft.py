@@ -157,7 +157,7 @@ def test_run_chat_sft_end_to_end(tmp_path, capsys, mechanism, use_lora):
         training_args = config.training_arguments(mechanism, per_device_train_batch_size=8, **common)
     else:
         training_args = config.training_arguments(mechanism, expected_batch_size=8, target_epsilon=8.0,
-                                                  contribution_bound=3, noise_seed=0, **common)
+                                                  contribution_bound=3, **common)
     data = chat_data()
     result = run_chat_sft(config, training_args, model=tiny_chat_model(), tokenizer=chat_tokenizer(), data=data)
     plans = [line for line in capsys.readouterr().out.splitlines() if line.startswith("DP plan")]
@@ -359,7 +359,7 @@ def test_sft_recipe_on_smollm2_and_shakespeare(tmp_path):
         "--max_train_users", "40", "--max_eval_examples", "12", "--sampling", "uls", "--target_epsilon", "8",
         "--expected_batch_size", "4", "--contribution_bound", "2", "--max_steps", "2", "--learning_rate", "1e-3",
         "--use_lora", "--lora_target_modules", "q_proj", "v_proj", "--max_length", "96", "--bf16", "false",
-        "--use_cpu", "true", "--gradient_checkpointing", "false", "--noise_seed", "0", "--disable_tqdm", "true",
+        "--use_cpu", "true", "--gradient_checkpointing", "false", "--disable_tqdm", "true",
         "--report_to", "none", "--per_device_eval_batch_size", "12",
     ])
     result = recipe.main(script_args, training_args)
