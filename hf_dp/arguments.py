@@ -13,7 +13,7 @@ from functools import cached_property
 from transformers import TrainingArguments
 
 from .accounting.checks import MAX_GROUP_SIZE
-from .vocabulary import PRIVACY_UNITS, SAMPLING_SCHEMES, mechanism_of
+from .mechanisms import PRIVACY_UNITS, SAMPLING_SCHEMES, get_mechanism, mechanism_of, privacy_units, sampling_schemes
 
 
 @dataclass
@@ -67,7 +67,7 @@ class DPTrainingArguments(TrainingArguments):
             G, the most rows one user may contribute (a random subset is kept, drawn per user from a secret and
             the user id only). `"auto"`: chosen with ε-DP from a public grid (1, 2, 3, 4, 6, 8, 12, ..., 256):
             for ELS a DP median of the rows per user; for ULS the noise-prediction heuristic
-            ([`~hf_dp.accounting.planner.private_contribution_bound`]) run on that DP median. Not used for
+            ([`~hf_dp.planner.private_contribution_bound`]) run on that DP median. Not used for
             example-level.
             `None` (every row kept) is refused for ELS, whose user-level accounting needs G.
         redraw_rows (`bool`, *optional*, defaults to `False`):
@@ -343,13 +343,13 @@ class DPTrainingArguments(TrainingArguments):
             problems.append(f"neftune_noise_alpha={self.neftune_noise_alpha!r}: NEFTune scales its embedding noise by "
                             "the batch's padded length, so one user's rows change every other user's forward pass "
                             "(and its noise is not accounted); unset it for DP training.")
-        if self.privacy_unit not in PRIVACY_UNITS:
-            problems.append(f"privacy_unit={self.privacy_unit!r}: use one of {PRIVACY_UNITS}.")
+        if self.privacy_unit not in privacy_units():
+            problems.append(f"privacy_unit={self.privacy_unit!r}: use one of {privacy_units()}.")
         if not (isinstance(self.user_id_column, str) and self.user_id_column):
             problems.append(f"user_id_column={self.user_id_column!r}: name the dataset column that holds the user id "
                             "(e.g. 'user_id').")
-        if self.sampling not in SAMPLING_SCHEMES:
-            problems.append(f"sampling={self.sampling!r}: use one of {SAMPLING_SCHEMES}.")
+        if self.sampling not in sampling_schemes():
+            problems.append(f"sampling={self.sampling!r}: use one of {sampling_schemes()}.")
         if self.target_epsilon is not None and not _positive_finite(self.target_epsilon):
             problems.append(f"target_epsilon={self.target_epsilon!r}: ε must be a finite number > 0 (e.g. 8); an "
                             "infinite ε is no guarantee (train with transformers.Trainer for a non-private run).")
@@ -437,18 +437,18 @@ class DPTrainingArguments(TrainingArguments):
             )
         mechanism = _mechanism_or_none(self.privacy_unit, self.sampling)
         if mechanism is not None and mechanism.requires_contribution_bound and self.contribution_bound is None:
-            problems.append(f"contribution_bound=None with sampling={self.sampling!r}: {mechanism.presentation.name} "
+            problems.append(f"contribution_bound=None with sampling={self.sampling!r}: {mechanism.name} "
                             "accounts users through the bound G; set contribution_bound to an integer or 'auto'.")
         self.contribution_bound = _parse_contribution_bound(self.contribution_bound, problems)
         if mechanism is not None and mechanism.requires_contribution_bound and \
                 isinstance(self.contribution_bound, int) and self.contribution_bound > MAX_GROUP_SIZE:
             problems.append(f"contribution_bound={self.contribution_bound} with sampling={self.sampling!r}: "
-                            f"{mechanism.presentation.name} accounts each user as a group of G examples, and its "
+                            f"{mechanism.name} accounts each user as a group of G examples, and its "
                             f"accountant is tested up to G = {MAX_GROUP_SIZE}; set contribution_bound <= "
                             f"{MAX_GROUP_SIZE} (or 'auto'), or use sampling='uls', which clips each user's mean "
                             "over any G.")
         if self.redraw_rows and mechanism is not None and not mechanism.rows_may_be_redrawn:
-            problems.append(f"redraw_rows=True with {mechanism.presentation.name}: its accounting holds for rows "
+            problems.append(f"redraw_rows=True with {mechanism.name}: its accounting holds for rows "
                             "fixed before training; use sampling='uls' (privacy_unit='user'), or redraw_rows=False.")
         elif self.redraw_rows and self.contribution_bound is None:
             problems.append("redraw_rows=True with contribution_bound=None: every row of a sampled user is already "
@@ -533,8 +533,6 @@ def _is_integer(value) -> bool:
 
 def _mechanism_or_none(privacy_unit, sampling):
     """The mechanism the two fields select, or `None` when they are invalid (reported on their own)."""
-    from .mechanisms import get_mechanism
-
     try:
         return get_mechanism(mechanism_of(privacy_unit, sampling))
     except ValueError:

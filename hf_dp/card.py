@@ -38,8 +38,8 @@ import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .formatting import format_lower_bound, format_number, format_significant, format_upper_bound
-from .mechanisms import get_mechanism
-from .vocabulary import DP_MECHANISMS, EVAL_KEYS, LEDGER_FILE, MECHANISMS  # LEDGER_FILE: the card's companion
+from .mechanisms import MECHANISMS, get_mechanism, registered_mechanisms
+from .vocabulary import EVAL_KEYS, LEDGER_FILE  # LEDGER_FILE: the card's companion
 
 __all__ = ["render_privacy_card", "write_privacy_card", "round_count", "LEDGER_FILE", "TEMPLATE_NAME"]
 
@@ -128,9 +128,9 @@ def _normalised_report(report: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"privacy report field {key}={value!r} must be a number, not "
                              f"{type(value).__name__}; pass the dict returned by DPTrainer.privacy_report().")
     unit, sampling, key = ordered["privacy_unit"], ordered.get("sampling"), ordered["mechanism"]
-    if key not in DP_MECHANISMS:
-        raise ValueError(f"privacy report mechanism={key!r}: use one of {DP_MECHANISMS} (the keys of "
-                         "hf_dp.vocabulary.MECHANISMS for DP runs).")
+    if key not in {m.key for m in registered_mechanisms()}:
+        raise ValueError(f"privacy report mechanism={key!r}: use one of {tuple(m.key for m in registered_mechanisms())}"
+                         " (the keys of hf_dp.vocabulary.MECHANISMS for DP runs).")
     if unit != MECHANISMS[key].privacy_unit:
         raise ValueError(f"privacy report privacy_unit={unit!r} does not go with mechanism={key!r}, whose "
                          f"privacy_unit is {MECHANISMS[key].privacy_unit!r}.")

@@ -96,16 +96,15 @@ def expected_report(ledger: Mapping[str, Any], accountant, *, sampler_delta) -> 
         CardClaimError: no facts (a ledger written before publishing checked every figure), or facts that do not
             match the accountant (an edited ledger).
     """
-    from .mechanisms import get_mechanism
+    from .mechanisms import MECHANISMS, get_mechanism
     from .report import ACCOUNTANT_NAME
-    from .vocabulary import MECHANISMS
 
     facts = ledger.get("report")
     if not isinstance(facts, Mapping):
         raise CardClaimError("its ledger records ε's inputs but not the run's other privacy figures (σ, C, G, users, "
                              "target ε, noise seed): it was written before hf_dp checked every figure a card states")
     key, delta = facts.get("mechanism"), _number(ledger.get("delta"))
-    mechanism = get_mechanism(key) if key in MECHANISMS and key != "non-private" else None
+    mechanism = get_mechanism(key) if key in MECHANISMS and MECHANISMS[key].is_private else None
     if mechanism is None or delta is None:
         raise CardClaimError(f"its ledger's report names mechanism {key!r} and δ {ledger.get('delta')!r}")
     bound, sigma_eff, rate = facts.get("contribution_bound"), facts.get("effective_noise_multiplier"), \

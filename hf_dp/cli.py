@@ -293,12 +293,13 @@ def _read_json_table(path: str):
 
 def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
     """`hf-dp plan`: print the plan table (bad input: ValueError, one line from `main`)."""
-    from .accounting import planner
+    from . import planner
+    from .user_counts import private_quantile
 
     if data.data is not None:  # the flags were checked by PlanDataArguments / PlanRunArguments
         exact = _read_examples_per_user(data.data, data.user_id_column)
         # Plan on public numbers: the number of users and a DP median, never an exact statistic of the data.
-        median = planner.private_quantile(exact, epsilon=data.data_epsilon)
+        median = private_quantile(exact, epsilon=data.data_epsilon)
         population = dict(users=len(exact), examples_per_user=median)
         source = (f"{data.data} (user column {data.user_id_column!r}), planned as {len(exact)} users x {median} "
                   f"examples: {median} is an ε-DP median of its examples per user (ε = {data.data_epsilon:g}, "

@@ -14,10 +14,10 @@ from collections import Counter
 
 import numpy as np
 
-from .accounting import planner
 from .arguments import DPTrainingArguments
 from .data import UserPartition, examples_per_user, keyed_seed, partition_by_user
 from .mechanisms import get_mechanism
+from .user_counts import CONTRIBUTION_BOUND_GRID, DEFAULT_TARGET_EPSILON
 
 
 def data_secret(args: DPTrainingArguments) -> str:
@@ -64,7 +64,7 @@ def contribution_bound(dataset, args: DPTrainingArguments, secret: str) -> int |
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
     return mechanism.choose_contribution_bound(
         counts, epsilon=args.contribution_bound_epsilon, expected_batch_size=args.expected_batch_size, steps=steps,
-        target_epsilon=(args.target_epsilon or planner.DEFAULT_TARGET_EPSILON) - bound_epsilon(args),
+        target_epsilon=(args.target_epsilon or DEFAULT_TARGET_EPSILON) - bound_epsilon(args),
         delta=args.target_delta, rng=np.random.default_rng(keyed_seed(secret, "contribution_bound", "bound")),
     )
 
@@ -78,7 +78,7 @@ def bound_choice(args: DPTrainingArguments, mechanism: str, spent: float) -> str
         return "given (contribution_bound): not read from the data" + redrawn
     rule = get_mechanism(mechanism).bound_rule()
     return (f"auto: an ε-DP median of the rows per user (exponential mechanism over the public grid "
-            f"{', '.join(map(str, planner.CONTRIBUTION_BOUND_GRID))}; ε = {spent:g}, in the ledger), "
+            f"{', '.join(map(str, CONTRIBUTION_BOUND_GRID))}; ε = {spent:g}, in the ledger), "
             f"then {rule}{redrawn}")
 
 

@@ -231,10 +231,10 @@ def _card_number(readme: Path, privacy: Mapping, key: str, symbol: str) -> float
 
 def _ledger_mechanism(ledger: Mapping) -> str:
     """The mechanism a ledger records: its `mechanism` key, or the one its `privacy_unit` and `sampling` select."""
-    from .vocabulary import DP_MECHANISMS, mechanism_of
+    from .mechanisms import mechanism_of, registered_mechanisms
 
     key = ledger.get("mechanism")
-    if key in DP_MECHANISMS:
+    if key in {m.key for m in registered_mechanisms()}:
         return key
     return mechanism_of(ledger.get("privacy_unit"), ledger.get("sampling"))
 
@@ -243,8 +243,8 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str):
     """Refuse a card whose ε, δ, unit or mechanism is not what its ledger proves (ε recomputed from it); return the
     ledger, its accountant and δ its noise sampler adds as a function of ε."""
     from .accounting import PrivacyAccountant
+    from .mechanisms import registered_mechanisms
     from .vocabulary import LEDGER_FILE
-    from .vocabulary import DP_MECHANISMS
 
     epsilon = _card_number(readme, privacy, "epsilon", "ε")
     delta = _card_number(readme, privacy, "delta", "δ")
@@ -254,9 +254,10 @@ def _check_against_ledger(readme: Path, privacy: Mapping, text: str):
     if not 0 < delta < 1:
         raise PrivacyCardError(f"{readme}: δ = {privacy['delta']!r} is not in (0, 1). Regenerate the card: "
                                f"{_HOW_TO_CARD}.")
-    if privacy["mechanism"] not in DP_MECHANISMS:
+    keys = tuple(m.key for m in registered_mechanisms())
+    if privacy["mechanism"] not in keys:
         raise PrivacyCardError(f"{readme}: privacy.mechanism = {privacy['mechanism']!r} is not one of "
-                               f"{DP_MECHANISMS}. Regenerate the card: {_HOW_TO_CARD}.")
+                               f"{keys}. Regenerate the card: {_HOW_TO_CARD}.")
     path = readme.parent / LEDGER_FILE
     if not path.is_file():
         raise PrivacyCardError(f"{path} does not exist: without the ledger the card's ε cannot be checked. "

@@ -15,7 +15,7 @@ from .hub import ensure_hub_reachable
 from .losses import is_causal_lm
 from .accounting.floating_point import NOISE_REACH
 from .noise import noise_source
-from .vocabulary import MECHANISMS
+from .mechanisms import MECHANISMS
 
 ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency directions"
 
@@ -57,7 +57,7 @@ def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping
         "privacy_unit": args.privacy_unit,
         "mechanism": plan.mechanism,
         "mechanism_description": MECHANISMS[plan.mechanism].description,
-        "sampling": args.sampling if args.privacy_unit == "user" else None,
+        "sampling": plan.dp_mechanism.sampling,
         "noise_multiplier": plan.noise_multiplier,
         "logging_noise_multiplier": plan.logging_noise_multiplier,
         "max_loss": args.max_loss if plan.private_logging else None,

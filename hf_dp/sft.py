@@ -26,7 +26,7 @@ except ImportError as error:  # pragma: no cover - exercised by the packaging te
 
 from transformers import TrainingArguments
 
-from .accounting.planner import CONTRIBUTION_BOUND_GRID
+from .user_counts import CONTRIBUTION_BOUND_GRID
 from .arguments import DPTrainingArguments
 from .card import SFT_METRICS_ITEM
 from .checkpoint import read_checkpoint

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from hf_dp import cli
-from hf_dp.accounting import planner
+from hf_dp import planner
 from hf_dp.vocabulary import MECHANISMS
 
 BASE = ["plan", "--examples_per_step", "30", "--steps", "60", "--target_epsilon", "5"]

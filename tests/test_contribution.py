@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 
 from hf_dp import DPTrainingArguments
-from hf_dp.accounting import planner
+from hf_dp import planner
 from hf_dp.contribution import bound_choice, bound_epsilon, contribution_bound, counts_of, data_secret, partition
 from trainer_fixtures import make_args, user_dataset
 

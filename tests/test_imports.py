@@ -96,7 +96,7 @@ def test_accounting_and_the_adaptive_plan_load_no_torch():
     code = "\n".join([
         "import sys",
         *[f"import {name}" for name in accounting],
-        "from hf_dp.accounting import planner",
+        "from hf_dp import planner",
         "planner.plan(users=300, examples_per_user=4, examples_per_step=30, steps=20, target_epsilon=5,",
         "             adaptive_clipping=True, noise_multiplier=1.0)",
         "loaded = sorted(m for m in ('torch', 'transformers', 'hf_dp.clipping') if m in sys.modules)",

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hf_dp import accounting
-from hf_dp.accounting import planner
+from hf_dp import planner
 from trainer_fixtures import make_trainer
 
 GRID = planner.CONTRIBUTION_BOUND_GRID

@@ -76,7 +76,7 @@ def test_build_app_constructs(results, tmp_path):
 
 
 def test_budget_shows_the_planners_numbers(results):
-    from hf_dp.accounting import planner
+    from hf_dp import planner
 
     headline, table = budget(results, 8.0)
     rows = planner.plan(users=200, examples_per_user=2, examples_per_step=40, steps=20, target_epsilon=8.0,
@@ -582,7 +582,7 @@ def test_cli_parser_defaults():
 
 def test_the_planner_is_called_once_per_distinct_budget(monkeypatch):
     """A repeated budget (the slider moved back, another box changed and changed back) answers from memory."""
-    from hf_dp.accounting import planner
+    from hf_dp import planner
 
     calls = []
     real = planner.plan
@@ -600,7 +600,7 @@ def test_the_planner_is_called_once_per_distinct_budget(monkeypatch):
 
 
 def test_the_budget_tab_opens_on_the_studys_budget(tmp_path, results):
-    from hf_dp.accounting import planner
+    from hf_dp import planner
     from hf_dp.workflows.study_settings import SFT_SETTINGS
 
     # no study run yet: the chat study's settings and data (about 770 roles, δ = 1/(10·users) = 1.3e-4)

@@ -1,7 +1,7 @@
 """The Gradio app: explore a privacy budget, train, compare with the public-only baseline, read the card.
 
 `hf-dp app` (or `python app/app.py`) serves four tabs over hf_dp's public API; the app does no privacy math
-itself, it shows what [`hf_dp.accounting.planner`], [`~hf_dp.DPTrainer`] and the accountant report. One module per
+itself, it shows what [`hf_dp.planner`], [`~hf_dp.DPTrainer`] and the accountant report. One module per
 job, each testable without gradio except the page itself:
 
 | module | job |
@@ -16,7 +16,7 @@ job, each testable without gradio except the page itself:
 
 - **Budget**: `target_epsilon` (log-scale slider), `target_delta`, `privacy_unit`, `sampling`, `users`,
   `examples_per_user`, `examples_per_step` (the compute budget: expected examples processed per step, the same for
-  every mechanism) and `steps` go to [`hf_dp.accounting.planner.plan`]; the page shows the noise multiplier σ each
+  every mechanism) and `steps` go to [`hf_dp.planner.plan`]; the page shows the noise multiplier σ each
   mechanism needs, the recommended contribution bound G, each mechanism's `expected_batch_size` with its unit
   (users for ULS, examples for ELS and example-level), and an *expected accuracy cost* read off the finished runs
   in `results/` (interpolated in log ε between measured runs; said plainly when there is nothing to read it from).

@@ -2,7 +2,7 @@
 
 No privacy math here: σ, the contribution bound G, the sample rate, `expected_batch_size` (users per step for
 ULS, examples per step otherwise; its unit is the planner's `sampled_unit`) and δ come from
-[`hf_dp.accounting.planner.plan`], called with the compute budget `examples_per_step` (expected examples processed
+[`hf_dp.planner.plan`], called with the compute budget `examples_per_step` (expected examples processed
 per step, the same for every mechanism). Its rows are memoised by their inputs ([`plan_budget`]): the planner's
 numbers do not change, a repeated budget answers at once. The *expected result* is read off measured runs only
 ([`expected_accuracy_cost`]): between two measured ε it is interpolated in log ε, elsewhere the tab says that
@@ -103,7 +103,7 @@ def _target(run: RunRecord) -> float:
 
 @functools.lru_cache(maxsize=512)
 def _planned(key: tuple) -> tuple:
-    from hf_dp.accounting import planner
+    from hf_dp import planner
 
     return tuple(planner.plan(**dict(key)))
 
@@ -113,7 +113,7 @@ def plan_budget(*, target_epsilon: float, target_delta: float | None, users: int
                 contribution_bound: int | None = None) -> list[dict]:
     """The planner's rows (one per mechanism: `"uls"`, `"els"`, `"example"`) for these settings.
 
-    A thin call into [`hf_dp.accounting.planner.plan`] (its docstring lists the keys); the numbers are the planner's.
+    A thin call into [`hf_dp.planner.plan`] (its docstring lists the keys); the numbers are the planner's.
     `examples_per_step` is the compute budget, expected examples processed per step, the same for every mechanism;
     `contribution_bound` `None` lets the planner recommend G, `target_delta` `None` takes its default. The rows of
     each distinct input are computed once and memoised (copies are returned).

@@ -75,7 +75,7 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
             with gr.Tab("Budget", id="budget"):
                 study = study_budget_defaults(results_dir)
                 gr.Markdown(f"Opens on the study's budget, from {study['source']}. Every number below is "
-                            "`hf_dp.accounting.planner.plan`'s.", elem_id="budget-source")
+                            "`hf_dp.planner.plan`'s.", elem_id="budget-source")
                 with gr.Row():
                     with gr.Column(scale=1):
                         eps_log2 = gr.Slider(math.log2(EPSILON_RANGE[0]), math.log2(EPSILON_RANGE[1]),

@@ -1,4 +1,4 @@
-"""hf_dp.accounting.planner: contribution-bound heuristics and the budget plan of the three DP mechanisms."""
+"""hf_dp.planner: contribution-bound heuristics and the budget plan of every registered mechanism."""
 import json
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hf_dp import accounting
-from hf_dp.accounting import planner
+from hf_dp import mechanisms, planner
 from hf_dp.clipping.adaptive import effective_noise_multiplier, gradient_noise_multiplier
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS
 
@@ -294,7 +294,7 @@ def test_the_outlier_does_not_set_g():
 
 
 def test_uls_bound_reads_only_the_dp_median_and_the_number_of_users(monkeypatch):
-    monkeypatch.setattr(planner, "private_quantile", lambda counts, **kwargs: 12)
+    monkeypatch.setattr(mechanisms, "private_quantile", lambda counts, **kwargs: 12)  # the DP median ULS reads
     choose = dict(sampling="uls", epsilon=0.1, expected_batch_size=64, steps=100, target_epsilon=7.9)
     other = [200] * 250 + [1] * 251  # as many users, very different counts
     assert planner.private_contribution_bound(USERS + [OUTLIER], **choose) == \
