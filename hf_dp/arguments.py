@@ -13,6 +13,7 @@ from functools import cached_property
 from transformers import TrainingArguments
 
 from .accounting.checks import MAX_GROUP_SIZE
+from .accounting.floating_point import MAX_SAMPLER_DELTA_SHARE, NOISE_REACH, max_sampler_epsilon
 from .mechanisms import PRIVACY_UNITS, SAMPLING_SCHEMES, get_mechanism, mechanism_of, privacy_units, sampling_schemes
 
 
@@ -556,8 +557,6 @@ def _beyond_the_sampler(target_epsilon: float, target_delta) -> list[str]:
     """A target ε no plan can state, whatever the model and data: above it even one draw of the noise sampler adds
     more than its share of δ ([`~hf_dp.accounting.floating_point.max_sampler_epsilon`] at one draw; δ < 1/2 with
     2 units or more). The plan names the exact, lower limit of its own steps and parameters."""
-    from .accounting.floating_point import MAX_SAMPLER_DELTA_SHARE, NOISE_REACH, max_sampler_epsilon
-
     given = _positive_finite(target_delta) and target_delta < 1
     delta = target_delta if given else 0.5
     largest = max_sampler_epsilon(delta=delta, draws=1)

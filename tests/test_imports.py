@@ -197,15 +197,27 @@ MECHANISM_KEYS = {"uls", "els", "example"}
 MECHANISM_HOMES = {"hf_dp.mechanisms", "hf_dp.vocabulary"}  # the registry, and the table of names and labels
 
 
-def _compares_a_mechanism_key(node, keys=MECHANISM_KEYS) -> bool:
-    """`x == "uls"`, `"els" != x`, `x in ("uls", "els")` and the like."""
-    if not isinstance(node, ast.Compare):
+def _constant_in(node, keys) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys
+
+
+def _names_a_key(node, keys=MECHANISM_KEYS, comparisons_only: bool = False) -> bool:
+    """A key written into code: `x == "uls"`, `"els" != x`, `x in ("uls", "els")`, a dict keyed by one
+    (`{"uls": ...}`, `dict(els=...)`), a lookup by one (`table["example"]`), or a row built for one
+    (`_row("uls", ...)`)."""
+    if isinstance(node, ast.Compare):
+        for operand in (node.left, *node.comparators):
+            values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            if any(_constant_in(v, keys) for v in values):
+                return True
+    if comparisons_only:
         return False
-    operands = [node.left, *node.comparators]
-    for operand in operands:
-        values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-        if any(isinstance(v, ast.Constant) and v.value in keys for v in values):
-            return True
+    if isinstance(node, ast.Dict):
+        return any(key is not None and _constant_in(key, keys) for key in node.keys)
+    if isinstance(node, ast.Subscript):
+        return _constant_in(node.slice, keys)
+    if isinstance(node, ast.Call):
+        return any(_constant_in(arg, keys) for arg in node.args) or any(kw.arg in keys for kw in node.keywords)
     return False
 
 
@@ -214,9 +226,65 @@ def test_the_core_never_compares_a_mechanism_key():
     violations = [
         _where(path, node.lineno) for module, path in MODULES.items()
         if not _within(module, NON_CORE) and module not in MECHANISM_HOMES
-        for node in ast.walk(_tree(path)) if _compares_a_mechanism_key(node)
+        for node in ast.walk(_tree(path)) if _names_a_key(node)
     ]
-    assert not violations, _report(violations, "a mechanism key compared outside hf_dp.mechanisms")
+    assert not violations, _report(violations, "a mechanism key compared, or written as a dict key, lookup or "
+                                               "row, outside hf_dp.mechanisms")
+
+
+@pytest.mark.parametrize("source", [
+    'x == "uls"\n', '"els" != x\n', 'x in ("uls", "els")\n',  # comparisons
+    '{"uls": 1}\n', 'dict(els=1)\n', 'table["example"]\n',  # a dict keyed by a mechanism, a lookup by one
+    '_row("uls", 8, 0.1)\n',  # a hard-coded row, as the planner had
+])
+def test_the_mechanism_key_rule_catches(source):
+    assert [node for node in ast.walk(ast.parse(source)) if _names_a_key(node)], source
+
+
+def test_the_mechanism_key_rule_lets_names_and_defaults_pass():
+    source = 'sampling: str = field(default="uls")\nget_mechanism(args.mechanism)\nlabel = "ULS"\n'
+    assert not [node for node in ast.walk(ast.parse(source)) if _names_a_key(node)]
+
+
+# ---- 5. the plan's layers: one direction, no circle ----------------------------------------------------------------
+
+# Lowest first. The accountant is pure math; rows per user and their DP quantile build on it; the mechanisms on
+# both; the arguments select a registered mechanism; G and the partition, the privacy plan, then the planner (which
+# compares every registered mechanism for `hf-dp plan` and the app) build on those.
+PLAN_LAYERS = ("hf_dp.accounting", "hf_dp.user_counts", "hf_dp.mechanisms", "hf_dp.vocabulary", "hf_dp.arguments",
+               "hf_dp.contribution", "hf_dp.privacy_plan", "hf_dp.planner")
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, layer in enumerate(PLAN_LAYERS) if _within(module, (layer,))), None)
+
+
+def _function_level(path: Path) -> set[int]:
+    """Lines of the imports made inside a function."""
+    return {node.lineno for function in ast.walk(_tree(path))
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))}
+
+
+def test_the_plan_layers_import_downwards_at_the_top_of_the_file():
+    """No circle between the planner and the mechanisms, hidden in a function or not; `hf_dp.accounting` imports
+    nothing else of hf_dp."""
+    violations = []
+    for module, path in MODULES.items():
+        layer = _layer(module)
+        if layer is None:
+            continue
+        inside = _function_level(path)
+        for line, imported in _imports(path):
+            other = _layer(imported)
+            if layer == 0 and _within(imported, ("hf_dp",)) and imported != "hf_dp" and other != 0:
+                violations.append(f"{_where(path, line)} (accounting) imports {imported}")
+            elif other is not None and other > layer:
+                violations.append(f"{_where(path, line)} imports {imported}, a layer above")
+            elif other is not None and other != layer and line in inside:
+                violations.append(f"{_where(path, line)} imports {imported} inside a function")
+    assert not violations, _report(violations, f"the plan's layers ({' < '.join(PLAN_LAYERS)}) import only "
+                                               "downwards, at the top of the file")
 
 
 # The study's task names, and the app's (whose Train tab offers its own two): only the registry tells them apart.
@@ -229,7 +297,9 @@ def test_the_study_never_compares_a_task_name():
     violations = [
         _where(path, node.lineno) for module, path in MODULES.items()
         if _within(module, ("hf_dp.workflows",)) and module not in TASK_HOMES
-        for node in ast.walk(_tree(path)) if _compares_a_mechanism_key(node, TASK_KEYS)
+        # Comparisons only, for now: the study's task-keyed tables (runs, settings, summaries, audit defaults)
+        # move into its task registry with issue 44's third item, which then drops `comparisons_only`.
+        for node in ast.walk(_tree(path)) if _names_a_key(node, TASK_KEYS, comparisons_only=True)
     ]
     assert not violations, _report(violations, "a task name compared outside hf_dp.workflows.tasks")
 
