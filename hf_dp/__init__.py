@@ -2,7 +2,8 @@
 
 The core, in the order one DP step's data flows through it:
 
-- `arguments` (`DPTrainingArguments`) and `vocabulary` (one name per concept, one table of mechanisms);
+- `mechanisms` (ULS, ELS, example-level DP-SGD: registered objects that plan, account and name themselves),
+  `arguments` (`DPTrainingArguments`, which select one) and `vocabulary` (one name per concept);
 - `trainer` (`DPTrainerMixin`, and `DPTrainer` = the mixin on Trainer): wiring only. It runs `contribution` (G and
   the user partition, from `data`) → `privacy_plan` and `budget` (what the accountant composes, the target ε) →
   `compatibility` (checks before step 1) → `sampling` (Poisson) → `batching` (micro-batches) → `step` (`losses`,

@@ -9,6 +9,10 @@
    own code (`hf_dp.card_check` imports `hf_dp.audit.record`), so the card and its check cannot drift apart.
 3. No private name crosses a module boundary inside `hf_dp`: no `from .x import _name`, no `x._name` where `x`
    is an `hf_dp` module. A name another module needs is public (or lives in the module that uses it).
+4. No mechanism key is written into the core outside `hf_dp.mechanisms`: not compared, not a dict key, not a
+   lookup, not the first argument of a row (the study's task names: compared nowhere outside the task registry).
+5. The plan's layers (`PLAN_LAYERS`) import only downwards and at the top of the file, so the planner and the
+   mechanisms cannot form a circle again; `hf_dp.accounting` imports nothing else of hf_dp.
 
 Every rule checks imports anywhere in a file (inside functions too) and names the offending file:line.
 """
@@ -194,7 +198,7 @@ def test_the_private_name_rule_catches(tmp_path, monkeypatch, source, expected):
 # ---- 4. mechanisms are looked up, not compared ----------------------------------------------------------------------
 
 MECHANISM_KEYS = {"uls", "els", "example"}
-MECHANISM_HOMES = {"hf_dp.mechanisms", "hf_dp.vocabulary"}  # the registry, and the table of names and labels
+MECHANISM_HOMES = {"hf_dp.mechanisms"}  # the registry: each mechanism names itself there
 
 
 def _constant_in(node, keys) -> bool:
