@@ -8,9 +8,10 @@ it): the longest row of a micro-batch, someone else's, then changes every row's 
 batch's number of rows (a hook reading the batch's shape): whether one more user is sampled then moves every other
 example's output.
 
-The trainer probes the model twice: at construction, and on the model as it trains (after the base
+The trainer probes the model at construction, and the DP step on the model as it trains (after the base
 trainer has attached its own hooks, in its `train`, and the callbacks' `on_train_begin` has run), so that a hook
-attached late is probed too. Code attached after the first step is never probed.
+attached late is probed too; again before any later step whose modules or forward hooks changed
+([`~hf_dp.step.DPStep.prepare`]).
 """
 
 from __future__ import annotations

@@ -35,11 +35,20 @@ class PrivacyBudget:
         """Use `plan` from now on (a resumed run rebuilds its plan with the checkpoint's data secret)."""
         self.plan = plan
         self._plan_fits: bool | None = None
+        # What each step composes, read from the plan once.
+        self._step_entry = {"sample_rate": plan.sample_rate, "noise_multiplier": plan.effective_noise_multiplier,
+                            "group_size": plan.group_size}
 
     def restore(self, accountant: accounting.PrivacyAccountant) -> None:
         """Continue from a checkpoint's accountant (already checked against the plan)."""
         self.accountant.load_state_dict(accountant.state_dict())
         self._plan_fits = None
+
+    def copy(self) -> PrivacyBudget:
+        """An independent copy, its ledger copied (the state before a step, which a just-in-time save writes)."""
+        other = PrivacyBudget(self.plan, self.target_epsilon)
+        other.restore(self.accountant)
+        return other
 
     @property
     def steps(self) -> int:
@@ -85,8 +94,7 @@ class PrivacyBudget:
     def record_step(self) -> bool:
         """Compose one step's releases; `False` when one more step would exceed the target (training stops)."""
         plan = self.plan
-        self.accountant.step(sample_rate=plan.sample_rate, noise_multiplier=plan.effective_noise_multiplier,
-                             group_size=plan.group_size)
+        self.accountant.step(**self._step_entry)
         if self.target_epsilon is None or self._whole_plan_fits() or self.accountant.steps >= plan.steps:
             return True
         next_epsilon = self.accountant.epsilon_after(plan.delta, steps=1)

@@ -54,6 +54,7 @@ class PrivacyPlan:
     adaptive_clipping: AdaptiveClipping | None = None  # C tracks a quantile from C_0 = max_grad_norm; None: fixed C
     count_noise: float | None = None  # σ_b of the adaptive count, in units; None for a fixed C
     noise_draws_per_step: int | None = None  # Gaussian draws per step (trainable parameters + released scalars)
+    max_grad_norm: float | None = None  # C, fixed, or adaptive clipping's C_0
 
     @property
     def dp_mechanism(self) -> DPMechanism:
@@ -170,7 +171,7 @@ def plan_privacy(args: DPTrainingArguments, partition: UserPartition, *, noised_
     return PrivacyPlan(mechanism.key, num_units, num_privacy_units, sample_rate, steps, float(sigma), delta,
                        partition.contribution_bound, logging_noise_multiplier=ratio * sigma if ratio else None,
                        effective_noise_multiplier=float(effective), adaptive_clipping=adaptive,
-                       count_noise=count_noise, noise_draws_per_step=draws)
+                       count_noise=count_noise, noise_draws_per_step=draws, max_grad_norm=args.max_grad_norm)
 
 
 def adaptive_clipping(args: DPTrainingArguments) -> AdaptiveClipping | None:

@@ -59,6 +59,7 @@ class ScalarReleases:
 
     def __init__(self, plan: PrivacyPlan, max_loss: float, seed: int, secure_noise: bool = False):
         self.plan, self.max_loss, self.seed, self.secure = plan, max_loss, seed, secure_noise
+        self._private_logging, self._expected_batch_size = plan.private_logging, plan.expected_batch_size  # read once
         self._fraction_sum, self._steps = 0.0, 0  # noised per-step clipped fractions since the last log
 
     def release(self, sums: StepSums, step: int, tracker: QuantileTracker | None) -> torch.Tensor | None:
@@ -66,27 +67,26 @@ class ScalarReleases:
 
         Returns the noised loss sum (a device tensor), or `None` when no loss is released.
         """
-        plan = self.plan
-        expected_batch_size = plan.expected_batch_size
-        loss_noise = plan.logging_noise_multiplier * self.max_loss if plan.private_logging else None
+        plan, private_logging, expected_batch_size = self.plan, self._private_logging, self._expected_batch_size
+        loss_noise = plan.logging_noise_multiplier * self.max_loss if private_logging else None
 
         def noised(values, stds):
             return add_scalar_noise(values, stds, seed=self.seed, step=step, secure=self.secure)
 
         if tracker is None:
-            if not plan.private_logging:
+            if not private_logging:
                 return None
             loss_sum, clipped = noised(sums.loss_sum_and_clipped_units, [loss_noise, plan.logging_noise_multiplier])
             fraction = clipped / expected_batch_size
         else:
-            if plan.private_logging:
+            if private_logging:
                 released = noised(torch.stack([sums.centered_unclipped, sums.loss_sum]), [plan.count_noise, loss_noise])
             else:
                 released = noised(sums.centered_unclipped.reshape(1), [plan.count_noise])
             # ½ − R/m: the clipped fraction at this step's C, a post-processing of the count.
             fraction = tracker.clipped_fraction(released[0], expected_batch_size)
             tracker.update(released[0], expected_batch_size)  # C for the next step, on the device
-            loss_sum = released[1] if plan.private_logging else None
+            loss_sum = released[1] if private_logging else None
         self._fraction_sum = self._fraction_sum + fraction
         self._steps += 1
         return loss_sum

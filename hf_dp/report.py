@@ -158,25 +158,30 @@ class PrivacyReporting:
     upload guarded by a reachability check. Mixed into [`~hf_dp.trainer.DPTrainerMixin`]; needs its `budget`,
     `args`, `partition`, `model` and `privacy_card_kwargs`."""
 
-    def privacy_report(self) -> dict:
+    def privacy_report(self, state=None) -> dict:
         """The guarantee earned so far, in the project's vocabulary (what the card and the app show); its fields
-        are described in [`~hf_dp.report.privacy_report`]."""
+        are described in [`~hf_dp.report.privacy_report`]. `state`: a [`~hf_dp.step.StepState`] to report instead
+        of the live budget and C (a checkpoint's)."""
         canary_users, canary_rows = self.canary_counts
-        return privacy_report(self.budget, self.args, clipping_norm=self.clipping_norm,
+        budget, clipping_norm = (self.budget, self.clipping_norm) if state is None else (state.budget,
+                                                                                          state.clipping_norm)
+        return privacy_report(budget, self.args, clipping_norm=clipping_norm,
                               num_users=self.partition.num_users - canary_users,
                               num_examples=self.partition.num_examples - canary_rows,
                               device_type=self.args.device.type)
 
-    def privacy_ledger(self) -> dict:
+    def privacy_ledger(self, state=None) -> dict:
         """The ledger `hf-dp publish` recomputes ε from: the accountant's state, δ, unit and mechanism
         (`privacy_unit`, `mechanism` and `sampling` as in [`privacy_report`]), and under `report` the privacy
-        report's other figures ([`~hf_dp.card_check.ledger_facts`]), which publish checks the card against."""
+        report's other figures ([`~hf_dp.card_check.ledger_facts`]), which publish checks the card against.
+        `state`: as for [`privacy_report`]."""
         from .card_check import ledger_facts
 
         # The report's recorded figures too (σ, C, G, users, target ε, seed): publish checks every figure of a card
         # against them, and them against the accountant.
-        return {**checkpoint.ledger_record(self.privacy_plan, self.args, self.accountant),
-                "report": ledger_facts(self.privacy_report())}
+        accountant = self.accountant if state is None else state.budget.accountant
+        return {**checkpoint.ledger_record(self.privacy_plan, self.args, accountant),
+                "report": ledger_facts(self.privacy_report(state))}
 
     def write_privacy_card(self, output_dir: str | None = None, **card_kwargs):
         """Write the privacy card to `output_dir/README.md` and the ledger beside it (`dp_ledger.json`, which

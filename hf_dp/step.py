@@ -4,8 +4,13 @@
 
 It is built once from values — the privacy plan and budget, the clipper, the run's secret, adaptive clipping's
 tracker and [`StepSettings`] (what the step needs from its trainer: device, loss function, forward and no-sync
-contexts) — and rebuilt the same way when a resumed run replans. The trainer's `training_step` only hands it the
-model, the parameters the optimizer updates and this rank's share of the Poisson sample.
+contexts, the probe rows) — and rebuilt the same way when a resumed run replans. The trainer's `training_step` only
+hands it the model, the parameters the optimizer updates and this rank's share of the Poisson sample.
+
+What only a new model needs is done once, in [`DPStep.prepare`], before the first step and again whenever the
+parameters, the module tree, a module's hooks or its gradient checkpointing change: the parameters' names (they key
+the noise), the switch of the clipper to FSDP2's shards, the batch-independence probe on the model as it trains
+(with every hook attached), and the clipper's model check. A steady-state step runs the stages only.
 
 Aggregation all-reduces the clipped sums across ranks (each rank clipped its own units; under FSDP2 they were
 reduce-scattered into the gradient shards pass by pass), adds the Gaussian noise once (the same on every rank for
@@ -17,11 +22,13 @@ sample (units, packing) is known before the forward pass.
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .batch_independence import check_batch_independence
 from .budget import PrivacyBudget
 from .clipping import GhostClipper
 from .clipping.accumulate import ClippedGrads
@@ -31,10 +38,10 @@ from .losses import PACKED_NEEDS_TOKEN_HEAD, LOSS_FUNC_PACKED, base_model, examp
 from .losses import packed_per_example_loss, per_example_loss
 from .noise import add_noise
 from .releases import ScalarReleases, StepSums
-from .sharding import is_sharded
+from .sharding import check_sharded, is_sharded, reduce_scatter_rows, reshard
 from .transfer import to_device
 
-__all__ = ["DPStep", "StepSettings", "check_some_gradient"]
+__all__ = ["DPStep", "StepSettings", "StepState", "check_some_gradient"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,16 @@ class StepSettings:
         max_loss: each unit's logged loss is clipped to [0, max_loss] (private logging).
         secure_noise: draw the noise's bits from SHAKE-256.
         distributed: all-reduce the clipped sums (several processes).
+        sharded: FSDP2 shards the parameters (the clipper follows the shards from the first step).
+        keep_state_before_step: keep the ledger and tracker as they stand before each step's ledger entry (a
+            just-in-time save lands between the noise and the optimizer update and must save the state before it).
+        probe_batch: the first training rows, collated on the device, that the batch-independence probe runs on at
+            the first step (and after any change to the model); `None`: no probe.
+        half_precision: the forward pass computes in half precision (the probe's tolerance).
         loss_func: the user's `compute_loss_func(outputs, labels, num_items_in_batch=None)` returning one loss per
             example, or `None` for the default per-example loss.
-        forward_context: a context for each forward pass (Trainer's `compute_loss_context_manager`: autocast).
+        forward_context: a context for each forward pass (Trainer's `compute_loss_context_manager`, autocast: a
+            method, since a Trainer subclass may override it).
         backward_context: a context around the clipped backward passes, given the model (accelerate's `no_sync`:
             the clipped sums are all-reduced once, in aggregate).
     """
@@ -59,39 +73,102 @@ class StepSettings:
     max_loss: float
     secure_noise: bool = False
     distributed: bool = False
+    sharded: bool = False
+    keep_state_before_step: bool = False
+    probe_batch: dict | None = None
+    half_precision: bool = False
     loss_func: Callable | None = None
     forward_context: Callable = contextlib.nullcontext
     backward_context: Callable = field(default=lambda model: contextlib.nullcontext())
+
+
+@dataclass(frozen=True)
+class StepState:
+    """The step's privacy state at one moment, independent of the live one: the budget (its ledger) and adaptive
+    clipping's tracker (`None` for a fixed C). What a checkpoint saves."""
+
+    budget: PrivacyBudget
+    quantile_tracker: QuantileTracker | None
+
+    @property
+    def clipping_norm(self) -> float:
+        """C the next step clips at, as of this state."""
+        return self.quantile_tracker.norm if self.quantile_tracker is not None else self.budget.plan.max_grad_norm
 
 
 class DPStep:
     """One optimizer step of DP-SGD: clipped per-unit gradients, noised once, in the ledger, scalars released.
 
     Args:
-        budget: the run's [`~hf_dp.budget.PrivacyBudget`] (its plan says q·N, σ, what is released).
+        budget: the run's [`~hf_dp.budget.PrivacyBudget`] (its plan says q·N, σ, C, what is released).
         clipper: the [`~hf_dp.clipping.GhostClipper`] attached to the model.
         seed: the run's secret (keys the noise of every release).
         settings: [`StepSettings`].
-        quantile_tracker: adaptive clipping's running C, or `None` for a fixed C (`max_grad_norm`).
-        max_grad_norm: the fixed C (or adaptive clipping's C₀, already in the tracker).
+        quantile_tracker: adaptive clipping's running C (from C₀, the plan's `max_grad_norm`), or `None` for the
+            plan's fixed C.
     """
 
     def __init__(self, budget: PrivacyBudget, clipper: GhostClipper, seed: int, settings: StepSettings, *,
-                 max_grad_norm: float, quantile_tracker: QuantileTracker | None = None):
+                 quantile_tracker: QuantileTracker | None = None):
         self.budget, self.clipper, self.seed, self.settings = budget, clipper, seed, settings
-        self.max_grad_norm, self.quantile_tracker = max_grad_norm, quantile_tracker
-        self.releases = ScalarReleases(budget.plan, settings.max_loss, seed, settings.secure_noise)
+        self._tracker = quantile_tracker
+        plan = budget.plan
+        self.releases = ScalarReleases(plan, settings.max_loss, seed, settings.secure_noise)
+        # The plan's values every step reads, read once (the plan is fixed before the first step).
+        self._expected_batch_size, self._noise_multiplier = plan.expected_batch_size, plan.noise_multiplier
+        self._max_grad_norm = plan.max_grad_norm
+        self._prepared_for = None  # what `prepare` last saw: (parameters, the model's structure)
+        self._names: list = []
+        self._before_step: StepState | None = None  # see `state_to_save`
 
     @property
     def plan(self):
         return self.budget.plan
 
+    @property
+    def quantile_tracker(self) -> QuantileTracker | None:
+        """Adaptive clipping's running C; `None` for a fixed C."""
+        return self._tracker
+
     def clipping_norm(self, device=None):
-        """C_t, the norm this step clips at: the fixed `max_grad_norm`, or adaptive clipping's tracked C (from
+        """C_t, the norm this step clips at: the plan's fixed `max_grad_norm`, or adaptive clipping's tracked C (from
         earlier releases only), as a 0-dim tensor on `device` when given (no host read), else a float."""
-        if self.quantile_tracker is None:
-            return self.max_grad_norm
-        return self.quantile_tracker.norm_on(device) if device is not None else self.quantile_tracker.norm
+        if self._tracker is None:
+            return self._max_grad_norm
+        return self._tracker.norm_on(device) if device is not None else self._tracker.norm
+
+    # ---- what a new model needs, once ----
+
+    def prepare(self, model, params: list) -> None:
+        """What only a new model needs, before the step that first sees it (see the module's docstring); `run`
+        calls it whenever `params` or the model's structure changed since the last call.
+
+        Raises:
+            ValueError: (FSDP2) a trainable parameter not sharded along its first dimension on a 1-D mesh; a model
+                whose outputs mix the examples of a batch (the probe); reentrant gradient checkpointing.
+        """
+        settings = self.settings
+        named = {id(param): name for name, param in self.clipper.model.named_parameters()}
+        # Before any forward: FSDP2 swaps in whole parameters while one runs. The names are the same on every rank,
+        # sharded or not: they key the noise.
+        self._names = [named.get(id(param), f"#{index}") for index, param in enumerate(params)]
+        if settings.sharded:  # accelerate has sharded the model by now
+            check_sharded(params)
+            self.clipper.shard(reduce_scatter_rows)
+        if settings.probe_batch is not None:  # the model as it trains, with every hook attached by now
+            check_batch_independence(model, settings.probe_batch, half_precision=settings.half_precision)
+            reshard(model)  # the probe's forward left the root's parameters whole
+        self.clipper.check_model()
+        self._prepared_for = (list(params), _structure(model))
+
+    def _unchanged(self, model, params: list) -> bool:
+        """Whether `params` and the model's structure are those `prepare` last saw (`params` held there: their ids
+        cannot be reused)."""
+        prepared = self._prepared_for
+        return (prepared is not None and len(params) == len(prepared[0])
+                and all(map(operator.is_, params, prepared[0])) and _structure(model) == prepared[1])
+
+    # ---- the stages, in order ----
 
     # ---- the stages, in order ----
 
@@ -134,7 +211,7 @@ class DPStep:
         """Forward and clipped backward of every micro-batch: each unit's gradient clipped to `max_grad_norm` and
         summed into `into` (float32 whatever the parameters' dtype; unset: rounded into `.grad` at the end),
         divided by the expected batch size; returns the step's summed scalar statistics."""
-        expected_batch_size, settings = self.plan.expected_batch_size, self.settings
+        expected_batch_size, settings = self._expected_batch_size, self.settings
         sums = StepSums(settings.device)
         clipped = ClippedGrads() if into is None else into
         with settings.backward_context(model):
@@ -145,7 +222,7 @@ class DPStep:
                     losses = losses * to_device(micro_batch.loss_weights, losses.device)
                 norms = self.clipper.backward(losses, unit_ids=units, max_grad_norm=max_grad_norm,
                                               example_ids=example_ids, grad_scale=1.0 / expected_batch_size,
-                                              into=clipped)
+                                              into=clipped, check_model=self._prepared_for is None)
                 unit_losses = losses.detach().float()
                 if units is not None:  # ULS: the user's mean loss, in the order of `norms` (the unit index owns it)
                     unit_losses = units.sum_examples(unit_losses)
@@ -167,10 +244,9 @@ class DPStep:
                 if not is_sharded(grad):
                     torch.distributed.all_reduce(grad)
             sums.all_reduce()
-        plan = self.plan
-        add_noise(params, names=names, noise_multiplier=plan.noise_multiplier, max_grad_norm=max_grad_norm,
-                  seed=self.seed, step=step, scale=1.0 / plan.expected_batch_size, secure=self.settings.secure_noise,
-                  grads=grads)
+        add_noise(params, names=names, noise_multiplier=self._noise_multiplier, max_grad_norm=max_grad_norm,
+                  seed=self.seed, step=step, scale=1.0 / self._expected_batch_size,
+                  secure=self.settings.secure_noise, grads=grads)
         clipped.round_into_grads()
 
     def record(self) -> bool:
@@ -179,27 +255,62 @@ class DPStep:
 
     def release(self, sums: StepSums, step: int) -> torch.Tensor | None:
         """The step's noised scalars (adaptive clipping's C moves on the device); the noised loss sum, or `None`."""
-        return self.releases.release(sums, step, self.quantile_tracker)
+        return self.releases.release(sums, step, self._tracker)
 
     # ---- the whole step ----
 
-    def run(self, model, params: list, names: list, batch, *, before_record: Callable | None = None
-            ) -> tuple[torch.Tensor, bool]:
-        """The stages in order on this rank's share of one logical batch; returns (the noised mean loss, or 0
-        without private logging, and whether training may go on). `before_record` runs between the noise and the
-        ledger entry (a just-in-time save there keeps the state before this step)."""
-        max_grad_norm = self.clipping_norm(self.settings.device if self.quantile_tracker is not None else None)
+    def run(self, model, params: list, batch) -> tuple[torch.Tensor, bool]:
+        """The stages in order on this rank's share of one logical batch, after [`prepare`] when `params` or the
+        model changed; returns (the noised mean loss, or 0 without private logging, and whether training may go
+        on)."""
+        if not self._unchanged(model, params):
+            self.prepare(model, params)
+        max_grad_norm = self.clipping_norm(self.settings.device if self._tracker is not None else None)
         clipped = ClippedGrads()  # the clipped sums, float32 until the noise is added
         sums = self.clip(model, batch.micro_batches, max_grad_norm, into=clipped)
         check_some_gradient(params, batch.micro_batches, clipped)
-        self.aggregate(params, names, sums, max_grad_norm=max_grad_norm, step=batch.step, clipped=clipped)
-        if before_record is not None:
-            before_record()
+        self.aggregate(params, self._names, sums, max_grad_norm=max_grad_norm, step=batch.step, clipped=clipped)
+        if self.settings.keep_state_before_step:  # before the ledger entry: a just-in-time save keeps this state
+            self._before_step = self.state()
         keep_going = self.record()
         loss_sum = self.release(sums, batch.step)
         if loss_sum is None:  # nothing computed from the data is logged
             return torch.zeros((), dtype=torch.float32, device=self.settings.device), keep_going
-        return (loss_sum / self.plan.expected_batch_size).to(torch.float32), keep_going
+        return (loss_sum / self._expected_batch_size).to(torch.float32), keep_going
+
+    # ---- its state: logged, saved, restored ----
+
+    def take_clipped_fraction(self) -> float | None:
+        """The mean noised clipped fraction of the steps since the last call (a host read), or `None` if none was
+        released (see [`~hf_dp.releases.ScalarReleases`])."""
+        return self.releases.take_clipped_fraction()
+
+    def state(self) -> StepState:
+        """The budget and the tracker as they stand, copied (the tracker without a device read)."""
+        tracker = self._tracker.copy() if self._tracker is not None else None
+        return StepState(self.budget.copy(), tracker)
+
+    def state_to_save(self, optimizer_steps: int) -> StepState:
+        """The state a checkpoint taken after `optimizer_steps` optimizer updates saves: the current one, or, for a
+        just-in-time save between a step's ledger entry and its optimizer update, the state before that step (the
+        weights saved have not taken it; a resumed run takes it again)."""
+        if self.budget.steps == optimizer_steps + 1 and self._before_step is not None:
+            return self._before_step
+        return self.state()
+
+    def restore(self, accountant, quantile_tracker: QuantileTracker | None) -> None:
+        """Continue from a checkpoint: its ledger and adaptive clipping's tracker (both checked against the plan)."""
+        self.budget.restore(accountant)
+        self._tracker = quantile_tracker
+        self._before_step = None
+
+
+def _structure(model) -> list:
+    """What `DPStep.prepare` depends on in the model: every module, its forward hooks and its gradient
+    checkpointing (a new hook may mix the batch; reentrant checkpointing is refused). Compared by identity."""
+    return [(module, tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+             module.__dict__.get("gradient_checkpointing"), module.__dict__.get("_gradient_checkpointing_func"))
+            for module in model.modules()]
 
 
 def check_some_gradient(params: list, micro_batches, clipped: ClippedGrads | None = None) -> None:

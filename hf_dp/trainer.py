@@ -94,7 +94,6 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
         preflight.check_input_ids(self.partition.dataset, self.model)
         preflight.check_mixed_precision(self.accelerator)
         sharding.check_supported(self)  # FSDP2 trains sharded; DeepSpeed and FSDP1 are refused
-        self._sharded_clipping = False  # the clipper follows FSDP2's sharded parameters from the first step
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
             raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
@@ -102,14 +101,13 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
         self._probe = compatibility.probe_batch(model_rows, self.data_collator, device=self.args.device,
                                                 rows=max(2, self.args.per_device_train_batch_size))
         check_row_order(model_rows, self.data_collator)  # rows reach the clipper with their own unit
-        check_batch_independence(self.model, self._probe)  # again at the first step, on the model as it trains
+        check_batch_independence(self.model, self._probe)  # again by the DP step, on the model as it trains
         compatibility.check_loss_func(self.model, self.compute_loss_func, self.data_collator, self._probe)
         self.clipper = GhostClipper(self.model)
         compatibility.verify_clipping(self.model, self.clipper, self._probe, loss_func=self.compute_loss_func,
                                       dataset=self.partition.dataset, causal_lm=self._causal_lm)
         self.privacy_card_kwargs = privacy_card_kwargs
         self._seed = self._shared_seed()
-        self._state_before_step = None  # (ledger, tracker) before the last step's releases, see save_privacy_state
         self.budget = None
         self._plan_step()
         self.add_callback(PrivacyProgress(self))
@@ -137,13 +135,14 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
             self.budget.replan(plan)
         adaptive = plan.adaptive_clipping
         tracker = QuantileTracker.start(adaptive, plan.expected_batch_size) if adaptive is not None else None
+        args = self.args
         settings = StepSettings(
-            device=self.args.device, causal_lm=self._causal_lm, max_loss=self.args.max_loss,
-            secure_noise=self.args.secure_noise, distributed=self.accelerator.num_processes > 1,
-            loss_func=self.compute_loss_func, forward_context=self.compute_loss_context_manager,
-            backward_context=self.accelerator.no_sync)
-        self.dp_step = DPStep(self.budget, self.clipper, self._seed, settings, max_grad_norm=self.args.max_grad_norm,
-                              quantile_tracker=tracker)
+            device=args.device, causal_lm=self._causal_lm, max_loss=args.max_loss, secure_noise=args.secure_noise,
+            distributed=self.accelerator.num_processes > 1, sharded=self.is_fsdp_enabled,
+            keep_state_before_step=args.enable_jit_checkpoint, probe_batch=self._probe,
+            half_precision=args.bf16 or args.fp16, loss_func=self.compute_loss_func,
+            forward_context=self.compute_loss_context_manager, backward_context=self.accelerator.no_sync)
+        self.dp_step = DPStep(self.budget, self.clipper, self._seed, settings, quantile_tracker=tracker)
 
     def _pass_rows(self, args: DPTrainingArguments, partition) -> int:
         """Rows of one pass: the requested `per_device_train_batch_size`, else enough for this rank's whole Poisson
@@ -216,32 +215,11 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
         host: the released sums are read only when a log line needs them.
         """
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-        names = self._parameter_names(params)  # before any forward: FSDP2 swaps in whole parameters while one runs
-        if self.is_fsdp_enabled and not self._sharded_clipping:  # accelerate has sharded the model by now
-            sharding.check_sharded(params)
-            self.clipper.shard(sharding.reduce_scatter_rows)
-            self._sharded_clipping = True
-        if self._probe is not None:  # the first step: the model as it trains, with every hook Trainer.train attached
-            check_batch_independence(model, self._probe, half_precision=self.args.bf16 or self.args.fp16)
-            self._probe = None
-            sharding.reshard(model)  # the probe's forward left the root's parameters whole
         model.train()
-        keep_state = self._keep_state_before_step if self.args.enable_jit_checkpoint else None
-        loss, keep_going = self.dp_step.run(model, params, names, inputs, before_record=keep_state)
+        loss, keep_going = self.dp_step.run(model, params, inputs)  # the first step also prepares it (the probe)
         if not keep_going:
             self.control.should_training_stop = True
         return loss
-
-    def _keep_state_before_step(self) -> None:
-        """Only a just-in-time save lands between the noise and the update: it saves the state before this step."""
-        self._state_before_step = self._privacy_state()
-
-    def _parameter_names(self, params) -> list[str]:
-        """The parameters' names in the model, the same on every rank, sharded or not: they key the noise."""
-        names = getattr(self, "_names_by_id", {})
-        if any(id(param) not in names for param in params):
-            names = self._names_by_id = {id(param): name for name, param in self.model.named_parameters()}
-        return [names.get(id(param), f"#{index}") for index, param in enumerate(params)]
 
     # Private Trainer hooks with no public equivalent (their existence is checked by `check_trainer_hooks`).
 
@@ -282,7 +260,7 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
                 logs["dp/clipping_norm"] = self.quantile_tracker.norm
             if not plan.private_logging:
                 del logs["loss"]
-            clipped_fraction = self.dp_step.releases.take_clipped_fraction()
+            clipped_fraction = self.dp_step.take_clipped_fraction()
             if clipped_fraction is not None:  # steps with a released count: private logging, or adaptive clipping
                 logs["dp/clipped_fraction"] = clipped_fraction
         if not plan.private_logging:
@@ -336,11 +314,6 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
         with checkpoint.failure_stated(folder):  # e.g. a full disk inside torch.save
             super()._save_checkpoint(model, trial)
 
-    def _privacy_state(self) -> tuple[dict, QuantileTracker | None]:
-        """The ledger and adaptive clipping's tracker as they stand (the tracker copied without a device read)."""
-        tracker = self.quantile_tracker.copy() if self.quantile_tracker is not None else None
-        return self.privacy_ledger(), tracker
-
     def save_privacy_state(self, folder: str) -> None:
         """Write the ledger and the resume state of the model's current weights into a checkpoint folder.
 
@@ -348,11 +321,10 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
         that step: the weights saved have not taken it, and a resumed run takes it again (with the same sample and
         noise only under a fixed `noise_seed`: a fresh secret is never saved).
         """
-        ledger, tracker = self._privacy_state()
-        if self.budget.steps == self.state.global_step + 1 and self._state_before_step is not None:
-            ledger, tracker = self._state_before_step
-        checkpoint.write_checkpoint(folder, ledger=ledger, fingerprint=self.privacy_plan.fingerprint(self.args),
-                                    data_secret=self._data_secret, quantile_tracker=tracker)
+        state = self.dp_step.state_to_save(self.state.global_step)
+        checkpoint.write_checkpoint(folder, ledger=self.privacy_ledger(state),
+                                    fingerprint=self.privacy_plan.fingerprint(self.args), data_secret=self._data_secret,
+                                    quantile_tracker=state.quantile_tracker)
 
     def _resume_privacy_state(self, folder: str) -> None:
         """Restore the ledger, the data secret and adaptive clipping's C from a checkpoint, after checking them."""
@@ -365,13 +337,12 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
             self._partition_users(saved.data_secret)
             self._plan_step()
         tracker = checkpoint.check_saved_run(saved, self.privacy_plan, self.args)
-        self.budget.restore(saved.accountant)
+        self.dp_step.restore(saved.accountant, tracker)
         if discarded_draw:
             self.accountant.record_pure_dp("contribution_bound (drawn at construction, replaced on resume)",
                                            discarded_draw)
             logger.warning("contribution_bound='auto' was drawn at construction, then replaced by the checkpoint's: "
                            "ε=%g more in the ledger (set args.resume_from_checkpoint to draw once).", discarded_draw)
-        self.dp_step.quantile_tracker = tracker
 
 
 class DPTrainer(DPTrainerMixin, Trainer):

@@ -22,9 +22,10 @@ SETTINGS = StepSettings(device=torch.device("cpu"), causal_lm=False, max_loss=5.
 
 def dp_step(model=None, *, expected_batch_size=EXPECTED_BATCH, noise_multiplier=0.8, seed=1, max_grad_norm=1.0):
     """A DPStep built from values only: the plan's q·N and σ are all the stages read here."""
-    plan = SimpleNamespace(expected_batch_size=expected_batch_size, noise_multiplier=noise_multiplier)
+    plan = SimpleNamespace(expected_batch_size=expected_batch_size, noise_multiplier=noise_multiplier,
+                           max_grad_norm=max_grad_norm, private_logging=False)
     clipper = GhostClipper(model) if model is not None else None
-    return DPStep(SimpleNamespace(plan=plan), clipper, seed, SETTINGS, max_grad_norm=max_grad_norm)
+    return DPStep(SimpleNamespace(plan=plan), clipper, seed, SETTINGS)
 
 
 def rows(count=6):

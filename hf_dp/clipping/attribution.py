@@ -51,11 +51,12 @@ class AttributionChecks:
 
     # -- rows ----------------------------------------------------------------------------
 
-    def unverified_rows(self, step: ClippingStep) -> List[int]:
-        """Indices of captures whose (layer, layout) has not been verified yet (2+ examples only)."""
+    def unverified_rows(self, step: ClippingStep) -> Optional[List[int]]:
+        """Indices of captures whose (layer, layout) has not been verified yet; `None` when none can be (the check
+        off, or fewer than 2 examples)."""
         packing, batch_size = step.packing, step.batch_size
         if not self.rows_enabled or (batch_size if packing is None else packing.num_examples) < 2:
-            return []
+            return None
         return [
             index
             for index, capture in enumerate(step.captures)

@@ -19,7 +19,7 @@ captured is held by [`~hf_dp.clipping.capture.ForwardCapture`] until that backwa
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -106,9 +106,16 @@ class GhostClipper:
         self.strategy = strategy
         self._attached = find_layers(model)
         self._checks = AttributionChecks(self._attached, enabled=check_coverage)
-        check_gradient_checkpointing(model)
+        self.check_model()
         self.forward_capture = ForwardCapture(model, self._attached.by_module)
         self._sink = None  # set by `shard`: where the clipped sums of sharded parameters go
+
+    def check_model(self) -> None:
+        """Refuse what may have changed on the model since attaching: reentrant gradient checkpointing (turned on
+        later, e.g. by Trainer's `train`). [`backward`] calls it unless told its caller has, since the model last
+        changed ([`~hf_dp.step.DPStep`] does, before the first step and after any change to the model's modules,
+        hooks or checkpointing)."""
+        check_gradient_checkpointing(self.model)
 
     def shard(self, sink) -> None:
         """Follow the parameters a sharding wrapper (FSDP2's `fully_shard`) put on the hooked modules in place of
@@ -163,6 +170,7 @@ class GhostClipper:
         example_ids: Optional[Tensor] = None,
         grad_scale: float = 1.0,
         into: Optional[ClippedGrads] = None,
+        check_model: bool = True,
     ) -> Tensor:
         """Back-propagates `losses`, clips each unit's gradient, adds the clipped sum to `.grad`.
 
@@ -188,6 +196,8 @@ class GhostClipper:
                 and rounds them into `.grad` ([`~hf_dp.clipping.accumulate.ClippedGrads.round_into_grads`]); the DP
                 step passes one per logical batch. Unset: the sums are rounded into `.grad` at the end of this
                 backward (for bf16/fp16 parameters that rounds before any noise: pass `into` for DP training).
+            check_model (`bool`, *optional*, defaults to `True`): run [`check_model`] first; `False` only when the
+                caller has run it since the model last changed (it walks every module, each pass otherwise).
 
         Returns:
             `torch.Tensor`: `(U,)` float32 pre-clip L2 norms of the units' gradients over all
@@ -202,10 +212,13 @@ class GhostClipper:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
         if losses.dim() != 1:
             raise ValueError(f"losses must have shape (batch_size,), got {tuple(losses.shape)}")
-        check_gradient_checkpointing(self.model)
+        if check_model:
+            self.check_model()
+        checks = self._checks
         step = ClippingStep.prepare(
             losses, self.forward_capture.take(), unit_ids=unit_ids, max_grad_norm=max_grad_norm,
-            example_ids=example_ids, grad_scale=grad_scale, coverage_params=self._checks.coverage_params(),
+            example_ids=example_ids, grad_scale=grad_scale,
+            coverage_params=checks.coverage_params() if checks.coverage_pending else [],
         )
         if losses.shape[0] == 0:
             self.forward_capture.forget()
@@ -216,8 +229,12 @@ class GhostClipper:
                 "GhostClipper.backward: no forward pass was captured; run the forward pass after "
                 "attaching the clipper, with gradients enabled and the clipper enabled"
             )
-        check_rows(step.captures, step.batch_size)
-        self._backpropagate(losses, step)
+        unverified = checks.unverified_rows(step)
+        # A layout seen before passed this check then; `batch_first` checks each capture's rows again as the
+        # rules read them.
+        if unverified is None or unverified:
+            check_rows(step.captures, step.batch_size)
+        self._backpropagate(losses, step, unverified or [])
         sums = ClippedGrads() if into is None else into
         with autocast_disabled(losses.device):  # norms and sums in float32 (float64), also under autocast
             norms = self._clip(step, sums)
@@ -225,11 +242,11 @@ class GhostClipper:
             sums.round_into_grads()
         return norms
 
-    def _backpropagate(self, losses: Tensor, step: ClippingStep) -> None:
+    def _backpropagate(self, losses: Tensor, step: ClippingStep, unverified: List[int]) -> None:
         """One backward pass of Σ_b L_b to the captured outputs (and, on the first step, the parameters whose
-        coverage is checked), into `step`; the first sight of a row layout also checks its attribution."""
+        coverage is checked), into `step`; the first sight of a row layout (`unverified`, indices into the
+        captures) also checks its attribution."""
         edges = [capture.output_edge for capture in step.captures]
-        unverified = self._checks.unverified_rows(step)
         if unverified and self._sink is not None:
             raise UnsupportedLayerError(
                 f"GhostClipper: a row layout first seen after sharding ({step.captures[unverified[0]].layer.path}); "

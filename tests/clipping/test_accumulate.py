@@ -80,8 +80,8 @@ def test_the_noise_is_added_in_float32_and_rounded_once_into_the_bf16_grad():
 
     settings = StepSettings(device=torch.device("cpu"), causal_lm=False, max_loss=5.0, loss_func=loss_func,
                             forward_context=contextlib.nullcontext)
-    plan = SimpleNamespace(expected_batch_size=64.0, noise_multiplier=0.7)
-    step = DPStep(SimpleNamespace(plan=plan), GhostClipper(model), 5, settings, max_grad_norm=C)
+    plan = SimpleNamespace(expected_batch_size=64.0, noise_multiplier=0.7, max_grad_norm=C, private_logging=False)
+    step = DPStep(SimpleNamespace(plan=plan), GhostClipper(model), 5, settings)
     batch = MicroBatch({"input": torch.linspace(-1, 1, 48).reshape(6, 8).to(torch.bfloat16),
                         "labels": torch.zeros(6)}, num_examples=6)
     clipped = ClippedGrads()
