@@ -110,7 +110,7 @@ TOY_RULE_MODULE = '''"""A toy layer family: y = x * weight, for every layer clas
 from hf_dp.clipping import EXAMPLE, ExampleGrad, register_rule
 
 
-@register_rule(name="toy_scale", params={"weight": EXAMPLE}, class_name_predicate=lambda cls: cls.__name__ == "ToyScale")
+@register_rule(name="toy_scale", params={"weight": EXAMPLE}, class_name_predicate=lambda c: c.__name__ == "ToyScale")
 def toy_scale(layer, activations, output_grads):
     """The per-example weight gradient is the token sum of output_grads * activations."""
     batch_size = output_grads.shape[0]
