@@ -296,16 +296,29 @@ TASK_KEYS = {"sft", "causal_lm", "classification", "chat-sft", "causal-lm"}
 TASK_HOMES = {"hf_dp.workflows.tasks", "hf_dp.workflows.app.training"}  # the registry; the app's two Train-tab runs
 
 
+def _keys_by_a_task_name(node) -> bool:
+    """`{"sft": ...}` and `table["sft"]`: a table keyed by task name tells tasks apart as a comparison does."""
+    if isinstance(node, ast.Dict):
+        return any(isinstance(key, ast.Constant) and key.value in TASK_KEYS for key in node.keys)
+    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in TASK_KEYS
+
+
 def test_the_study_never_compares_a_task_name():
-    """Every difference between the study's tasks is an entry of `hf_dp.workflows.tasks.TASK_REGISTRY`."""
+    """Every difference between the study's tasks is a field of its `hf_dp.workflows.tasks.StudyTask`."""
     violations = [
         _where(path, node.lineno) for module, path in MODULES.items()
         if _within(module, ("hf_dp.workflows",)) and module not in TASK_HOMES
-        # Comparisons only, for now: the study's task-keyed tables (runs, settings, summaries, audit defaults)
-        # move into its task registry with issue 44's third item, which then drops `comparisons_only`.
-        for node in ast.walk(_tree(path)) if _names_a_key(node, TASK_KEYS, comparisons_only=True)
+        for node in ast.walk(_tree(path))
+        if _names_a_key(node, TASK_KEYS) or _keys_by_a_task_name(node)
     ]
-    assert not violations, _report(violations, "a task name compared outside hf_dp.workflows.tasks")
+    assert not violations, _report(violations, "a task name compared, or a table keyed by task name, outside "
+                                               "hf_dp.workflows.tasks")
+
+
+@pytest.mark.parametrize("source", ['TABLE = {"sft": 1}\n', 'x = settings["causal_lm"]\n', 'ok = task == "sft"\n'])
+def test_the_task_name_check_catches(source):
+    assert any(_names_a_key(node, TASK_KEYS) or _keys_by_a_task_name(node)
+               for node in ast.walk(ast.parse(source)))
 
 
 def test_the_trainer_loads_no_command_line_parser():

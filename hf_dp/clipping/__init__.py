@@ -11,8 +11,10 @@ clipper.detach()
 
 One module per job: `attach` (which layers, each with its rule from `registry`), `capture` (forward
 hooks), `rows` and `attribution` (whose rows are whose, first-step checks), `clip` (per-unit norms and
-clipped sums, from the `terms` the rules `linear`, `embedding`, `norm` return), `units` (examples -> units),
-`packing` (several examples per row), `position_bias` (T5), and `engine` (`GhostClipper`, wiring them).
+clipped sums, from the `terms` the rules return), `units` (examples -> units), `packing` (several examples per
+row), `position_bias` (T5), and `engine` (`GhostClipper`, wiring them). The rules, one module per layer family
+(`linear`, `embedding`, `norm`), are the package `rules`: a new family is a new file there, found without an
+import line naming it.
 
 `adaptive`: private adaptive clipping (Andrew et al. 2021), C tracking a quantile of the per-unit norms.
 """

@@ -2,7 +2,8 @@
 
 DP-SGD's guarantee holds only if *every* trainable parameter's gradient is clipped. So attaching
 walks the model once, gives each module with trainable parameters its clipping rule
-([`~hf_dp.clipping.registry`]), and refuses the model, naming every offending module, when a
+([`~hf_dp.clipping.registry`]; the rules are the modules of [`~hf_dp.clipping.rules`], found there
+without an import line naming them), and refuses the model, naming every offending module, when a
 trainable parameter has no rule, is shared by layers whose rules cannot give the joint norm, or
 sits in a layer the rule cannot handle. Failing here, at construction, is cheaper and clearer than
 failing (or silently leaking) in the middle of training.
@@ -19,8 +20,7 @@ from typing import Dict, List, Tuple
 
 from torch import nn
 
-# Importing the rule modules registers their rules.
-from . import embedding, linear, norm  # noqa: F401
+from . import rules
 from .registry import Rule, UnsupportedLayerError, find_rule, overrides_forward
 
 try:  # transformers' blocks that `gradient_checkpointing_enable()` checkpoints
@@ -75,6 +75,7 @@ class AttachedLayers:
 def find_layers(model: nn.Module) -> AttachedLayers:
     """The layers to hook, each with its rule; raises [`UnsupportedLayerError`] naming every module that
     leaves a trainable parameter unclipped."""
+    rules.load_rules()  # every rule module of `hf_dp.clipping.rules`, a new one included
     layers: Dict[nn.Module, HookedLayer] = {}
     problems: List[str] = []
     users: Dict[int, List[Tuple[str, str, str]]] = {}  # id(param) -> [(path, param name, kind)]

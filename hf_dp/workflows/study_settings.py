@@ -71,12 +71,11 @@ same pipeline on a tiny subset of the roles with SmolLM2 itself (a few minutes; 
 
 from __future__ import annotations
 
-from hf_dp.workflows.tasks import TASK_REGISTRY
+from hf_dp.workflows.tasks import get_task, registered_tasks
 
 __all__ = ["CAUSAL_LM_QUICK_SETTINGS", "CAUSAL_LM_SETTINGS", "DEFAULT_TASK", "DEMO_SETTINGS", "QUICK_SETTINGS",
-           "SFT_FULL_SETTINGS", "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TASKS", "TUNING_EVAL_PLAYS",
-           "TUNING_PLAYS",
-           "TUNING_TRAIN_PLAYS", "check_task", "study_settings"]
+           "SFT_FULL_SETTINGS", "SFT_QUICK_SETTINGS", "SFT_SETTINGS", "SFT_SYSTEM_PROMPT", "TUNING_EVAL_PLAYS",
+           "TUNING_PLAYS", "TUNING_TRAIN_PLAYS", "check_task", "study_settings", "task_names"]
 
 # The causal-LM study's tuning proxy: six training plays (two per Folio genre, drawn by
 # `corpora.split_plays(<the 29 training plays>, 0.2, seed=1)`) whose roles the study never trains on. Its
@@ -253,35 +252,35 @@ SFT_QUICK_SETTINGS = dict(
     non_private=dict(SFT_SETTINGS["non_private"], per_device_train_batch_size=4, max_steps=2),
 )
 
-TASKS = tuple(TASK_REGISTRY)  # ("sft", "causal_lm", "classification")
 DEFAULT_TASK = "sft"
-_SETTINGS = {("classification", False): DEMO_SETTINGS, ("classification", True): QUICK_SETTINGS,
-             ("causal_lm", False): CAUSAL_LM_SETTINGS, ("causal_lm", True): CAUSAL_LM_QUICK_SETTINGS,
-             ("sft", False): SFT_SETTINGS, ("sft", True): SFT_QUICK_SETTINGS}
-_FULL_SETTINGS = {"sft": SFT_FULL_SETTINGS}
 
 
 def study_settings(task: str = DEFAULT_TASK, quick: bool = False, full: bool = False) -> dict:
-    """The settings of a study: [`SFT_SETTINGS`] / [`SFT_QUICK_SETTINGS`] / [`SFT_FULL_SETTINGS`] (chat SFT, the
-    default), [`CAUSAL_LM_SETTINGS`] / [`CAUSAL_LM_QUICK_SETTINGS`] or [`DEMO_SETTINGS`] / [`QUICK_SETTINGS`]
+    """The settings of a study, from its task's `settings` ([`~hf_dp.workflows.tasks.StudyTask`]):
+    [`SFT_SETTINGS`] / [`SFT_QUICK_SETTINGS`] / [`SFT_FULL_SETTINGS`] (chat SFT, the default),
+    [`CAUSAL_LM_SETTINGS`] / [`CAUSAL_LM_QUICK_SETTINGS`] or [`DEMO_SETTINGS`] / [`QUICK_SETTINGS`]
     (classification).
 
     Raises:
-        ValueError: `full` for a task with no full settings, or with `quick`.
+        ValueError: an unknown task, or `full` for a task with no full settings, or with `quick`.
     """
-    check_task(task)
+    settings = get_task(task).settings
     if full:
         if quick:
             raise ValueError("--full and --quick: choose one (--quick is the tiny test subset).")
-        if task not in _FULL_SETTINGS:
-            raise ValueError(f"--full: only {', '.join(_FULL_SETTINGS)} has a full study; --task {task} has its "
+        if "full" not in settings:
+            with_full = [key for key, other in registered_tasks().items() if "full" in other.settings]
+            raise ValueError(f"--full: only {', '.join(with_full)} has a full study; --task {task} has its "
                              "default settings and --grid.")
-        return _FULL_SETTINGS[task]
-    return _SETTINGS[(task, bool(quick))]
+        return settings["full"]
+    return settings["quick" if quick else "default"]
+
+
+def task_names() -> tuple[str, ...]:
+    """The registered tasks' names ([`~hf_dp.workflows.tasks.registered_tasks`]): `--task`'s choices."""
+    return tuple(registered_tasks())
 
 
 def check_task(task: str) -> str:
-    """`task` if it is one of [`TASKS`]; else `ValueError`."""
-    if task not in TASKS:
-        raise ValueError(f"task={task!r}: use one of {TASKS}.")
-    return task
+    """`task` if it is a registered task; else `ValueError`."""
+    return get_task(task).key

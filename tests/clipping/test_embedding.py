@@ -1,4 +1,4 @@
-"""`hf_dp/clipping/embedding.py`: the `nn.Embedding` rule (token, position and token-type lookups),
+"""`hf_dp/clipping/rules/embedding.py`: the `nn.Embedding` rule (token, position and token-type lookups),
 against the shared oracle (`clipping_oracle.py`): padding rows, subclasses with their own forward,
 position ids broadcast or expanded, tied and repeated uses of one table (the cross terms), and the
 options that make per-example gradients impossible.

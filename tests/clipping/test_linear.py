@@ -1,4 +1,4 @@
-"""`hf_dp/clipping/linear.py`: the `nn.Linear` rule (heads, peft LoRA `lora_A`/`lora_B`) and the
+"""`hf_dp/clipping/rules/linear.py`: the `nn.Linear` rule (heads, peft LoRA `lora_A`/`lora_B`) and the
 transformers `Conv1D` rule (GPT-2), against the shared oracle (`clipping_oracle.py`): any number of
 token axes (none for a pooled head), with and without bias, subclasses with their own forward, LoRA.
 """

@@ -1,4 +1,4 @@
-"""`hf_dp/clipping/norm.py`: the `nn.LayerNorm` rule and the RMSNorm rule (`nn.RMSNorm`, transformers'
+"""`hf_dp/clipping/rules/norm.py`: the `nn.LayerNorm` rule and the RMSNorm rule (`nn.RMSNorm`, transformers'
 `*RMSNorm` classes, Gemma's `(1 + w)` form, T5's `T5LayerNorm`), against the shared oracle
 (`clipping_oracle.py`), and the probe that refuses a `*LayerNorm`-named layer of another kind.
 """

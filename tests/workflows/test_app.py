@@ -822,7 +822,7 @@ def test_a_chat_run_never_shows_a_classifiers_placeholders(chat_results, results
     assert "Fine-tuned model" not in blocks["dp-heading"].value
     assert blocks["compare-text"].label == compare.TEXT_LABELS["chat"] and "class" not in blocks["compare-text"].label
     assert blocks["compare-decoding-settings"].visible
-    assert shown["text_label"] == compare.TEXT_LABELS["chat"] and lm["text_label"] == compare.TEXT_LABELS["causal-lm"]
+    assert shown["text_label"] == compare.TEXT_LABELS["chat"] and lm["text_label"] == compare.TEXT_LABELS["generative"]
     blocks = {b.elem_id: b for b in app.build_app(results).blocks.values() if getattr(b, "elem_id", None)}
     assert blocks["baseline-label"].visible and not blocks["baseline-text"].visible
     assert blocks["compare-text"].label == compare.TEXT_LABELS["classifier"]

@@ -50,7 +50,7 @@ EXAMPLE_TEXTS = [
 CLASSIFIER_HEADINGS = ("#### Public-only baseline (no private data)", "#### Fine-tuned model")
 # The label of the Compare tab's text box, by the kind of run picked.
 TEXT_LABELS = {"classifier": "text: both models give its class probabilities",
-               "causal-lm": "prompt: each model continues it",
+               "generative": "prompt: each model continues it",
                "chat": "prompt: each model replies to it (sent as a user message)"}
 
 
@@ -424,7 +424,7 @@ def compare_layout(results_dir, run_name: str | None) -> dict:
         return {"language_model": False, "headings": list(CLASSIFIER_HEADINGS) + [""], "error": "",
                 "text_label": TEXT_LABELS["classifier"]}
     shown = {"language_model": True, "headings": ["", "", ""], "error": "",
-             "text_label": TEXT_LABELS["chat" if run.is_chat else "causal-lm"]}
+             "text_label": TEXT_LABELS["chat" if run.is_chat else "generative"]}
     try:
         headings = [spec.heading for spec in column_specs(results_dir, run)] if run.model_path is not None else []
     except Exception as error:

@@ -20,6 +20,7 @@ from .compare import CLASSIFIER_HEADINGS, EXAMPLE_TEXTS, Decoding, compare_layou
 from .plot import privacy_utility_figure
 from .results import default_run, list_runs, results_overview_markdown
 from .training import (
+    DEFAULT_TRAIN_TASK,
     TRAIN_LABELS,
     TRAIN_MECHANISMS,
     TRAIN_TASKS,
@@ -128,10 +129,10 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
 
             # ---- Train --------------------------------------------------------------------------
             with gr.Tab("Train", id="train"):
-                train_about = gr.Markdown(train_description("chat-sft", results_dir))
-                train_task = gr.Radio([(spec["label"], key) for key, spec in TRAIN_TASKS.items()], value="chat-sft",
-                                      label="task", elem_id="train-task")
-                defaults = TRAIN_TASKS["chat-sft"]
+                train_about = gr.Markdown(train_description(DEFAULT_TRAIN_TASK, results_dir))
+                train_task = gr.Radio([(spec["label"], key) for key, spec in TRAIN_TASKS.items()],
+                                      value=DEFAULT_TRAIN_TASK, label="task", elem_id="train-task")
+                defaults = TRAIN_TASKS[DEFAULT_TRAIN_TASK]
                 with gr.Row():
                     train_mechanism = gr.Radio([(MECHANISMS[key].label, key) for key in TRAIN_MECHANISMS],
                                                value="uls", label=TRAIN_LABELS["mechanism"], elem_id="train-mechanism")

@@ -40,6 +40,7 @@ from .results import APP_RUNS_DIR
 TRAIN_MECHANISMS = DP_MECHANISMS + ("non-private",)
 # Its tasks: the label of the choice, and the subset, steps and batch its controls default to (about a minute or
 # two on 2 CPU cores). The chat run is the chat study's recipe (`SFT_SETTINGS` of hf_dp.workflows.study_settings).
+DEFAULT_TRAIN_TASK = "chat-sft"  # the Train tab's first choice
 TRAIN_TASKS = {
     "chat-sft": dict(label="Chat SFT: SmolLM2-135M-Instruct replies as a Shakespeare role (LoRA)",
                      max_train_users=64, max_steps=6, expected_batch_size=8, max_eval_examples=32),

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from .registry import register_rule
-from .terms import EXAMPLE, OUTER, ExampleGrad, GradTerm, OuterGrad, compute_dtype
+from ..registry import register_rule
+from ..terms import EXAMPLE, OUTER, ExampleGrad, GradTerm, OuterGrad, compute_dtype
 
 
 def _tokens(tensor: Tensor, batch_size: int) -> Tensor:

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .registry import register_rule
-from .terms import EXAMPLE, ExampleGrad, GradTerm, compute_dtype
+from ..registry import register_rule
+from ..terms import EXAMPLE, ExampleGrad, GradTerm, compute_dtype
 
 
 def _affine_terms(layer: nn.Module, normalized: Tensor, output_grads: Tensor, dims: int) -> Dict[str, GradTerm]:

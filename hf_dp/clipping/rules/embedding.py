@@ -20,8 +20,8 @@ from typing import Dict, Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .registry import register_rule
-from .terms import OUTER, GradTerm, OuterGrad
+from ..registry import register_rule
+from ..terms import OUTER, GradTerm, OuterGrad
 
 
 def _check_embedding(layer: nn.Embedding) -> Optional[str]:
