@@ -236,15 +236,6 @@ def test_argument_parser_none_positional_and_one_line_errors(capsys):
     assert fields(Flags)[1].type in ("float | None", float | None)  # the dataclass's own fields are left alone
 
 
-def test_plan_loads_no_torch():
-    code = ("import sys; from hf_dp import cli; "
-            "assert cli.main(['plan', '--users', '300', '--examples_per_user', '4', '--adaptive_clipping']) == 0; "
-            "loaded = [m for m in ('torch', 'gradio', 'matplotlib', 'hf_dp.trainer') if m in sys.modules]; "
-            "assert not loaded, loaded")
-    result = _run([sys.executable, "-c", code])
-    assert result.returncode == 0, result.stderr[-2000:]
-
-
 # ---- bad inputs -------------------------------------------------------------------------------------------
 # Every numeric flag of every command is checked when parsed (its arguments dataclass's __post_init__, shared with
 # Python calls): one line naming the flag and what to give, status 2, nothing run and nothing written.

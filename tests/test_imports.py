@@ -19,6 +19,7 @@ Every rule checks imports anywhere in a file (inside functions too) and names th
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,19 +96,50 @@ def test_accounting_imports_neither_torch_nor_clipping():
                                                "hf_dp.clipping (move the pure math into hf_dp.accounting)")
 
 
-def test_accounting_and_the_adaptive_plan_load_no_torch():
+def test_accounting_the_plan_command_and_the_trainer_load_only_what_they_need():
+    """What three entry points load, each in a fresh interpreter: one subprocess that forks a child per check
+    before it imports anything of hf_dp (so no check sees another's modules; one interpreter to start, and the
+    checks run side by side): importing `hf_dp.accounting` and planning with adaptive clipping, then `hf-dp plan
+    --adaptive_clipping`, load no torch; `hf_dp.report` checks the Hub through `hf_dp.hub`, and the publish
+    command's parser is imported only to run it, so the trainers load no command-line parser."""
     accounting = sorted(name for name in MODULES if _within(name, ("hf_dp.accounting",)))
-    code = "\n".join([
-        "import sys",
+    no_torch = "\n".join([
         *[f"import {name}" for name in accounting],
         "from hf_dp import planner",
         "planner.plan(users=300, examples_per_user=4, examples_per_step=30, steps=20, target_epsilon=5,",
         "             adaptive_clipping=True, noise_multiplier=1.0)",
         "loaded = sorted(m for m in ('torch', 'transformers', 'hf_dp.clipping') if m in sys.modules)",
         "assert not loaded, f'importing hf_dp.accounting and planning with adaptive clipping loaded {loaded}'",
+        "from hf_dp import cli",
+        "assert cli.main(['plan', '--users', '300', '--examples_per_user', '4', '--adaptive_clipping']) == 0",
+        "loaded = [m for m in ('torch', 'gradio', 'matplotlib', 'hf_dp.trainer') if m in sys.modules]",
+        "assert not loaded, f'hf-dp plan loaded {loaded}'",
     ])
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    trainer = "\n".join([
+        "import hf_dp.trainer, hf_dp.sft",
+        "loaded = sorted(m for m in sys.modules if m in ('hf_dp.parser', 'hf_dp.cli'))",
+        "assert not loaded, f'importing the trainers loaded {loaded}'",
+    ])
+    code = "\n".join([
+        "import os, sys, traceback",
+        "def check(code):",
+        "    pid = os.fork()",
+        "    if pid == 0:",
+        "        try:",
+        "            exec(code, {'sys': sys})",
+        "        except BaseException:",
+        "            traceback.print_exc()",
+        "            sys.stderr.flush()",
+        "            os._exit(1)",
+        "        sys.stdout.flush()",
+        "        os._exit(0)",
+        "    return pid",
+        f"children = [check({no_torch!r}), check({trainer!r})]",
+        "sys.exit(sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))",
+    ])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 # ---- 2. the core: nothing from audit, workflows, the command line or the UI ---------------------------
@@ -319,15 +351,3 @@ def test_the_study_never_compares_a_task_name():
 def test_the_task_name_check_catches(source):
     assert any(_names_a_key(node, TASK_KEYS) or _keys_by_a_task_name(node)
                for node in ast.walk(ast.parse(source)))
-
-
-def test_the_trainer_loads_no_command_line_parser():
-    """`hf_dp.report` checks the Hub through `hf_dp.hub`; the publish command's parser is imported only to run it."""
-    import subprocess
-    import sys
-
-    code = "import sys, hf_dp.trainer, hf_dp.sft; print(sorted(m for m in sys.modules if m in ('hf_dp.parser', " \
-           "'hf_dp.cli')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"}).stdout
-    assert out.strip() == "[]", out

@@ -1,9 +1,12 @@
 """hf_dp.vocabulary: one key per mechanism, from the two arguments a user sets, and one table that names each."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hf_dp import DPTrainingArguments
+from hf_dp.mechanisms import ELS, ULS, ExampleLevel, get_mechanism
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, PRIVACY_UNITS, SAMPLING_SCHEMES, mechanism, mechanism_of
 
 
@@ -20,8 +23,33 @@ def test_the_two_arguments_select_one_mechanism():
         mechanism_of("user", None)
 
 
+def table_problems(table: dict) -> list[str]:
+    """What is wrong with a table of mechanisms: an entry filed under another key than its own; a private entry
+    that no registered mechanism answers to, or whose two arguments select another key; a mechanism class of
+    hf_dp (ULS, ELS, example-level) without its entry."""
+    problems = [f"{key!r} holds the entry of {entry.key!r}" for key, entry in table.items() if entry.key != key]
+    for key, entry in table.items():
+        if not entry.is_private:
+            continue
+        try:
+            registered = get_mechanism(key).key
+        except ValueError:
+            registered = None
+        if registered != key:
+            problems.append(f"{key!r}: no registered mechanism has this key")
+        try:
+            selected = mechanism_of(entry.privacy_unit, entry.sampling)
+        except ValueError as error:
+            selected = str(error)
+        if selected != key:
+            problems.append(f"{key!r}: its arguments select {selected!r}")
+    problems += [f"{cls.__name__} ({cls.key!r}) has no entry" for cls in (ULS, ELS, ExampleLevel)
+                 if cls.key not in table]
+    return problems
+
+
 def test_the_table_names_every_mechanism_once_and_maps_back_to_its_arguments():
-    assert all(key == entry.key for key, entry in MECHANISMS.items())
+    assert table_problems(MECHANISMS) == []
     assert DP_MECHANISMS == tuple(key for key, entry in MECHANISMS.items() if entry.is_private)
     for key in DP_MECHANISMS:
         entry = MECHANISMS[key]
@@ -32,6 +60,18 @@ def test_the_table_names_every_mechanism_once_and_maps_back_to_its_arguments():
         values = [getattr(entry, attribute) for entry in MECHANISMS.values()]
         assert len(set(values)) == len(values), attribute  # plots and tables can tell them apart
     assert not MECHANISMS["non-private"].is_private and not MECHANISMS["public-only"].is_private
+
+
+def test_a_broken_table_is_caught():
+    """`table_problems` fails each way a table can go wrong, so its passing on the real table says something."""
+    uls, els = MECHANISMS["uls"], MECHANISMS["els"]
+    assert table_problems({**MECHANISMS, "els": uls}) == ["'els' holds the entry of 'uls'",
+                                                          "'els': its arguments select 'uls'"]
+    assert table_problems({key: entry for key, entry in MECHANISMS.items() if key != "example"}) == [
+        "ExampleLevel ('example') has no entry"]
+    assert table_problems({**MECHANISMS, "uls2": replace(uls, key="uls2")}) == [
+        "'uls2': no registered mechanism has this key", "'uls2': its arguments select 'uls'"]
+    assert table_problems({**MECHANISMS, "els": replace(els, sampling="uls")}) == ["'els': its arguments select 'uls'"]
 
 
 def test_a_key_is_looked_up_or_refused_naming_the_keys():

@@ -1,11 +1,14 @@
 """Trains a tiny DP model with fixed seeds and saves its weights: run under `accelerate launch`.
 
-Usage: accelerate launch --multi_gpu --num_processes 2 tests/trainer/distributed_train.py OUT.pt [sampling]
-(on a CPU-only machine this runs 2 processes with the gloo backend). `sampling` "uls-adaptive" is ULS with
-adaptive clipping (the count of unclipped units is all-reduced, noised once, and every rank tracks the same C);
-"uls-bf16" trains a bf16 model (its clipped sums all-reduced and noised in float32, then rounded once).
+Usage: accelerate launch --multi_gpu --num_processes 2 tests/trainer/distributed_train.py OUT_DIR SAMPLING...
+(on a CPU-only machine this runs 2 processes with the gloo backend): one run per `sampling`, in turn, each saved
+as OUT_DIR/SAMPLING.pt (starting the ranks costs more than a run, so the test launches once for all of them).
+`sampling` "uls-adaptive" is ULS with adaptive clipping (the count of unclipped units is all-reduced, noised once,
+and every rank tracks the same C); "uls-bf16" trains a bf16 model (its clipped sums all-reduced and noised in
+float32, then rounded once).
 """
 
+import os
 import sys
 
 import torch
@@ -16,6 +19,7 @@ from trainer_fixtures import pad_collator, tiny_bert, user_dataset
 
 
 def main(out_path: str, sampling: str = "uls") -> None:
+    """One run of `sampling`, from the same seeds whatever ran before it in the process."""
     sampling, _, variant = sampling.partition("-")
     adaptive = (dict(adaptive_clipping=True, max_grad_norm=0.05, clipping_count_noise=5.0) if variant == "adaptive"
                 else {})
@@ -33,8 +37,9 @@ def main(out_path: str, sampling: str = "uls") -> None:
         torch.save({"state": state, "world_size": trainer.accelerator.num_processes,
                     "epsilon": trainer.privacy_report()["epsilon"],
                     "max_grad_norm": trainer.clipping_norm}, out_path)
-    finish_processes()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    for name in sys.argv[2:]:
+        main(os.path.join(sys.argv[1], f"{name}.pt"), name)
+    finish_processes()

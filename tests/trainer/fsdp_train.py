@@ -3,11 +3,14 @@
 Usage: accelerate launch --config_file recipes/configs/fsdp.yaml --num_processes 2 tests/trainer/fsdp_train.py
 OUT.pt SAMPLING [full|lora|checkpointing]; or `python tests/trainer/fsdp_train.py OUT.pt SAMPLING VARIANT` for one
 plain process. `checkpointing`: full fine-tuning with gradient_checkpointing=True (non-reentrant).
+`fsdp_train.py RUNS.json` trains each run of the JSON list (each the keyword arguments of `main`) in turn, in one
+launch: starting the ranks costs far more than a 4-step run, so the tests launch each group of runs once.
 On CPU, accelerate 1.15 drops an FSDP config silently (it turns FSDP on for GPU-type devices only): `fsdp_on_cpu`
 sets the distributed type as accelerate does on a GPU, and the run records that its parameters really were
 sharded DTensors during training.
 """
 
+import json
 import os
 import signal
 import sys
@@ -84,13 +87,15 @@ class SignalAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL) if self.kind == "kill" else time.sleep(300)
 
 
-def main(out_path: str, sampling: str = "uls", variant: str = "full", mode: str = "straight") -> None:
+def main(out_path: str, sampling: str = "uls", variant: str = "full", mode: str = "straight", steps: int | None = None,
+         run_dir: str | None = None) -> None:
     """`variant`: full, lora or checkpointing, `bf16-` in front for bf16 (FSDP2's MixedPrecisionPolicy, or autocast
     on one plain process), `bf16weights-` for a model loaded in bf16 (bf16 shards and gradients, no policy).
-    `mode`: "straight" (`FSDP_TRAIN_STEPS` steps, 4 unless set, a checkpoint every 2), "cut" (stops after step 2),
-    "resume" (from the newest checkpoint of the run folder `FSDP_TRAIN_RUN_DIR`), "jit" (`enable_jit_checkpoint`,
-    each rank sent SIGTERM at step 2), "kill" (rank 1 killed at step 3) or "stall" (rank 1 hangs at step 3,
-    `ddp_timeout=10`)."""
+    `mode`: "straight" (`steps` steps, 4 unless given, a checkpoint every 2), "cut" (stops after step 2), "resume"
+    (from the newest checkpoint of the run folder `run_dir`, else `FSDP_TRAIN_RUN_DIR`, else OUT.run), "jit"
+    (`enable_jit_checkpoint`, each rank sent SIGTERM at step 2), "kill" (rank 1 killed at step 3) or "stall" (rank 1
+    hangs at step 3, `ddp_timeout=10`). Each run builds its own model, arguments and trainer from fixed seeds, so
+    what ran before it in the process changes nothing."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         fsdp_on_cpu()
     model = tiny_llama(seed=3)
@@ -103,8 +108,8 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full", mode: str 
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8))
     args = DPTrainingArguments(
-        output_dir=os.environ.get("FSDP_TRAIN_RUN_DIR", out_path + ".run"),
-        max_steps=int(os.environ.get("FSDP_TRAIN_STEPS", 4)), expected_batch_size=8, per_device_train_batch_size=3,
+        output_dir=run_dir or os.environ.get("FSDP_TRAIN_RUN_DIR", out_path + ".run"),
+        max_steps=int(steps or 4), expected_batch_size=8, per_device_train_batch_size=3,
         learning_rate=5e-2, target_epsilon=8.0, noise_seed=4321,
         **(dict(privacy_unit="example") if sampling == "example" else dict(sampling=sampling, contribution_bound=3)),
         report_to=[], save_strategy="no" if mode == "jit" else "steps", save_steps=2, use_cpu=True,
@@ -135,7 +140,6 @@ def main(out_path: str, sampling: str = "uls", variant: str = "full", mode: str 
                     "mixed_precision": str(trainer.accelerator.mixed_precision),
                     "param_dtype": str(getattr(getattr(plugin, "mixed_precision_policy", None), "param_dtype", None))},
                    out_path)
-    finish_processes()
 
 
 def building(out_path: str) -> None:
@@ -165,5 +169,11 @@ def building(out_path: str) -> None:
 if __name__ == "__main__":
     if sys.argv[2:3] == ["building"]:
         building(sys.argv[1])
+    elif sys.argv[1].endswith(".json"):
+        with open(sys.argv[1]) as runs:
+            for run in json.load(runs):
+                main(**run)
+        finish_processes()
     else:
         main(*sys.argv[1:])
+        finish_processes()

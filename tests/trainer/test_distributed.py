@@ -1,4 +1,7 @@
-"""Two CPU processes (gloo) under `accelerate launch` must reproduce one process."""
+"""Two CPU processes (gloo) under `accelerate launch` must reproduce one process.
+
+Starting the ranks costs more than a 3-step run, so each side (one process, two) is one launch that trains every
+sampling in turn (the module's fixtures), and each test compares one sampling's two runs."""
 
 import os
 import socket
@@ -18,26 +21,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(out: Path, num_processes: int, sampling: str) -> dict:
+SAMPLINGS = ["uls", "els", "uls-adaptive", "uls-bf16"]
+
+
+def launch(out: Path, num_processes: int, samplings: list[str]) -> dict:
+    """`distributed_train.py` on `num_processes` processes training each of `samplings`: their saved dicts."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parent.parent)]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     if num_processes == 1:
-        command = [sys.executable, str(HERE / "distributed_train.py"), str(out), sampling]
+        command = [sys.executable, str(HERE / "distributed_train.py"), str(out), *samplings]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(num_processes), "--num_machines", "1", "--main_process_port", str(free_port()),
                    "--mixed_precision", "no", "--dynamo_backend", "no",
-                   str(HERE / "distributed_train.py"), str(out), sampling]
+                   str(HERE / "distributed_train.py"), str(out), *samplings]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return torch.load(out)
+    return {sampling: torch.load(out / f"{sampling}.pt") for sampling in samplings}
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("one"), 1, SAMPLINGS)
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("two"), 2, SAMPLINGS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", ["uls", "els", "uls-adaptive", "uls-bf16"])
-def test_two_processes_reproduce_one(tmp_path, sampling):
-    single = launch(tmp_path / "one.pt", 1, sampling)
-    double = launch(tmp_path / "two.pt", 2, sampling)
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_two_processes_reproduce_one(one_process_runs, two_process_runs, sampling):
+    single, double = one_process_runs[sampling], two_process_runs[sampling]
     assert (single["world_size"], double["world_size"]) == (1, 2)
     assert double["epsilon"] == single["epsilon"]
     assert double["max_grad_norm"] == pytest.approx(single["max_grad_norm"], rel=1e-6)  # the tracked C, if adaptive
