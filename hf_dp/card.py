@@ -343,6 +343,100 @@ def hub_model_id(name: str | None) -> str | None:
     return name
 
 
+def _tags(privacy: Mapping[str, Any], entry) -> list[str]:
+    """The card's Hub tags: none may say "differentially private" of a non-private or fixed-seed run."""
+    tags = ["hf_dp"]
+    if privacy.get("non_private"):
+        tags.append("non-private")
+    elif privacy.get("no_guarantee"):  # DP-SGD ran, but with a known seed: no tag may say the model is DP
+        tags += ["no-privacy-guarantee", "dp-sgd"]
+    else:
+        tags += ["differential-privacy", "dp-sgd"]
+        tags.append("user-level-dp" if privacy.get("privacy_unit") == "user" else "example-level-dp")
+        if entry.sampling is not None:
+            tags.append(f"dp-{entry.sampling}")
+    return tags
+
+
+def _eval_results(task: str, dataset_name: str | None, metric_name: str, eval_result) -> list | None:
+    """The `model-index` entry of the fine-tuned model's metric, when there is one."""
+    if eval_result is None:
+        return None
+    return [EvalResult(task_type=task, dataset_type=dataset_name or "private-user-data",
+                       dataset_name=dataset_name or "private user data", metric_type=metric_name,
+                       metric_value=_plain(eval_result, "eval_result"))]
+
+
+def _privacy_figures(privacy: Mapping[str, Any], entry) -> dict[str, Any]:
+    """The template's privacy values, each written as the card states it: ε and δ rounded up, σ down."""
+    no_guarantee = bool(privacy.get("no_guarantee"))
+    unit_plural = entry.sampled_unit if entry is not None else "examples"
+    population_size = privacy.get("num_users" if unit_plural == "users" else "num_examples")
+    expected = privacy.get("expected_batch_size")  # public: the argument, not q × a count of the data
+    if expected is None and population_size is not None and privacy.get("sample_rate") is not None:
+        expected = privacy["sample_rate"] * population_size
+    bound = privacy.get("contribution_bound")
+    if bound is not None and privacy.get("redraw_rows"):
+        contribution_md = (f"all of their rows (a step that samples them trains on at most G = {bound} of them, "
+                           "drawn afresh each step)")
+    elif bound is not None:
+        contribution_md = (f"all of their rows, at most G = {bound} examples (rows beyond G were dropped before "
+                           "training)")
+    else:
+        contribution_md = "all of their rows, however many"
+    return dict(
+        no_guarantee=no_guarantee,
+        privacy_unit=privacy.get("privacy_unit"),
+        mechanism=None if entry is None else entry.key,
+        sampling=None if entry is None else entry.sampling,
+        mechanism_name="" if entry is None else entry.name,
+        mechanism_description="" if entry is None else (privacy.get("mechanism_description") or entry.description),
+        eps=_fmt_up(privacy.get("epsilon"), 2),
+        delta=_fmt_sig(privacy.get("delta"), 3, up=True),
+        delta_floating_point=privacy.get("delta_floating_point"),
+        delta_accountant_md=_fmt_sig(privacy.get("delta_accountant"), 3, up=True),
+        delta_floating_point_md=_fmt_sig(privacy.get("delta_floating_point"), 2, up=True),
+        noise_reach_md=_fmt(privacy.get("noise_reach"), ".2f"),
+        eps_lower=privacy.get("epsilon_lower"),
+        eps_estimate=privacy.get("epsilon_estimate"),
+        eps_lower_md=_fmt_down(privacy.get("epsilon_lower"), 3),
+        eps_estimate_md=_fmt_up(privacy.get("epsilon_estimate"), 3),
+        eps_upper_md=_fmt_up(privacy.get("epsilon"), 3),
+        target_epsilon=privacy.get("target_epsilon"),
+        target_epsilon_md=_fmt(privacy.get("target_epsilon"), "g"),
+        mechanism_step="" if entry is None else get_mechanism(entry.key).card_step,
+        mechanism_accounting=None if entry is None else get_mechanism(entry.key).card_accounting(
+            _fmt_up(privacy["epsilon_group_privacy"], 2) if privacy.get("epsilon_group_privacy") is not None
+            else None),
+        noise_multiplier=_fmt_sig(privacy.get("noise_multiplier"), 4, up=False),
+        logging_noise_multiplier=privacy.get("logging_noise_multiplier"),
+        logging_noise_multiplier_md=_fmt_sig(privacy.get("logging_noise_multiplier"), 4, up=False),
+        max_loss_md=_fmt(privacy.get("max_loss"), "g"),
+        effective_noise_multiplier=privacy.get("effective_noise_multiplier"),
+        effective_noise_multiplier_md=_fmt_sig(privacy.get("effective_noise_multiplier"), 4, up=False),
+        sample_rate=_fmt_sig(privacy.get("sample_rate"), 4, up=True),
+        expected_batch=_fmt(expected, ".1f") if expected is not None else "not reported",
+        unit_plural=unit_plural,
+        steps=_fmt(privacy.get("steps"), "d"),
+        max_grad_norm=_fmt(privacy.get("max_grad_norm"), ".4g"),
+        adaptive=bool(privacy.get("adaptive_clipping")),
+        final_max_grad_norm=_fmt(privacy.get("final_max_grad_norm"), ".4g"),
+        target_unclipped_quantile=_fmt(privacy.get("target_unclipped_quantile"), "g"),
+        clipping_learning_rate=_fmt(privacy.get("clipping_learning_rate"), "g"),
+        clipping_count_noise=_fmt_sig(privacy.get("clipping_count_noise"), 4, up=False),
+        unit_singular=unit_plural[:-1],
+        contribution_bound=_fmt(bound, "d") if bound is not None else "none (all rows kept)",
+        contribution_md=contribution_md,
+        num_users=_fmt(round_count(privacy.get("num_users")), ","),
+        num_examples=_fmt(round_count(privacy.get("num_examples")), ","),
+        noise_seed=privacy.get("noise_seed") or "not reported",
+        noise_seed_md=(privacy.get("noise_seed") or "not reported")
+        + (" — known, not a secret: NO privacy guarantee" if no_guarantee else ""),
+        noise_source=privacy.get("noise_source") or "not reported",
+        accountant=privacy.get("accountant") or "not reported",
+    )
+
+
 def render_privacy_card(
     report: Mapping[str, Any],
     *,
@@ -414,35 +508,10 @@ def render_privacy_card(
     privacy = _normalised_report(report)
     hub_id = hub_model_id(base_model)
     non_private = bool(privacy.get("non_private"))
-    unit = privacy.get("privacy_unit")
     entry = None if non_private else MECHANISMS[privacy["mechanism"]]
     if model_name is None:
         stem = base_model.rstrip("/").split("/")[-1] if base_model else "model"
         model_name = f"{stem}-hf-dp" if not non_private else f"{stem}-non-private"
-
-    no_guarantee = bool(privacy.get("no_guarantee"))
-    tags = ["hf_dp"]
-    if non_private:
-        tags.append("non-private")
-    elif no_guarantee:  # DP-SGD ran, but with a known seed: no tag may say the model is differentially private
-        tags += ["no-privacy-guarantee", "dp-sgd"]
-    else:
-        tags += ["differential-privacy", "dp-sgd"]
-        tags.append("user-level-dp" if unit == "user" else "example-level-dp")
-        if entry.sampling is not None:
-            tags.append(f"dp-{entry.sampling}")
-
-    eval_results = None
-    if eval_result is not None:
-        eval_results = [
-            EvalResult(
-                task_type=task,
-                dataset_type=dataset_name or "private-user-data",
-                dataset_name=dataset_name or "private user data",
-                metric_type=metric_name,
-                metric_value=_plain(eval_result, "eval_result"),
-            )
-        ]
     figures = dict(zip(EVAL_KEYS, (eval_result, baseline_result, non_private_result, metric_name)))
     comparison = {k: _plain(figures[k], k) for k in ("metric_name", *EVAL_KEYS[:3]) if figures[k] is not None}
     card_data = ModelCardData(
@@ -450,28 +519,12 @@ def render_privacy_card(
         datasets=[dataset_name] if dataset_name else None,
         library_name=library_name,
         pipeline_tag=task,
-        tags=tags,
-        eval_results=eval_results,
+        tags=_tags(privacy, entry),
+        eval_results=_eval_results(task, dataset_name, metric_name, eval_result),
         model_name=model_name,
         privacy=privacy,
         dp_evaluation=comparison if len(comparison) > 1 else None,
     )
-
-    unit_plural = entry.sampled_unit if entry is not None else "examples"
-    population_size = privacy.get("num_users" if unit_plural == "users" else "num_examples")
-    expected = privacy.get("expected_batch_size")  # public: the argument, not q × a count of the data
-    if expected is None and population_size is not None and privacy.get("sample_rate") is not None:
-        expected = privacy["sample_rate"] * population_size
-    bound = privacy.get("contribution_bound")
-    if bound is not None and privacy.get("redraw_rows"):
-        contribution_md = (f"all of their rows (a step that samples them trains on at most G = {bound} of them, "
-                           "drawn afresh each step)")
-    elif bound is not None:
-        contribution_md = (f"all of their rows, at most G = {bound} examples (rows beyond G were dropped before "
-                           "training)")
-    else:
-        contribution_md = "all of their rows, however many"
-
     label = "Fine-tuned without DP (this model)" if non_private else "DP fine-tuned (this model)"
     eval_rows = []
     if eval_result is not None:
@@ -489,64 +542,16 @@ def render_privacy_card(
         card_data=card_data.to_yaml(),
         model_name=model_name,
         non_private=non_private,
-        no_guarantee=no_guarantee,
         base_model_md=f"`{hub_id}`" if hub_id else "a local model" if base_model else "an unnamed base model",
         dataset_name=dataset_name,
         task=task,
-        privacy_unit=unit,
-        mechanism=None if entry is None else entry.key,
-        sampling=None if entry is None else entry.sampling,
-        mechanism_name="" if entry is None else entry.name,
-        mechanism_description="" if entry is None else (privacy.get("mechanism_description") or entry.description),
-        eps=_fmt_up(privacy.get("epsilon"), 2),
-        delta=_fmt_sig(privacy.get("delta"), 3, up=True),
-        delta_floating_point=privacy.get("delta_floating_point"),
-        delta_accountant_md=_fmt_sig(privacy.get("delta_accountant"), 3, up=True),
-        delta_floating_point_md=_fmt_sig(privacy.get("delta_floating_point"), 2, up=True),
-        noise_reach_md=_fmt(privacy.get("noise_reach"), ".2f"),
-        eps_lower=privacy.get("epsilon_lower"),
-        eps_estimate=privacy.get("epsilon_estimate"),
-        eps_lower_md=_fmt_down(privacy.get("epsilon_lower"), 3),
-        eps_estimate_md=_fmt_up(privacy.get("epsilon_estimate"), 3),
-        eps_upper_md=_fmt_up(privacy.get("epsilon"), 3),
-        target_epsilon=privacy.get("target_epsilon"),
-        target_epsilon_md=_fmt(privacy.get("target_epsilon"), "g"),
-        mechanism_step="" if entry is None else get_mechanism(entry.key).card_step,
-        mechanism_accounting=None if entry is None else get_mechanism(entry.key).card_accounting(
-            _fmt_up(privacy["epsilon_group_privacy"], 2) if privacy.get("epsilon_group_privacy") is not None
-            else None),
-        noise_multiplier=_fmt_sig(privacy.get("noise_multiplier"), 4, up=False),
-        logging_noise_multiplier=privacy.get("logging_noise_multiplier"),
-        logging_noise_multiplier_md=_fmt_sig(privacy.get("logging_noise_multiplier"), 4, up=False),
-        max_loss_md=_fmt(privacy.get("max_loss"), "g"),
-        effective_noise_multiplier=privacy.get("effective_noise_multiplier"),
-        effective_noise_multiplier_md=_fmt_sig(privacy.get("effective_noise_multiplier"), 4, up=False),
-        sample_rate=_fmt_sig(privacy.get("sample_rate"), 4, up=True),
-        expected_batch=_fmt(expected, ".1f") if expected is not None else "not reported",
-        unit_plural=unit_plural,
-        steps=_fmt(privacy.get("steps"), "d"),
-        max_grad_norm=_fmt(privacy.get("max_grad_norm"), ".4g"),
-        adaptive=bool(privacy.get("adaptive_clipping")),
-        final_max_grad_norm=_fmt(privacy.get("final_max_grad_norm"), ".4g"),
-        target_unclipped_quantile=_fmt(privacy.get("target_unclipped_quantile"), "g"),
-        clipping_learning_rate=_fmt(privacy.get("clipping_learning_rate"), "g"),
-        clipping_count_noise=_fmt_sig(privacy.get("clipping_count_noise"), 4, up=False),
-        unit_singular=unit_plural[:-1],
-        contribution_bound=_fmt(bound, "d") if bound is not None else "none (all rows kept)",
-        contribution_md=contribution_md,
-        num_users=_fmt(round_count(privacy.get("num_users")), ","),
-        num_examples=_fmt(round_count(privacy.get("num_examples")), ","),
-        noise_seed=privacy.get("noise_seed") or "not reported",
-        noise_seed_md=(privacy.get("noise_seed") or "not reported")
-        + (" — known, not a secret: NO privacy guarantee" if no_guarantee else ""),
-        noise_source=privacy.get("noise_source") or "not reported",
-        accountant=privacy.get("accountant") or "not reported",
         metric_name=metric_name,
         eval_rows=eval_rows,
         eval_result=eval_result,
         baseline_result=baseline_result,
         covered=[] if non_private else _covered(privacy),
         not_covered=[] if non_private else _not_covered(privacy, [*extra_not_covered, *_audit_item(audit_section)]),
+        **_privacy_figures(privacy, entry),
     )
     if audit_section:
         content = content.rstrip("\n") + "\n\n" + audit_section.strip() + "\n"

@@ -1,7 +1,7 @@
 """What a privacy card may claim: exactly the card hf_dp renders from the run's verified ledger, and nothing else.
 
-`hf-dp publish` ([`hf_dp.hub.check_privacy_card`]) reads every privacy figure from the ledger saved beside the card
-(`dp_ledger.json`), never from the card:
+`hf-dp publish` ([`hf_dp.publish_check.check_privacy_card`]) reads every privacy figure from the ledger saved
+beside the card (`dp_ledger.json`), never from the card:
 
 1. [`expected_report`]: the ledger written by [`~hf_dp.DPTrainer.privacy_ledger`] holds the accountant's state and,
    under `report`, the run's own privacy report less what the accountant computes (σ, C, G, q, the target ε, the

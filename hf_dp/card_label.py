@@ -29,7 +29,7 @@ def label_no_guarantee(readme: str | os.PathLike) -> str:
     """
     from huggingface_hub import ModelCard
 
-    from .hub import PrivacyCardError
+    from .publish_check import PrivacyCardError
 
     path = Path(readme)
     try:

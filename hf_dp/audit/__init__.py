@@ -15,7 +15,8 @@ training loop into the same report. White-box scores: `gradient_alignment_scores
 
 from hf_dp.audit.canaries import Canaries, insert, is_canary_user, make_canaries, rare_words, remove_canaries
 from hf_dp.audit.estimator import AuditResult, default_guess_grid, epsilon_lower_bound, fdp_epsilon_lower_bound
-from hf_dp.audit.run import AuditReport, audit_report, audit_training
+from hf_dp.audit.report import AuditReport
+from hf_dp.audit.run import audit_report, audit_training
 from hf_dp.audit.scoring import gradient_alignment_scores, loss_scores, per_row_losses, trained_loss_scores
 
 __all__ = [

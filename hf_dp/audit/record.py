@@ -125,7 +125,8 @@ def check_audit_record(record: Mapping[str, Any]):
     Raises:
         ValueError: one line naming the figure that does not follow.
     """
-    from hf_dp.audit.run import AuditReport, audit_guesses
+    from hf_dp.audit.report import AuditReport
+    from hf_dp.audit.run import audit_guesses
 
     flag = record.get("audited_model")
     if not isinstance(flag, bool):

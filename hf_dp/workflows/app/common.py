@@ -1,5 +1,7 @@
-"""What every tab shares: the error the page shows as one line and mechanism labels (numbers are written by
-[`hf_dp.formatting.format_number`], as in the card and the plan table)."""
+"""What every tab shares: the one-line error the page shows and the mechanisms' labels.
+
+Numbers are written by [`hf_dp.formatting.format_number`], as in the card and the plan table.
+"""
 
 from __future__ import annotations
 
