@@ -337,6 +337,15 @@ class DPTrainingArguments(TrainingArguments):
         Raises:
             ValueError: one line naming the field and what to change (one line per field when several are wrong).
         """
+        problems = [*self._noise_and_budget_problems(), *self._clipping_and_logging_problems(),
+                    *self._trainer_field_problems()]
+        self._contribution_problems(problems)
+        if problems:
+            raise ValueError(_message(problems))
+        self.expected_batch_size = int(self.expected_batch_size)
+
+    def _noise_and_budget_problems(self) -> list[str]:
+        """What is wrong with the unit, the budget (ε, δ), σ and C, and the precision they run in."""
         problems = []
         if self.fp16:
             problems.append(_FP16)
@@ -374,6 +383,11 @@ class DPTrainingArguments(TrainingArguments):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: use True or False (a string such as 'no' would be "
                                 "read as True).")
+        return problems
+
+    def _clipping_and_logging_problems(self) -> list[str]:
+        """What is wrong with adaptive clipping, the noise seed and the private logs."""
+        problems = []
         quantile = self.target_unclipped_quantile
         if not (isinstance(quantile, numbers.Real) and not isinstance(quantile, bool) and 0 < quantile < 1):
             problems.append(f"target_unclipped_quantile={quantile!r}: must lie strictly between 0 and 1 (0.5 clips "
@@ -403,6 +417,11 @@ class DPTrainingArguments(TrainingArguments):
                 and self.noise_multiplier > MAX_MAGNITUDE:
             problems.append(f"noise_multiplier={self.noise_multiplier:g}: above {MAX_MAGNITUDE:g} the update is all "
                             "noise; typical values are 0.3 to 5.")
+        return problems
+
+    def _trainer_field_problems(self) -> list[str]:
+        """What is wrong with the Trainer fields DP training constrains (batches, steps, accumulation, sharding)."""
+        problems = []
         micro_batch = self.per_device_train_batch_size
         if micro_batch is not None and not (_is_integer(micro_batch) and micro_batch >= 1):
             problems.append(f"per_device_train_batch_size={micro_batch!r}: set an integer >= 1, the most rows of one "
@@ -436,6 +455,10 @@ class DPTrainingArguments(TrainingArguments):
                 "folders, whose resume state (dp_resume.json) holds the secret that drew G and each user's rows; "
                 "use hub_strategy='every_save' or 'end' (the model and the privacy card only)."
             )
+        return problems
+
+    def _contribution_problems(self, problems: list[str]) -> None:
+        """Add what is wrong with the contribution bound G and its draw to `problems`; normalise G."""
         mechanism = _mechanism_or_none(self.privacy_unit, self.sampling)
         if mechanism is not None and mechanism.requires_contribution_bound and self.contribution_bound is None:
             problems.append(f"contribution_bound=None with sampling={self.sampling!r}: {mechanism.name} "
@@ -465,9 +488,6 @@ class DPTrainingArguments(TrainingArguments):
                 and _positive_finite(self.target_epsilon) and self.contribution_bound_epsilon >= self.target_epsilon:
             problems.append(f"contribution_bound_epsilon={self.contribution_bound_epsilon} leaves nothing of "
                             f"target_epsilon={self.target_epsilon} for training: lower it or set contribution_bound.")
-        if problems:
-            raise ValueError(_message(problems))
-        self.expected_batch_size = int(self.expected_batch_size)
 
     @property
     def mechanism(self) -> str:
