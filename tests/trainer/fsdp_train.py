@@ -79,6 +79,8 @@ class SignalAt(TrainerCallback):
         self.step, self.kind = step, kind
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.kind == "jit" and state.global_step > self.step:
+            time.sleep(0.5)  # a preempted machine's later steps: slower than transformers' 3 s wait to save
         if state.global_step != self.step:
             return
         if self.kind == "jit":

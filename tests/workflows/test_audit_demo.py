@@ -62,7 +62,7 @@ def _aggregate(step_grad_of_zero=True):
 
     param = torch.nn.Parameter(torch.zeros(1000))
     fake = SimpleNamespace(settings=SimpleNamespace(distributed=False, secure_noise=False),
-                           plan=SimpleNamespace(noise_multiplier=1.0, expected_batch_size=4), seed=7)
+                           _noise_multiplier=1.0, _expected_batch_size=4, seed=7)  # read from the plan once
     DPStep.aggregate(fake, [param], ["w"], None, max_grad_norm=1.0, step=0)
     return param.grad
 
