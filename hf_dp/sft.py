@@ -1,7 +1,8 @@
 """DPSFTTrainer: TRL's `SFTTrainer` with user-level DP, on chat data where one person writes many conversations.
 
-TRL prepares the data as it always does (chat template, `assistant_only_loss` / `completion_only_loss` masks,
-truncation), keeping the user column; the DP mixin then partitions the prepared rows by user and runs the DP step.
+TRL prepares the data as it always does (chat template, `assistant_only_loss` / `completion_only_loss` masks),
+keeping the user column, and a row longer than `max_length` keeps its reply (`hf_dp.sft_truncation`); the DP mixin
+then partitions the prepared rows by user and runs the DP step.
 What SFTTrainer does that DP training cannot keep is refused in one line (`DPSFTConfig`), or replaced:
 
 - the loss: SFTTrainer's `compute_loss` (a fused LM head over the batch) is never called in training; each
@@ -32,6 +33,7 @@ from .card import SFT_METRICS_ITEM
 from .checkpoint import read_checkpoint
 from .data import bound_rows, check_user_column
 from .mechanisms import get_mechanism
+from .sft_truncation import KEEP_REPLY, TRUNCATION_MODES, ReplyKeepingMixin
 from .trainer import DPTrainerMixin
 from .user_column import table_column
 
@@ -82,6 +84,12 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
         default=None,
         metadata={"help": "Most rows of one physical pass (memory). Unset: sized from the tail of the Poisson batch."},
     )
+    truncation_mode: str = field(
+        default=KEEP_REPLY,
+        metadata={"help": "How a row longer than max_length is cut: 'keep_reply' (default: the start of its context "
+                          "goes, its labelled reply stays), or TRL's 'keep_start' (the end goes: a long prompt can "
+                          "leave no reply, and the row is dropped).", "choices": list(TRUNCATION_MODES)},
+    )
     if ACTIVATION_CHECKPOINTING:  # SFTConfig's default (on) goes to the new name, so no deprecation warning is shown
         gradient_checkpointing: bool | None = field(
             default=None, metadata={"help": "Deprecated alias of --activation_checkpointing (on by default here).",
@@ -102,6 +110,9 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
                              "next one to learn from, and a shorter cut leaves every loss 0 (noise alone, ε spent); "
                              "use "
                              "a whole number >= 2 (e.g. 1024), or None for no truncation.")
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"Invalid DPSFTConfig: truncation_mode={self.truncation_mode!r}: use one of "
+                             f"{', '.join(map(repr, TRUNCATION_MODES))} ('keep_reply' keeps each row's reply).")
         super().__post_init__()
         problems = []
         if self.padding_free and self.max_length is not None:
@@ -128,7 +139,7 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
                              "Invalid DPSFTConfig:\n  - " + "\n  - ".join(problems))
 
 
-class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
+class DPSFTTrainer(DPTrainerMixin, ReplyKeepingMixin, SFTTrainer):
     r"""
     TRL's [`trl.SFTTrainer`] with user-level (or example-level) DP-SGD: `DPTrainerMixin` on `SFTTrainer`.
 
@@ -213,11 +224,12 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                              f"labelled token once truncated to max_length={args.max_length} "
                              f"(truncation_mode={args.truncation_mode!r}), which cut every reply away; "
                              "raise max_length "
-                             "(e.g. 1024, or None for no truncation), or check completion_only_loss and "
-                             "assistant_only_loss.")
+                             "(e.g. 1024, or None for no truncation), use truncation_mode='keep_reply', or check "
+                             "completion_only_loss and assistant_only_loss.")
         if given and prepared < given:
-            logger.warning("SFTTrainer dropped %d of the %d training rows: no labelled token was left once truncated "
-                           "to max_length=%s (raise it to keep them).", given - prepared, given, args.max_length)
+            logger.warning("SFTTrainer dropped %d of the %d training rows: no labelled token was left to learn once "
+                           "truncated to max_length=%s (truncation_mode=%r; 'keep_reply' or a larger max_length "
+                           "keeps them).", given - prepared, given, args.max_length, args.truncation_mode)
         if args.user_id_column not in self._user_dataset.column_names:
             raise ValueError(f"SFTTrainer's dataset preparation dropped the user column {args.user_id_column!r} "
                              f"(columns left: {self._user_dataset.column_names}): with skip_prepare_dataset, keep it "

@@ -232,8 +232,9 @@ def test_lengths_that_leave_nothing_to_learn_are_refused(tmp_path, overrides, wo
 
 
 def test_a_length_that_cuts_every_reply_names_max_length_not_the_user_column(tmp_path):
+    """TRL's keep_start cut (keep_reply keeps every reply: tests/test_sft_truncation.py)."""
     with pytest.raises(ValueError, match="left none of the .* training rows: .* max_length=3") as error:
-        trainer(tmp_path, max_length=3)
+        trainer(tmp_path, max_length=3, truncation_mode="keep_start")
     assert "user_id" not in str(error.value)
 
 

@@ -14,8 +14,8 @@ LoRA optional) or plain TRL `SFTTrainer` (non-private):
    `{% generation %}` marks are needed in the chat template (SmolLM2's has none).
 3. [`tokenize_prompt_completion`]: the test rows tokenized as SFTTrainer tokenizes training rows (the chat
    template, the prompt with its generation prompt, truncation to `max_length`), labels -100 on the prompt. A row
-   whose prompt fills `max_length` keeps no completion token and is dropped, here and by SFTTrainer (whose privacy
-   report then counts fewer users than `num_train_users`, the users given to it).
+   longer than `max_length` loses the start of its prompt and keeps its reply, here and in training
+   (`truncation_mode="keep_reply"`, [`hf_dp.sft_truncation`]): no row is lost to truncation.
 4. **Completion perplexity** ([`METRIC_NAME`]): exp of the mean next-token cross-entropy over the completion tokens
    of the test rows only (the reply and the template's end-of-turn tokens; never the prompt). Lower is better. The
    **public-only baseline** is the same figure for the untouched chat model.
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Sequence
 
+from hf_dp.sft_truncation import KEEP_REPLY, ReplyKeepingMixin, reply_window
 from hf_dp.workflows.run_data import (
     check_disjoint_users,
     load_splits,
@@ -91,7 +92,8 @@ class ChatSFTConfig(RunConfig):
         text_column (`str`, *optional*, defaults to `"messages"`): the column with the conversations (TRL's
             conversational format); unused for `dataset="shakespeare"`.
         max_length (`int`, *optional*, defaults to `256`): tokens per conversation, chat template included
-            (longer: truncated at the end, as SFTTrainer does), train and test.
+            (a longer row loses the start of its prompt and keeps its reply: `truncation_mode="keep_reply"`), train
+            and test.
         model_name_or_path (`str`): the chat model (local path or Hub id). Required unless a model object is passed
             to [`run_chat_sft`], in which case it only names the base model in the card.
         tokenizer_name_or_path (`str`, *optional*): defaults to `model_name_or_path`; it needs a chat template.
@@ -130,7 +132,7 @@ class ChatSFTConfig(RunConfig):
         is given."""
         from transformers.utils import is_torch_bf16_gpu_available
 
-        defaults = {"max_length": self.max_length}
+        defaults = {"max_length": self.max_length, "truncation_mode": KEEP_REPLY}
         if not {"bf16", "fp16"} & set(fields):
             gpu = not fields.get("use_cpu") and is_torch_bf16_gpu_available()
             defaults["bf16"] = gpu
@@ -233,13 +235,14 @@ def to_prompt_completion(dataset, *, messages_column: str = "messages", keep_col
 
 
 def tokenize_prompt_completion(dataset, tokenizer, *, max_length: int | None = 256,
-                               truncation_mode: str = "keep_start", keep_columns: Sequence[str] = ()):
+                               truncation_mode: str = KEEP_REPLY, keep_columns: Sequence[str] = ()):
     """`input_ids` and `labels` of prompt/completion rows, as SFTTrainer prepares them.
 
     `input_ids` is the chat template applied to prompt + completion; the completion starts where it and the prompt
     rendered with its generation prompt diverge (their common prefix, as TRL does); `labels` are -100 on the prompt.
-    Rows are truncated to `max_length` (`truncation_mode` as SFTConfig's), and rows left with no completion token
-    dropped. Every other column but `keep_columns` (e.g. the user column) is dropped.
+    Rows are truncated to `max_length` (`truncation_mode` as DPSFTConfig's: by default a long row loses the start
+    of its prompt and keeps its reply), and rows left with no completion token dropped. Every other column but
+    `keep_columns` (e.g. the user column) is dropped.
     """
     def encode(row):
         prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
@@ -251,7 +254,8 @@ def tokenize_prompt_completion(dataset, tokenizer, *, max_length: int | None = 2
             start += 1
         labels = [-100] * start + ids[start:]
         if max_length is not None:
-            cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            cut = {"keep_start": slice(None, max_length), "keep_end": slice(-max_length, None)}.get(
+                truncation_mode) or reply_window(labels, max_length)
             ids, labels = ids[cut], labels[cut]
         return {"input_ids": ids, "labels": labels}
 
@@ -436,7 +440,8 @@ def _sft_trainer(model, training_args, train, tokenizer, card: dict, *, peft_con
 
 @functools.cache
 def model_loss_sft_trainer() -> type:
-    """`ModelLossSFTTrainer`: TRL's `SFTTrainer` (its data preparation, collator and loss masks) whose loss is the
+    """`ModelLossSFTTrainer`: TRL's `SFTTrainer` (its data preparation, collator and loss masks, with
+    `truncation_mode="keep_reply"` as DPSFTTrainer's) whose loss is the
     model's own, as `transformers.Trainer` computes it: the mean cross-entropy over the completion tokens, TRL's
     `"nll"` loss, from the logits the DP runs compute too. TRL's default path runs the LM head fused with its
     log-softmax and entropy metrics in chunks, which on a CPU made a non-private step 1.2x a DP step; its
@@ -445,7 +450,7 @@ def model_loss_sft_trainer() -> type:
 
     from hf_dp.sft import SFTTrainer
 
-    class ModelLossSFTTrainer(SFTTrainer):
+    class ModelLossSFTTrainer(ReplyKeepingMixin, SFTTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             inputs["use_cache"] = False
             return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
