@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
 
+from .formatting import format_epsilon
+
 
 class PrivacyProgress(TrainerCallback):
     """Shows ε spent and σ on Trainer's progress bar (never the sampled batch size: it is data-dependent)."""
@@ -22,7 +24,7 @@ class PrivacyProgress(TrainerCallback):
         every = max(1, plan.steps // 50)  # ε is computed every 2 % of the run, not every step
         if state.global_step % every == 0 or state.global_step == plan.steps:
             self.epsilon = trainer.current_epsilon()
-        bar.set_postfix(eps=f"{self.epsilon:.3g}", sigma=f"{plan.noise_multiplier:.3g}", refresh=False)
+        bar.set_postfix(eps=format_epsilon(self.epsilon), sigma=f"{plan.noise_multiplier:.3g}", refresh=False)
 
 
 class AgreedJITCheckpoint(TrainerCallback):

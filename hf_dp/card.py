@@ -451,6 +451,7 @@ def render_privacy_card(
     extra_not_covered: Iterable[str] = (),
     library_name: str = "transformers",
     audit_section: str | None = None,
+    base_quantization: str | None = None,
 ) -> ModelCard:
     """Render the privacy model card of a training run.
 
@@ -485,6 +486,8 @@ def render_privacy_card(
             of "What the guarantee covers".
         library_name (`str`, *optional*, defaults to `"transformers"`): the Hub library
             that loads the weights (`"peft"` for a LoRA adapter).
+        base_quantization (`str`, *optional*): how the frozen base was quantized for training (QLoRA, e.g.
+            `"4-bit NF4 (bitsandbytes)"`): the card says so and how to load the adapter onto such a base.
 
     Returns:
         [`~huggingface_hub.ModelCard`]; `card.save(path)` or [`write_privacy_card`] writes it.
@@ -545,6 +548,8 @@ def render_privacy_card(
         base_model_md=f"`{hub_id}`" if hub_id else "a local model" if base_model else "an unnamed base model",
         dataset_name=dataset_name,
         task=task,
+        base_quantization=base_quantization,
+        base_id=hub_id or "path/to/the/base-model",
         metric_name=metric_name,
         eval_rows=eval_rows,
         eval_result=eval_result,

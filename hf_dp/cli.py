@@ -319,7 +319,7 @@ def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
 
 def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source: str) -> str:
     """The plan as an aligned text table with a header and notes (column names: the planner's keys)."""
-    from .formatting import format_number
+    from .formatting import format_epsilon, format_number
 
     def _fmt(value, spec: str) -> str:
         return format_number(value, spec, missing="-")
@@ -344,7 +344,7 @@ def format_plan(rows: list[dict], *, users: int, examples_per_user: int, source:
                  f"{_fmt(row['delta'], '.2g')} + {_fmt(row['sampler_delta'], '.1g')}",
                  _fmt(row["noise_multiplier"], ".4g"), _fmt(row["noise_std"], ".3g")]
         if sigma_fixed is not None:
-            cells.append(_fmt(row["epsilon_at_fixed_noise"], ".4g"))
+            cells.append(format_epsilon(row["epsilon_at_fixed_noise"], missing="-"))
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for i, cells in enumerate(table):

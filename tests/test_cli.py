@@ -10,6 +10,7 @@ import pytest
 
 from hf_dp import cli
 from hf_dp import planner
+from hf_dp.formatting import format_epsilon
 from hf_dp.vocabulary import MECHANISMS
 
 BASE = ["plan", "--examples_per_step", "30", "--steps", "60", "--target_epsilon", "5"]
@@ -27,7 +28,7 @@ def test_plan_prints_the_three_mechanisms(capsys):
     for row in rows:
         line = next(line for line in lines if line.startswith(MECHANISMS[row["mechanism"]].label))
         assert f"{row['noise_multiplier']:.4g}" in line
-        assert f"{row['epsilon_at_fixed_noise']:.4g}" in line
+        assert f" {format_epsilon(row['epsilon_at_fixed_noise'])}" in line  # rounded up, as every ε shown
         assert f"{row['sample_rate']:.4g}" in line
         assert f"{row['expected_batch_size']:.4g} {row['sampled_unit']}" in line  # the batch with its unit
     assert "not protected as a whole" in out

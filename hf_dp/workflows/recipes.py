@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, ClassVar
 
+from hf_dp.formatting import format_epsilon, format_significant
 from hf_dp.parser import ArgumentParser, check_numbers, run_command
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.runs import RunConfig, finish_processes, plain_training_arguments
@@ -117,7 +118,8 @@ def run_recipe(parser: ArgumentParser, main: Callable, argv=None) -> int:
 
 def summary_line(result: dict, metric_label: str, output_dir: str) -> str:
     """One line a recipe prints at the end: run, mechanism, ε, metric beside the public-only baseline."""
-    epsilon = "no DP" if result["epsilon"] is None else f"ε = {result['epsilon']:.3g}, δ = {result['delta']:.3g}"
+    epsilon = ("no DP" if result["epsilon"] is None else
+               f"ε = {format_epsilon(result['epsilon'])}, δ = {format_significant(result['delta'], 3, up=True)}")
     return (f"{result['run']} ({MECHANISMS[result['mechanism']].label}, {epsilon}): {metric_label} "
             f"{result['eval_result']:.4g}; public-only baseline {result['baseline_result']:.4g}. Model and card: "
             f"{output_dir}")

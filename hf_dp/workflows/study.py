@@ -72,6 +72,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_dp.formatting import format_epsilon
 from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
 from hf_dp.vocabulary import MECHANISMS, lower_is_better
 from hf_dp.workflows.run_results import load_result
@@ -297,7 +298,7 @@ def _result_line(result: dict) -> str:
                 f"{math.log(result['baseline_result']):.4f})")
     else:
         text = f"accuracy {result['eval_result']:.4f} (baseline {result['baseline_result']:.4f})"
-    return text + (f", ε = {result['epsilon']:.3g}" if result.get("privacy") else "")
+    return text + (f", ε = {format_epsilon(result['epsilon'])}" if result.get("privacy") else "")
 
 
 def _row(result: dict, results: dict) -> dict:
@@ -411,7 +412,18 @@ def run(args: StudyArguments) -> int:
         print(_format_headline(summary["headline"]))
     print(f"Results: {args.results_dir}/summary.json, plot: {args.results_dir}/privacy_utility.png "
           f"({summary['seconds_this_invocation'] / 60:.1f} min)")
+    print(app_command(args.results_dir))
     return 0
+
+
+def app_command(results_dir: str) -> str:
+    """The line that opens these results in the app (with the install first where gradio is missing)."""
+    import importlib.util
+    import shlex
+
+    serve = f"hf-dp app --results_dir {shlex.quote(str(results_dir))}"
+    install = "" if importlib.util.find_spec("gradio") else "pip install 'hf_dp[app]' && "
+    return f"Explore them in the app: {install}{serve}   (then open http://127.0.0.1:7860)"
 
 
 def _format_table(rows: list[dict]) -> str:
@@ -420,7 +432,7 @@ def _format_table(rows: list[dict]) -> str:
     lines = [f"{'run':<22} {'mechanism':<12} {'ε spent':>8} {metric} {'C (end)':>8} {'gap closed':>10} "
              f"{'train s':>8}"]
     for row in rows:
-        eps = "-" if row["epsilon"] is None else f"{row['epsilon']:.3g}"
+        eps = format_epsilon(row["epsilon"], missing="-")
         value = f"{row['eval_nll']:>9.4f} {row['eval_result']:>10.1f}" if nll else f"{row['eval_result']:>9.4f}"
         norm = "-" if row.get("max_grad_norm") is None else f"{row['max_grad_norm']:.3g}"
         gap = "-" if row.get("gap_closed") is None else f"{100 * row['gap_closed']:.0f} %"

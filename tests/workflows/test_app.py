@@ -228,7 +228,7 @@ def test_compare_chat_run_shows_baseline_dp_and_non_private(chat_results):
     assert CHAT_SYSTEM_PROMPT in out["decoding"]  # the runs' system prompt goes first, as in training
     baseline, dp, non_private = out["columns"]
     assert "no private data" in baseline["heading"] and "completion perplexity 40.000" in baseline["heading"]
-    assert MECHANISMS["uls"].label in dp["heading"] and "ε = 7.9, δ = 1e-05 (user-level)" in dp["heading"]
+    assert MECHANISMS["uls"].label in dp["heading"] and "ε = 7.90, δ = 1e-05 (user-level)" in dp["heading"]
     assert "completion perplexity 31.000 (lower is better)" in dp["heading"]
     assert "no privacy guarantee" in non_private["heading"] and "25.000" in non_private["heading"]
     assert all(column["text"] for column in out["columns"])
@@ -402,7 +402,7 @@ def test_training_job_reports_progress_and_epsilon():
     state = job.poll()
     assert state["status"] == "done" and state["step"] == 4 and state["epsilon"] == pytest.approx(2.0)
     html = app.progress_html(state)
-    assert "step 4/4" in html and "ε spent 2 of 8" in html
+    assert "step 4/4" in html and "ε spent 2.00 of 8" in html
     status = training.job_status_markdown(state)
     assert "fake" in status and "accuracy 0.600" in status and "baseline 0.400" in status
 
@@ -887,7 +887,7 @@ def test_errors_name_the_forms_fields():
     assert "“expected_batch_size (examples per step)”" in training.form_error("--expected_batch_size", "els")
 
 
-def chat_prepared(tmp_path, batch: int, **config_fields) -> training.PreparedRun:
+def chat_prepared(tmp_path, batch: int, truncation_mode: str = "keep_reply", **config_fields) -> training.PreparedRun:
     """A Train-tab chat run over a tiny chat model (no SmolLM2), 16 tokens per conversation."""
     from hf_dp.workflows.tasks.chat_sft import ChatSFTConfig
 
@@ -901,7 +901,7 @@ def chat_prepared(tmp_path, batch: int, **config_fields) -> training.PreparedRun
     config = ChatSFTConfig(run="t", results_dir=str(tmp_path / app.APP_RUNS_DIR), model_name_or_path=str(model_dir),
                            max_length=16, progress=False, **config_fields)
     arguments = config.training_arguments("uls", target_epsilon=8.0, expected_batch_size=batch, max_steps=2,
-                                          contribution_bound=1, use_cpu=True)
+                                          contribution_bound=1, use_cpu=True, truncation_mode=truncation_mode)
     return training.PreparedRun(settings, config, arguments)
 
 
@@ -920,14 +920,16 @@ def chat_data():
 
 
 def test_the_plan_is_checked_on_the_rows_the_trainer_will_see(tmp_path):
-    """Chat: the conversations SFTTrainer would drop are dropped before the plan, so a batch of 8 of the 6 roles
-    left is refused before any model loads, in the form's words; 4 of 6 is planned."""
+    """Chat: with TRL's keep_start cut, the conversations SFTTrainer would drop are dropped before the plan, so a
+    batch of 8 of the 6 roles left is refused before any model loads, in the form's words; 4 of 6 is planned. The
+    default keep_reply cut keeps every reply: all 10 roles are planned."""
+    assert training.check_plan(chat_prepared(tmp_path, 8), chat_data()).num_units == 10
     with pytest.raises(app.AppError) as refused:
-        training.check_plan(chat_prepared(tmp_path, 8), chat_data())
+        training.check_plan(chat_prepared(tmp_path, 8, "keep_start"), chat_data())
     message = str(refused.value)
     assert "“expected_batch_size (users per step)” = 8 exceeds the 6 users available" in message, message
     assert "--" not in message
-    plan = training.check_plan(chat_prepared(tmp_path, 4), chat_data())
+    plan = training.check_plan(chat_prepared(tmp_path, 4, "keep_start"), chat_data())
     assert plan.num_units == 6 and plan.sample_rate == pytest.approx(4 / 6) and plan.steps == 2
     non_private = dataclasses_replace(chat_prepared(tmp_path, 4), mechanism="non-private")
     assert training.check_plan(non_private, chat_data()) is None

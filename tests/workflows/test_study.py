@@ -196,6 +196,9 @@ def test_quick_demo_writes_results_summary_and_plot(tmp_path):
     png = (tmp_path / "privacy_utility.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "uls-eps8-adaptive" in completed.stdout  # the table is printed
+    # its last line opens these results in the app, a command that runs as printed
+    assert completed.stdout.strip().splitlines()[-1] == (f"Explore them in the app: hf-dp app --results_dir "
+                                                         f"{tmp_path}   (then open http://127.0.0.1:7860)")
 
 
 def test_example_sampling_runs_match_uls_compute():
@@ -564,3 +567,13 @@ def test_quick_sft_demo_on_smollm2(tmp_path):
     assert uls["privacy"]["adaptive_clipping"] is True and 0 < uls["epsilon"] <= 8.0
     assert (tmp_path / uls["model_dir"] / "README.md").is_file()
     assert "uls-eps8-adaptive" in completed.stdout and "gap closed" in completed.stdout
+
+
+def test_the_app_line_names_the_install_only_where_gradio_is_missing(monkeypatch):
+    import importlib.util
+
+    from hf_dp.workflows.study import app_command
+
+    assert app_command("my results").startswith("Explore them in the app: hf-dp app --results_dir 'my results'")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "pip install 'hf_dp[app]' && hf-dp app --results_dir results " in app_command("results")

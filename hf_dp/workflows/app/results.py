@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from hf_dp.formatting import format_number
+from hf_dp.formatting import format_epsilon, format_number, format_significant
 from hf_dp.vocabulary import DP_MECHANISMS
 
 from .common import AppError, error_md, mechanism_label
@@ -95,8 +95,8 @@ class RunRecord:
         if self.is_baseline:
             return "no private data"
         unit = (self.result.get("privacy") or {}).get("privacy_unit", "?")
-        return (f"ε = {format_number(self.result.get('epsilon'), '.3g')}, "
-                f"δ = {format_number(self.result.get('delta'), '.2g')} ({unit}-level)")
+        return (f"ε = {format_epsilon(self.result.get('epsilon'))}, "
+                f"δ = {format_significant(self.result.get('delta'), 2, up=True)} ({unit}-level)")
 
     def label(self) -> str:
         """The run as the dropdowns list it: name, mechanism, ε, result."""
@@ -105,7 +105,7 @@ class RunRecord:
         elif self.is_baseline:
             eps_text = "no private data"
         else:
-            eps_text = f"ε = {format_number(self.result.get('epsilon'), '.3g')}"
+            eps_text = f"ε = {format_epsilon(self.result.get('epsilon'))}"
         return (f"{self.name} — {mechanism_label(self.mechanism)}, {eps_text}, "
                 f"{self.metric_name} {format_number(self.result.get('eval_result'), '.3f')}")
 
@@ -193,7 +193,7 @@ def results_overview_markdown(results_dir) -> str:
     lines = ["| run | mechanism | ε | δ | eval_result | baseline_result |", "|---|---|---|---|---|---|"]
     for run in runs:
         r = run.result
-        eps = "∞" if run.mechanism == NON_PRIVATE else format_number(r.get("epsilon"), ".3g")
-        lines.append(f"| {run.name} | {mechanism_label(run.mechanism)} | {eps} | {format_number(r.get('delta'), '.2g')} | "
+        eps = "∞" if run.mechanism == NON_PRIVATE else format_epsilon(r.get("epsilon"))
+        lines.append(f"| {run.name} | {mechanism_label(run.mechanism)} | {eps} | {format_significant(r.get('delta'), 2, up=True)} | "
                      f"{run.metric_name} {format_number(r.get('eval_result'), '.3f')} | {format_number(r.get('baseline_result'), '.3f')} |")
     return "\n".join(lines)

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from hf_dp.formatting import format_number
+from hf_dp.formatting import format_epsilon, format_number, format_significant
 from hf_dp.parser import check_numbers
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, lower_is_better
 
@@ -406,7 +406,8 @@ def progress_html(state: Mapping) -> str:
     if state.get("mechanism") in MECHANISMS and not MECHANISMS[state["mechanism"]].is_private:
         eps_text = f"no privacy guarantee ({state['mechanism']})"
     else:
-        eps_text = f"ε spent {eps:.3g}" + (f" of {target:g}" if target else "") if eps is not None else "ε spent 0"
+        spent = format_epsilon(eps) if eps is not None else "0"
+        eps_text = f"ε spent {spent}" + (f" of {target:g}" if target and eps is not None else "")
     noised = "noised " if state.get("mechanism") in DP_MECHANISMS else ""
     loss = f", {noised}loss {state['loss']:.3f}" if state.get("loss") is not None else ""
     elapsed = time.time() - state.get("started", time.time())
@@ -434,7 +435,7 @@ def job_status_markdown(state: Mapping) -> str:
                 else "its model, tokenizer, privacy card and ledger")
         eps = result.get("epsilon")
         eps_text = ("no guarantee (non-private)" if eps is None
-                    else f"ε = {eps:.3g}, δ = {format_number(result.get('delta'), '.2g')}")
+                    else f"ε = {format_epsilon(eps)}, δ = {format_significant(result.get('delta'), 2, up=True)}")
         better = "; lower is better" if lower_is_better(result.get("metric_name")) else ""
         return (f"**Finished `{result.get('run')}`**: {result.get('metric_name', 'metric')} "
                 f"{format_number(result.get('eval_result'), '.3f')} (public-only baseline "

@@ -102,6 +102,11 @@ class ChatSFTConfig(RunConfig):
             its own default system message: SmolLM2's adds a 20-token one).
         save_adapter_only (`bool`, *optional*, defaults to `False`): with LoRA, save only the adapter (a few
             hundred kilobytes; it loads onto `model_name_or_path`) instead of the merged model (the app's Train tab).
+        load_in_4bit (`bool`, *optional*, defaults to `False`): QLoRA: load the base in 4-bit NF4 (transformers'
+            `BitsAndBytesConfig`, double quantization, computing in bf16 when training in bf16, else float32),
+            frozen, and train LoRA adapters on it (`use_lora` required). The adapter alone is saved (a 4-bit base
+            cannot take the merge), with a card saying how the base was quantized and how to load it. The
+            public-only baseline is the quantized base's.
         bf16_on_cpu (`bool`, *optional*, defaults to `False`): with no GPU, train in bf16 mixed precision (autocast;
             float32 weights, gradients and noise) when the CPU has native bf16 matrix instructions
             ([`cpu_has_native_bf16`]): about 1.7x faster steps for SmolLM2 on the 2-core machine. Evaluation stays
@@ -113,12 +118,19 @@ class ChatSFTConfig(RunConfig):
     tokenizer_name_or_path: str | None = None
     system_prompt: str | None = None
     save_adapter_only: bool = False
+    load_in_4bit: bool = False
     bf16_on_cpu: bool = False
 
     DP_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 1e-3, "num_train_epochs": 2.0,
                                             "per_device_train_batch_size": 16}
     NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 2e-4, "num_train_epochs": 2.0,
                                                      "per_device_train_batch_size": 16}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.load_in_4bit and not self.use_lora:
+            raise ValueError("load_in_4bit=True freezes the base in 4-bit NF4, which cannot be trained itself: add "
+                             "--use_lora to train LoRA adapters on it (QLoRA).")
 
     def training_argument_classes(self) -> tuple[type, type]:
         """[`~hf_dp.sft.DPSFTConfig`] and TRL's `SFTConfig`."""
@@ -322,8 +334,9 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
     mechanism = mechanism_of_arguments(training_args)
     data = data if data is not None else load_chat_data(config)
     tokenizer = prepare_chat_tokenizer(tokenizer, config)
-    model, base_model = _chat_model(model, config)
-    model = model.to(training_args.device)  # the baseline on the device the run trains on
+    model, base_model = _chat_model(model, config, training_args)
+    if not config.load_in_4bit:
+        model = model.to(training_args.device)  # the baseline on the device the run trains on
     test = tokenize_prompt_completion(data.test, tokenizer, max_length=training_args.max_length,
                                       truncation_mode=training_args.truncation_mode)
     evaluate = dict(pad_token_id=tokenizer.pad_token_id, batch_size=config.eval_batch_size, progress=config.progress)
@@ -333,9 +346,11 @@ def run_chat_sft(config: ChatSFTConfig, training_args=None, *, model=None, token
         baseline_result = completion_perplexity(model, test, **evaluate)
     card = dict(dataset_name=data.dataset_name, metric_name=METRIC_NAME, baseline_result=baseline_result,
                 non_private_result=config.non_private_result, base_model=base_model, task="text-generation")
-    adapter_only = bool(config.save_adapter_only and config.use_lora)
+    adapter_only = bool((config.save_adapter_only or config.load_in_4bit) and config.use_lora)
     if adapter_only:
         card["library_name"] = "peft"
+    if config.load_in_4bit:
+        card["base_quantization"] = QUANTIZATION
     columns = ["prompt", "completion"] + ([config.user_id_column] if mechanism != "non-private" else [])
     set_seed(training_args.seed)  # LoRA starts from the run's seed, whatever ran before
     trainer = _sft_trainer(model, training_args, data.train.select_columns(columns), tokenizer, card,
@@ -386,15 +401,39 @@ def run_chat_baseline(config: ChatSFTConfig, *, model=None, tokenizer=None, data
     return result
 
 
-def _chat_model(model, config: ChatSFTConfig):
-    """(`model`, or `config.model_name_or_path` loaded when `model` is None; the base model's name for the card)."""
+def _chat_model(model, config: ChatSFTConfig, training_args=None):
+    """(`model`, or `config.model_name_or_path` loaded when `model` is None, in 4-bit NF4 with `load_in_4bit`; the
+    base model's name for the card)."""
     if model is None:
         from transformers import AutoModelForCausalLM
 
         if config.model_name_or_path is None:
             raise ValueError("Chat SFT runs need --model_name_or_path (a local path or a Hub id).")
-        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+        quantized = {}
+        if config.load_in_4bit:  # each process's copy on its own device (DDP: one GPU per rank)
+            device = getattr(training_args, "device", None)
+            quantized = {"quantization_config": nf4_config(training_args),
+                         **({"device_map": {"": device}} if device is not None else {})}
+        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path, **quantized)
     return model, config.model_name_or_path or getattr(model.config, "_name_or_path", None) or type(model).__name__
+
+
+QUANTIZATION = "4-bit NF4 (bitsandbytes, double quantization)"
+
+
+def nf4_config(training_args=None):
+    """transformers' `BitsAndBytesConfig` for QLoRA: NF4 with double quantization, computing in bf16 when the run
+    trains in bf16 (else float32)."""
+    import importlib.util
+
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("load_in_4bit needs bitsandbytes: pip install 'hf_dp[qlora]'.")
+    compute = torch.bfloat16 if getattr(training_args, "bf16", False) else torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)
 
 
 def prepare_chat_tokenizer(tokenizer, config: ChatSFTConfig):
