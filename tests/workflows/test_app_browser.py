@@ -140,6 +140,13 @@ def test_app_in_headless_chromium(server, page, tmp_path):
     assert "Measured accuracy at ε = 8" in page.locator("#budget-result").inner_text()
     assert "expected_batch_size" in page.locator("#budget-result").inner_text()
     assert MECHANISMS["els"].label in page.locator("#budget-table").inner_text()
+    # the Budget opens on the study's numbers, and its slider shows no log₂ ε box beside ε
+    from hf_dp.workflows.app.budget import study_budget_defaults
+
+    study = study_budget_defaults(results)
+    assert float(page.locator("#examples-per-user input").input_value()) == study["examples_per_user"]
+    assert not page.locator("#eps-log2 input[type=number]").is_visible()
+    assert "log₂" not in page.locator("#eps-log2").inner_text()
 
     page.locator("#eps-log2 input[type=range]").fill("0")  # slider to log₂ ε = 0, i.e. ε = 1
     sigma_1 = wait_for_sigma_change(page, sigma_8)
@@ -247,7 +254,8 @@ def test_train_a_chat_model_then_compare_its_generations(lm_server, page, tmp_pa
     page.locator("#train-batch input").press("Tab")
     page.locator("#start-training").click()
     page.wait_for_function("() => /Finished|Failed|⚠️/.test(document.querySelector('#train-status')?.innerText "
-                           "|| '')", timeout=240_000)
+                           "|| '') || /⚠️/.test(document.querySelector('#train-notice')?.innerText || '')",
+                           timeout=240_000)
     status = page.locator("#train-status").inner_text()
     assert "Finished" in status and "completion perplexity" in status, status
     progress = page.locator("#train-progress").inner_text()
@@ -279,3 +287,74 @@ def test_train_a_chat_model_then_compare_its_generations(lm_server, page, tmp_pa
     page.wait_for_timeout(500)
     screenshot(page, tmp_path, "compare-chat")
     assert page.blocked_requests == [], f"the page tried to reach the network: {page.blocked_requests}"
+
+
+@pytest.fixture
+def held_run_server(tmp_path):
+    """A Train tab whose run (a fake: no model) takes one step, then waits for the test's signal and fails."""
+    import threading
+    from types import SimpleNamespace
+
+    release = threading.Event()
+
+    def run_fn(settings, results_dir, callbacks):
+        for step in (0, 1):
+            for callback in callbacks:
+                callback.on_step_end(None, SimpleNamespace(global_step=step, max_steps=3), None)
+        release.wait(timeout=120)
+        raise ValueError("the fake run failed after its first step")
+
+    results = make_results_dir(tmp_path / "results")
+    port = free_port()
+    demo = app.serve(results, host="127.0.0.1", port=port, block=False,
+                     demo=app.build_app(results, training_job=app.TrainingJob(run_fn=run_fn)))
+    yield f"http://127.0.0.1:{port}/", release
+    release.set()
+    demo.close()
+
+
+def test_a_train_run_survives_a_reload_a_second_start_is_answered_and_a_failure_clears(held_run_server, page):
+    """Reloading during a run shows its progress (not "No run started."); a second Start is answered in words;
+    a failed run's clock stops; the next form error replaces the failed bar."""
+    url, release = held_run_server
+    page.goto(url)
+    page.get_by_role("tab", name="Train").click()
+    page.locator("#start-training").click()
+    wait_for_text(page, "#train-progress", "step 1/3")
+    page.reload()
+    page.get_by_role("tab", name="Train").click()
+    wait_for_text(page, "#train-progress", "step 1/3")  # the page reloaded finds the run where it is
+    assert "No run started" not in page.locator("#train-progress").inner_text()
+    page.locator("#start-training").click()
+    wait_for_text(page, "#train-notice", "A run is already training (step 1/3)")
+    release.set()
+    wait_for_text(page, "#train-progress", "Failed")
+    assert "the fake run failed after its first step" in page.locator("#train-status").inner_text()
+    page.wait_for_function("() => !(document.querySelector('#train-notice')?.innerText || '').includes('already')")
+    clock = re.search(r"\((\d+) s\)", page.locator("#train-progress").inner_text()).group(1)
+    page.wait_for_timeout(2500)
+    assert re.search(r"\((\d+) s\)", page.locator("#train-progress").inner_text()).group(1) == clock  # stopped
+    page.locator("#train-steps input[type=number]").fill("0")
+    page.locator("#train-steps input[type=number]").press("Tab")
+    page.locator("#start-training").click()
+    wait_for_text(page, "#train-notice", "⚠️")
+    assert "max_steps" in page.locator("#train-notice").inner_text() or "steps" in page.locator(
+        "#train-notice").inner_text(), page.locator("#train-notice").inner_text()
+    wait_for_text(page, "#train-progress", "No run started")  # the failed bar is cleared
+    assert "Failed" not in page.locator("#train-status").inner_text()
+
+
+def test_the_results_table_and_plot_read_on_a_phone(server, page, tmp_path):
+    """At 390 px wide every number of the Results table stays on one line (the table scrolls sideways instead)."""
+    url, _ = server
+    page.set_viewport_size({"width": 390, "height": 900})
+    page.goto(url)
+    page.get_by_role("tab", name="Results").click()
+    page.locator("#results-overview td").first.wait_for()
+    wrapped = page.evaluate("""() => [...document.querySelectorAll('#results-overview td')].filter(td => {
+        const style = getComputedStyle(td), line = parseFloat(style.lineHeight) || 1.2 * parseFloat(style.fontSize);
+        return td.innerText.trim() && td.getBoundingClientRect().height - parseFloat(style.paddingTop)
+               - parseFloat(style.paddingBottom) > 1.6 * line; }).map(td => td.innerText)""")
+    assert wrapped == [], f"cells broken across lines at 390 px: {wrapped}"
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 400  # the page itself does not scroll
+    screenshot(page, tmp_path, "results-390px")

@@ -117,6 +117,9 @@ def serve(results_dir: str | os.PathLike = "results", *, host: str = "127.0.0.1"
     when `block=False`: call `.close()` to stop it)."""
     demo = demo if demo is not None else build_app(results_dir)
     demo.queue(default_concurrency_limit=2)
+    from .layout import APP_CSS
+
+    launch_kwargs.setdefault("css", APP_CSS)
     demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block, show_error=False,
                 quiet=not block, ssr_mode=False, inbrowser=False, **launch_kwargs)
     return demo

@@ -22,7 +22,7 @@ import math
 import numbers
 from typing import Mapping, Sequence
 
-from hf_dp.formatting import format_number
+from hf_dp.formatting import format_epsilon, format_number
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, mechanism_of
 from hf_dp.vocabulary import lower_is_better as is_lower_better
 
@@ -49,8 +49,9 @@ def study_budget_defaults(results_dir) -> dict:
     """The Budget tab's opening values: the study's budget, as its headline DP run in `results_dir` recorded it.
 
     The DP run of the study (the Train tab's quick runs are left out) closest to ε = 8, ULS first: `users` and
-    `examples_per_user` from its privacy report's `num_users` and `num_examples` (rounded there to two significant
-    figures), its `contribution_bound`, `steps`, the accountant's δ (`delta_accountant`), `target_epsilon`, and
+    `examples_per_user` from its result's `num_train_examples` / `num_train_users` (the rows a user has before G
+    keeps some; the report's `num_examples` otherwise), its `contribution_bound`, `steps`, the accountant's δ
+    (`delta_accountant`), `target_epsilon`, and
     `examples_per_step` = `expected_batch_size` × min(rows per user, G) for ULS (the planner's m(G) for that many
     rows per user), `expected_batch_size` otherwise. Without such a run: the chat study's settings
     ([`~hf_dp.workflows.study_settings.SFT_SETTINGS`]: 16 roles per step, G = 1, 60 steps, ε = 8), its data's
@@ -69,7 +70,9 @@ def study_budget_defaults(results_dir) -> dict:
         try:
             users, examples = int(report["num_users"]), int(report["num_examples"])
             group = report.get("contribution_bound")
-            per_user = max(1, round(examples / users))
+            # the rows a user has before the bound G keeps some (the report counts those kept: 1 per user at G = 1)
+            rows, owners = run.result.get("num_train_examples"), run.result.get("num_train_users")
+            per_user = max(1, round(rows / owners) if rows and owners else round(examples / users))
             batch = float(report["expected_batch_size"])
             per_step = batch * min(per_user, int(group)) if run.mechanism == "uls" and group else batch
             delta = report.get("delta_accountant") or run.result["delta"]
@@ -285,7 +288,7 @@ def cost_markdown(cost: dict | None, target_epsilon: float, results_dir, mechani
     name = cost["metric_name"]
     used = cost["mechanism_used"]
     used_label = mechanism_label(used) if used in MECHANISMS else used
-    measured = ", ".join(f"ε = {e:.3g}: {m:.3f}" for e, m in cost["points"])
+    measured = ", ".join(f"ε = {format_epsilon(e)}: {m:.3f}" for e, m in cost["points"])
     if not cost["measured"]:
         text = (f"**Nothing was measured at ε = {target_epsilon:.3g}:** the {used_label} runs in `{results_dir}/` "
                 f"measured {name} at {measured}, and a result is only read between measured ε (interpolated in "
@@ -300,9 +303,9 @@ def cost_markdown(cost: dict | None, target_epsilon: float, results_dir, mechani
                      f"{word if cost['cost'] >= 0 else 'better'} than non-private fine-tuning "
                      f"({cost['non_private_result']:.3f})")
     if cost["baseline_result"] is not None:
-        text += f"; public-only baseline: {cost['baseline_result']:.3f}"
-    text += (". These runs used the study's model and data: with other data, model or settings the cost will "
-             "differ.")
+        text = text.rstrip(".") + f"; public-only baseline: {cost['baseline_result']:.3f}"
+    text = text.rstrip(".") + (". These runs used the study's model and data: with other data, model or settings "
+                               "the cost will differ.")
     if study_is_quick(results_dir):
         text += " ⚠️ The results come from a `--quick` study: their numbers mean nothing."
     if used != mechanism:

@@ -35,6 +35,14 @@ from .training import (
 )
 
 EPSILON_RANGE = (0.5, 16.0)
+# The page's own styles (given to `launch`): tables keep each number on one line and scroll sideways on a phone;
+# the ε slider shows no log₂ box; dropdown text stops before the arrow.
+APP_CSS = """
+#results-overview table { display: block; overflow-x: auto; max-width: 100%; }
+#results-overview td, #results-overview th { white-space: nowrap; }
+#eps-log2 input[type=number], #eps-log2 .reset-button { display: none !important; }
+.gradio-dropdown input, [data-testid="dropdown"] input { padding-right: 2.2em !important; text-overflow: ellipsis; }
+"""
 
 
 def eps_from_log2(value: float) -> float:
@@ -56,11 +64,12 @@ def _budget_tab(gr, demo, results_dir: str) -> None:
                 "`hf_dp.planner.plan`'s.", elem_id="budget-source")
     with gr.Row():
         with gr.Column(scale=1):
+            # the slider moves on log₂ ε; its own number box (which would show log₂ ε, "3" beside ε = 8) is
+            # hidden by APP_CSS: ε is read and typed in the box below
             eps_log2 = gr.Slider(math.log2(EPSILON_RANGE[0]), math.log2(EPSILON_RANGE[1]),
                                  value=log2_from_eps(study["target_epsilon"]), step=0.05,
-                                 label="log₂ ε (slider: 0.5 … 16)",
-                                 info="−1 → ε 0.5, 0 → 1, 1.58 → 3, 3 → 8, 4 → 16",
-                                 elem_id="eps-log2")
+                                 label="ε on a log scale: 0.5 … 16 (drag, or type ε below)",
+                                 info="0.5 · 1 · 2 · 4 · 8 · 16 at equal steps", elem_id="eps-log2")
             # no minimum/maximum/precision on the boxes: gradio would refuse out-of-range values in a
             # toast and leave the last table on screen; budget_view says what is wrong, in the page
             epsilon = gr.Number(study["target_epsilon"], label="target_epsilon (ε)", step=0.1,
@@ -105,7 +114,7 @@ def _budget_tab(gr, demo, results_dir: str) -> None:
     demo.load(on_budget, budget_inputs + [budget_state], budget_outputs)
 
 
-def _train_tab(gr, job: TrainingJob, results_dir: str):
+def _train_tab(gr, demo, job: TrainingJob, results_dir: str):
     """The Train tab: a short run of the settings on the page; returns its status box (a run's end reloads runs)."""
     train_about = gr.Markdown(train_description(DEFAULT_TRAIN_TASK, results_dir))
     train_task = gr.Radio([(spec["label"], key) for key, spec in TRAIN_TASKS.items()],
@@ -126,6 +135,7 @@ def _train_tab(gr, job: TrainingJob, results_dir: str):
         train_batch = gr.Number(defaults["expected_batch_size"], label=batch_size_label("uls"),
                                 elem_id="train-batch")
     start = gr.Button("Start training", variant="primary", elem_id="start-training")
+    notice = gr.Markdown(elem_id="train-notice")  # the form's answer to a Start: an error, or "already training"
     progress = gr.HTML(progress_html(job.poll()), elem_id="train-progress-box")
     train_status = gr.Markdown(job_status_markdown(job.poll()), elem_id="train-status")
     timer = gr.Timer(1.0, active=job.running)
@@ -137,7 +147,12 @@ def _train_tab(gr, job: TrainingJob, results_dir: str):
 
     def on_start(task, mechanism, eps, n_users, n_steps, batch):
         """Every setting checked before a run starts (the form's values, then the trainer's
-        arguments); the data-dependent plan is checked in the run, before the model loads."""
+        arguments); the data-dependent plan is checked in the run, before the model loads. A Start during a run
+        is answered in words; a form error clears a failed run's bar."""
+        if job.running:
+            state = job.poll()
+            return progress_html(state), job_status_markdown(state), error_md(job.busy_message()), gr.Timer(
+                active=True)
         try:
             # the values as typed: TrainingSettings refuses an empty box, 0, NaN or a fraction
             settings = TrainingSettings(task=task, mechanism=mechanism, target_epsilon=eps,
@@ -147,21 +162,25 @@ def _train_tab(gr, job: TrainingJob, results_dir: str):
             job.start(settings, results_dir)
         except Exception as error:  # one line in the page, in the form's words
             message = form_error(error, mechanism if mechanism in MECHANISMS else None)
-            return progress_html(job.poll()), error_md(message), gr.Timer(active=job.running)
-        return progress_html(job.poll()), "", gr.Timer(active=True)
+            job.dismiss_failure()
+            state = job.poll()
+            return progress_html(state), job_status_markdown(state), error_md(message), gr.Timer(active=job.running)
+        return progress_html(job.poll()), "", "", gr.Timer(active=True)
 
     def on_tick():
+        """The run's progress; once it ends, an "already training" answer on the page is stale and goes."""
         state = job.poll()
         active = state.get("status") in ("starting", "checking", "loading", "training")
-        return progress_html(state), job_status_markdown(state), gr.Timer(active=active)
+        return progress_html(state), job_status_markdown(state), gr.skip() if active else "", gr.Timer(active=active)
 
     train_task.change(on_task, train_task, [train_about, train_users, train_steps, train_batch],
                       queue=False, show_progress="hidden")
     train_mechanism.change(lambda key: gr.Number(label=batch_size_label(key)), train_mechanism,
                            train_batch, queue=False, show_progress="hidden")
     start.click(on_start, [train_task, train_mechanism, train_eps, train_users, train_steps, train_batch],
-                [progress, train_status, timer])
-    timer.tick(on_tick, None, [progress, train_status, timer])
+                [progress, train_status, notice, timer])
+    timer.tick(on_tick, None, [progress, train_status, notice, timer])
+    demo.load(on_tick, None, [progress, train_status, notice, timer])  # a reloaded page shows the run as it stands
     return train_status
 
 
@@ -288,7 +307,7 @@ def build_app(results_dir: str | os.PathLike = "results", *, training_job: Train
             with gr.Tab("Budget", id="budget"):
                 _budget_tab(gr, demo, results_dir)
             with gr.Tab("Train", id="train"):
-                train_status = _train_tab(gr, job, results_dir)
+                train_status = _train_tab(gr, demo, job, results_dir)
             with gr.Tab("Compare", id="compare"):
                 compare_run, refresh = _compare_tab(gr, results_dir)
             with gr.Tab("Results", id="results"):

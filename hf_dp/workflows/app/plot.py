@@ -15,14 +15,17 @@ from hf_dp.workflows.study_plot import is_adaptive, metric_value
 
 from .results import NON_PRIVATE, RunRecord, is_positive, main_metric, study_is_quick
 
+TRAIN_TAB_MARKER = "P"  # a filled plus: no mechanism's marker (MECHANISMS), so a Train-tab run never reads as a study's
+
 
 def privacy_utility_figure(runs: Sequence[RunRecord]):
     """The metric against ε spent (log x) per DP mechanism (adaptive clipping as its own dashed series), the
     public-only baseline and the non-private run as horizontal lines (the non-private run also as a point at
     ε = ∞). Markers, colors and labels are those of [`~hf_dp.vocabulary.MECHANISMS`]. The Train tab's runs of the
-    same metric are drawn as hollow points of their mechanism's marker and color, labelled "Train tab" (they train
-    on small subsets and score on their own test rows, so they are not joined to the study's lines). Accuracy, or
-    test NLL (log perplexity, lower is better) for language models.
+    same metric are drawn as filled plus signs ([`TRAIN_TAB_MARKER`], a shape no study series uses) in their
+    mechanism's color, labelled "Train tab" (they train on small subsets and score on their own test rows, so they
+    are not joined to the study's lines). The legend sits under the axes, one entry a line, readable on a phone.
+    Accuracy, or test NLL (log perplexity, lower is better) for language models.
 
     Returns a matplotlib `Figure` (for `gr.Plot`), or `None` when there is no run to plot.
     """
@@ -36,7 +39,7 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
     study = [r for r in study if r.metric_name == metric_name]
     app_runs = [r for r in scored if r.from_app and r.metric_name == metric_name]
     lower = lower_is_better(metric_name)
-    fig = Figure(figsize=(7.5, 4.6), dpi=110)
+    fig = Figure(figsize=(6.4, 6.0), dpi=110)
     ax = fig.add_subplot(1, 1, 1)
     epsilons = []
     for key in DP_MECHANISMS:
@@ -64,8 +67,8 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
     for key, points in app_points.items():
         style = MECHANISMS[key]
         xs = [right if e is None else e for e, _ in points]
-        ax.plot(xs, [y for _, y in points], marker=style.marker, markersize=9, color=style.color,
-                markerfacecolor="none", linestyle="none", label=f"{style.label}, Train tab (own test rows)")
+        ax.plot(xs, [y for _, y in points], marker=TRAIN_TAB_MARKER, markersize=11, color=style.color,
+                markeredgecolor="black", linestyle="none", label=f"{style.label}, Train tab (own test rows)")
     baseline = next((metric_value(r.result) for r in study if r.is_baseline), None)
     if baseline is None:  # the DP runs record the baseline's figure on their test rows
         recorded = next((float(r.result["baseline_result"]) for r in study or app_runs
@@ -92,6 +95,7 @@ def privacy_utility_figure(runs: Sequence[RunRecord]):
     quick = bool(study) and study_is_quick(study[0].folder)
     ax.set_title("Privacy / utility" + (" (quick study: the numbers mean nothing)" if quick else ""), fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
+    handles, _ = ax.get_legend_handles_labels()
+    fig.legend(loc="lower center", ncol=1, fontsize=10, frameon=False)  # below the axes: never over a point
+    fig.tight_layout(rect=(0, 0.055 * len(handles) + 0.02, 1, 1))
     return fig

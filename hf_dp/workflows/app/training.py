@@ -173,7 +173,7 @@ class TrainingJob:
     def start(self, settings: TrainingSettings, results_dir) -> None:
         with self.lock:
             if self.running:
-                raise AppError("A training run is already in progress: wait for it to finish.")
+                raise AppError(self.busy_message())
             self.events = queue.Queue()
             private = settings.mechanism in DP_MECHANISMS
             self.state = {"status": "starting", "step": 0, "max_steps": settings.max_steps, "epsilon": 0.0,
@@ -183,6 +183,18 @@ class TrainingJob:
             self.thread = threading.Thread(target=self._work, args=(settings, results_dir, callback),
                                            name="hf-dp-app-training", daemon=True)
             self.thread.start()
+
+    def busy_message(self) -> str:
+        """What a second Start is told while a run trains (its progress stays on the page)."""
+        state = self.state
+        return (f"A run is already training (step {state.get('step', 0)}/{state.get('max_steps', '?')}): this Start "
+                "was not taken. Wait for it to finish (its progress is above), then start another.")
+
+    def dismiss_failure(self) -> None:
+        """Clear a failed run's bar and message (a new form error replaces them); a running or finished run stays."""
+        with self.lock:
+            if self.state.get("status") == "error" and not self.running:
+                self.state = {"status": "idle"}
 
     def _work(self, settings, results_dir, callback) -> None:
         try:
@@ -208,11 +220,9 @@ class TrainingJob:
                         if fields.get(key) is not None and (key != "max_steps" or fields[key] > 0):
                             state[key] = fields[key]
                 elif event == "done":
-                    state["status"] = "done"
-                    state["result"] = fields["result"]
+                    state.update(status="done", result=fields["result"], finished=time.time())
                 elif event == "error":
-                    state["status"] = "error"
-                    state["error"] = fields["error"]
+                    state.update(status="error", error=fields["error"], finished=time.time())
             return dict(state)
 
 
@@ -410,7 +420,7 @@ def progress_html(state: Mapping) -> str:
         eps_text = f"ε spent {spent}" + (f" of {target:g}" if target and eps is not None else "")
     noised = "noised " if state.get("mechanism") in DP_MECHANISMS else ""
     loss = f", {noised}loss {state['loss']:.3f}" if state.get("loss") is not None else ""
-    elapsed = time.time() - state.get("started", time.time())
+    elapsed = state.get("finished", time.time()) - state.get("started", time.time())  # a finished run's clock stops
     words = {"starting": "Starting…", "checking": "Checking the settings on the data (no model loaded yet)…",
              "loading": "Loading the model and scoring the untouched model…", "training": "Training",
              "done": "Finished", "error": "Failed"}
