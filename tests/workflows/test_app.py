@@ -1026,6 +1026,14 @@ def test_train_tab_runs_are_in_the_results_plot(chat_results, tmp_path):
     assert uls.get_color() == MECHANISMS["uls"].color
     assert f"{MECHANISMS['non-private'].label}, Train tab (own test rows)" in lines
     assert lines[MECHANISMS["uls"].label].get_ydata()[0] == pytest.approx(math.log(31.0))  # the study's, apart
+    # the legend is the figure's, under the axes (never over a point), at a size a phone still shows
+    figure = app.privacy_utility_figure(app.list_runs(copy))
+    (legend,) = figure.legends
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    assert figure.axes[0].get_legend() is None and legend.get_texts()[0].get_fontsize() >= 10
+    assert legend.get_window_extent(renderer).y1 <= figure.axes[0].get_tightbbox(renderer).y0 + 1
     # a folder with Train-tab runs only has a plot too
     only = tmp_path / "only"
     shutil.copytree(copy / app.APP_RUNS_DIR, only / app.APP_RUNS_DIR)
