@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 import torch
 
-from hf_dp.workflows import study_plan, study_settings
+from hf_dp.workflows import study_runs, study_settings
 from hf_dp.workflows.tasks.classification import (
     ClassificationConfig,
     build_model,
@@ -66,9 +66,9 @@ def bounded(data, user_id_column: str, bound: int):
 
 def finetune_on_bounded(data, bound: int, baseline: float) -> float:
     """Test accuracy of the study's non-private fine-tuning on the rows G keeps."""
-    entry = study_plan.StudyRun(run=f"non-private-G{bound}", mechanism="non-private")
+    entry = study_runs.StudyRun(run=f"non-private-G{bound}", mechanism="non-private")
     with tempfile.TemporaryDirectory() as results_dir:
-        config, training_args = study_plan.configure_run(entry, study_settings.DEMO_SETTINGS, results_dir,
+        config, training_args = study_runs.configure_run(entry, study_settings.DEMO_SETTINGS, results_dir,
                                                          examples_per_step=0, baseline_result=baseline)
         _, rows = bounded(data, config.user_id_column, bound)
         result = run_classification(config, training_args,

@@ -68,7 +68,7 @@ class DPTrainingArguments(TrainingArguments):
             G, the most rows one user may contribute (a random subset is kept, drawn per user from a secret and
             the user id only). `"auto"`: chosen with ε-DP from a public grid (1, 2, 3, 4, 6, 8, 12, ..., 256):
             for ELS a DP median of the rows per user; for ULS the noise-prediction heuristic
-            ([`~hf_dp.planner.private_contribution_bound`]) run on that DP median. Not used for
+            ([`~hf_dp.mechanism_table.private_contribution_bound`]) run on that DP median. Not used for
             example-level.
             `None` (every row kept) is refused for ELS, whose user-level accounting needs G.
         redraw_rows (`bool`, *optional*, defaults to `False`):
@@ -166,7 +166,7 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "Privacy budget ε for the whole run; σ is calibrated to it when --noise_multiplier is "
                           "unset. None with --noise_multiplier: train the planned steps at that σ and report the ε "
                           "spent (hf_dp's parsers read 'None'; transformers' HfArgumentParser does not, use "
-                          "hf_dp.parser.ArgumentParser)."},
+                          "hf_dp.command_line.ArgumentParser)."},
     )
     target_delta: float | None = field(
         default=None,

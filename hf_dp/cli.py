@@ -5,7 +5,7 @@ Subcommands:
 - `hf-dp demo`: the privacy/utility study on the embedded default (see `hf_dp.workflows.study`).
 - `hf-dp app`: the Gradio app (see `hf_dp.workflows.app`); `hf-dp publish`: push a run with its privacy card.
 - `hf-dp audit`: an empirical privacy audit, an ε lower bound beside the proven ε (see `hf_dp.workflows.audit_demo`).
-- `hf-dp plan`: the privacy budget planner. For ULS, ELS (mixture-of-Gaussians accountant) and
+- `hf-dp plan`: the privacy mechanism table. For ULS, ELS (mixture-of-Gaussians accountant) and
   example-level DP-SGD at the same compute budget (`--examples_per_step`): the noise multiplier σ each
   needs for a target (ε, δ), the ε each spends at a fixed σ, the recommended contribution bound G, the
   sample rate, the `expected_batch_size` to train with (in its unit: users for ULS, examples otherwise)
@@ -18,7 +18,7 @@ Subcommands:
   median of the examples per user (`--data_epsilon`, default 0.1); it prints no exact count statistic.
 
 Every command's flags are the fields of a dataclass parsed by `transformers.HfArgumentParser`
-([`hf_dp.parser.ArgumentParser`]), spelled like the `DPTrainingArguments` fields they stand for
+([`hf_dp.command_line.ArgumentParser`]), spelled like the `DPTrainingArguments` fields they stand for
 (`--target_epsilon`, `--target_delta`, `--user_id_column`, `--noise_multiplier`, `--contribution_bound`); every flag
 also accepts dashes (`--target-epsilon`). Bad input, and a command whose optional dependencies are not installed
 (`pip install 'hf_dp[demo]'`, `'hf_dp[app]'`), print one line saying what to change on stderr and exit with
@@ -36,7 +36,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .parser import ArgumentParser, MissingExtraError, check_numbers
+from .command_line import ArgumentParser, MissingExtraError, check_numbers
 
 __all__ = ["PlanDataArguments", "PlanRunArguments", "build_parser", "format_plan", "main"]
 
@@ -84,7 +84,7 @@ _MODULE_COMMANDS = {
              "conversations by role; --task causal_lm: next-token prediction; --task classification: the embedded "
              "MiniLM on the Folio genre; --grid runs the full study, --seeds N repeats the headline runs."),
     "app": ("workflows.app", "AppArguments",
-            "Gradio app: budget planner, a short DP run, DP vs public-only baseline, privacy cards",
+            "Gradio app: mechanism table, a short DP run, DP vs public-only baseline, privacy cards",
             "Serve the Gradio app on --host:--port over the runs in --results_dir."),
     "publish": ("hub", "PublishArguments",
                 "upload a saved model, its tokenizer and its privacy card (README.md) to the Hub",
@@ -194,7 +194,7 @@ class PlanRunArguments:
 
 
 def _plan_contribution_bound(value):
-    """`--contribution_bound` as the planner takes it: None for `auto` (the default choice), else a whole number."""
+    """`--contribution_bound` as `compare` takes it: None for `auto` (the default choice), else a whole number."""
     if value is None or isinstance(value, int) and not isinstance(value, bool):
         return value
     text = str(value).strip()
@@ -293,7 +293,7 @@ def _read_json_table(path: str):
 
 def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
     """`hf-dp plan`: print the plan table (bad input: ValueError, one line from `main`)."""
-    from . import planner
+    from . import mechanism_table
     from .user_counts import private_quantile
 
     if data.data is not None:  # the flags were checked by PlanDataArguments / PlanRunArguments
@@ -307,7 +307,7 @@ def _cmd_plan(data: PlanDataArguments, run: PlanRunArguments) -> int:
     else:
         population = dict(users=data.users, examples_per_user=data.examples_per_user)
         source = f"{data.users} users x {data.examples_per_user} examples"
-    rows = planner.plan(
+    rows = mechanism_table.compare(
         **population, examples_per_step=run.examples_per_step, steps=run.steps, target_epsilon=run.target_epsilon,
         target_delta=run.target_delta, noise_multiplier=run.noise_multiplier,
         contribution_bound=run.contribution_bound, adaptive_clipping=run.adaptive_clipping,

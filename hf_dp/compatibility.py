@@ -23,7 +23,8 @@ from transformers import DataCollatorWithFlattening, Trainer
 from .clipping import UnsupportedLayerError
 from .data import distinct_user_ids, user_id_kinds, user_keys
 from .user_column import table_column
-from .losses import LOSS_FUNC_PACKED, is_causal_lm, packed_example_ids, per_example_loss
+from .losses import LOSS_FUNC_PACKED, packed_example_ids, per_example_loss
+from .model_kind import is_causal_lm
 
 # The transformers versions the DP mixin is tested with (pyproject.toml declares the same range).
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"

@@ -218,7 +218,7 @@ class PublishArguments:
 def build_parser():
     """The `hf-dp publish` parser, over [`PublishArguments`] (the parser is imported here only: the trainer reaches
     this module for the Hub checks, never the command line)."""
-    from .parser import ArgumentParser
+    from .command_line import ArgumentParser
 
     return ArgumentParser(
         PublishArguments, prog="hf-dp publish", one_line_errors=True, formatter_class=argparse.HelpFormatter,
@@ -229,7 +229,7 @@ def build_parser():
 
 def main(argv=None) -> int:
     """Entry point of `python -m hf_dp.hub` (`hf-dp publish` calls [`run`])."""
-    from .parser import run_command
+    from .command_line import run_command
 
     return run_command(build_parser(), run, argv)
 

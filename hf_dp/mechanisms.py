@@ -127,8 +127,8 @@ class DPMechanism:
 
     def planned_bound(self, counts: UserCounts, contribution_bound: int | None, *, examples_per_step: float,
                       steps: int, target_epsilon: float, delta: float) -> tuple[int | None, str]:
-        """(G, a note) the planner plans with for these public or assumed counts: the given G, else the median count
-        (ELS's rule), or `None` (every row kept) for a guarantee that protects rows."""
+        """(G, a note) the planner uses for these public or assumed counts: the given G, else the median
+        count (ELS's rule), or `None` (every row kept) for a guarantee that protects rows."""
         if not self.protects_users:
             return None, ""
         return contribution_bound or recommend_contribution_bound_els(counts), ""

@@ -12,7 +12,7 @@ from .budget import PrivacyBudget
 from .card import round_count
 from .contribution import bound_choice
 from .hub import ensure_hub_reachable
-from .losses import is_causal_lm
+from .model_kind import is_causal_lm
 from .accounting.floating_point import NOISE_REACH
 from .noise import noise_source
 from .mechanisms import MECHANISMS

@@ -34,7 +34,8 @@ from .clipping import GhostClipper
 from .clipping.accumulate import ClippedGrads
 from .clipping.adaptive import QuantileTracker
 from .compatibility import check_per_example
-from .losses import PACKED_NEEDS_TOKEN_HEAD, LOSS_FUNC_PACKED, base_model, examples_lost, packed_example_ids
+from .losses import PACKED_NEEDS_TOKEN_HEAD, LOSS_FUNC_PACKED, examples_lost, packed_example_ids
+from .model_kind import underlying_model
 from .losses import packed_per_example_loss, per_example_loss
 from .noise import add_noise
 from .releases import ScalarReleases, StepSums
@@ -197,7 +198,7 @@ class DPStep:
         else:
             logits = outputs.logits
             if logits.dim() != 3:
-                raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(model)).__name__))
+                raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(underlying_model(model)).__name__))
             num_examples = int(example_ids.numpy().max()) + 1  # a host tensor
             if micro_batch.num_examples is not None and num_examples != micro_batch.num_examples:
                 raise ValueError(examples_lost(num_examples, micro_batch.num_examples))

@@ -28,7 +28,8 @@ from .clipping import GhostClipper
 from .clipping.adaptive import QuantileTracker
 from .data import check_user_column
 from .guards import PrivacyGuards
-from .losses import PACKED_NEEDS_TOKEN_HEAD, base_model, is_causal_lm
+from .losses import PACKED_NEEDS_TOKEN_HEAD
+from .model_kind import is_causal_lm, underlying_model
 from .mechanisms import get_mechanism
 from .noise import fresh_seed
 from .privacy_plan import PrivacyPlan, plan_privacy
@@ -90,13 +91,13 @@ class DPTrainerMixin(PrivacyGuards, PrivacyReporting):
         self._user_dataset = self.train_dataset  # as the base trainer prepared it (the user column kept)
         self._partition_users(self._data_secret)
         compatibility.check_model_state(self.model)
-        compatibility.check_labels(self.partition.dataset, base_model(self.model))
+        compatibility.check_labels(self.partition.dataset, underlying_model(self.model))
         preflight.check_input_ids(self.partition.dataset, self.model)
         preflight.check_mixed_precision(self.accelerator)
         sharding.check_supported(self)  # FSDP2 trains sharded; DeepSpeed and FSDP1 are refused
         self._causal_lm = is_causal_lm(self.model)
         if isinstance(self.data_collator, DataCollatorWithFlattening) and not self._causal_lm:
-            raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(base_model(self.model)).__name__))
+            raise ValueError(PACKED_NEEDS_TOKEN_HEAD.format(model=type(underlying_model(self.model)).__name__))
         model_rows = self._remove_unused_columns(self.partition.dataset, description="training")
         self._probe = compatibility.probe_batch(model_rows, self.data_collator, device=self.args.device,
                                                 rows=max(2, self.args.per_device_train_batch_size))

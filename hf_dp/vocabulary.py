@@ -3,7 +3,7 @@
 A *mechanism* is how each step samples and clips its units (and so what the accountant composes); the word means
 nothing else in hf_dp (the accountant's per-step random variable is a *privacy loss*). The user picks it with two
 [`DPTrainingArguments`] fields, `privacy_unit` and `sampling`; everything downstream (the privacy plan, the report,
-the card's YAML, result JSON, the planner's rows, the app's tables, plots) names it by one key of [`MECHANISMS`].
+the card's YAML, result JSON, `hf-dp plan`'s rows, the app's tables, plots) names it by one key of [`MECHANISMS`].
 Each registered mechanism ([`~hf_dp.mechanisms`]) names itself; [`MECHANISMS`], [`mechanism_of`] and the key
 lists are its registry's, read here beside the other names. The built-ins:
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hf_dp import DPTrainingArguments
-from hf_dp.parser import ArgumentParser
+from hf_dp.command_line import ArgumentParser
 from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig, load_text_data, run_language_modeling
 from hf_dp.workflows.pretrained import smollm2_path
 from hf_dp.workflows.recipes import RecipeArguments, recipe_run, run_recipe, summary_line

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from hf_dp import DPTrainingArguments
-from hf_dp.parser import ArgumentParser
+from hf_dp.command_line import ArgumentParser
 from hf_dp.workflows.tasks.classification import ClassificationConfig, run_classification
 from hf_dp.workflows.recipes import RecipeArguments, recipe_run, run_recipe, summary_line
 

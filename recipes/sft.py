@@ -73,7 +73,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from hf_dp.parser import ArgumentParser
+from hf_dp.command_line import ArgumentParser
 from hf_dp.sft import DPSFTConfig, SFTConfig
 from hf_dp.workflows.pretrained import smollm2_path
 from hf_dp.workflows.recipes import RecipeArguments, recipe_run, run_recipe, summary_line

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from hf_dp import cli
-from hf_dp import planner
+from hf_dp import mechanism_table
 from hf_dp.formatting import format_epsilon
 from hf_dp.vocabulary import MECHANISMS
 
@@ -19,8 +19,8 @@ BASE = ["plan", "--examples_per_step", "30", "--steps", "60", "--target_epsilon"
 def test_plan_prints_the_three_mechanisms(capsys):
     assert cli.main([*BASE, "--users", "300", "--examples_per_user", "4", "--noise_multiplier", "1.2"]) == 0
     out = capsys.readouterr().out
-    rows = planner.plan(users=300, examples_per_user=4, examples_per_step=30, steps=60, target_epsilon=5,
-                        noise_multiplier=1.2)
+    rows = mechanism_table.compare(users=300, examples_per_user=4, examples_per_step=30, steps=60, target_epsilon=5,
+                                   noise_multiplier=1.2)
     assert "300 users, 1200 examples" in out
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("mechanism"))
@@ -42,8 +42,8 @@ def test_flags_are_the_argument_names_and_dashes_are_accepted(capsys):
     first = capsys.readouterr().out
     assert cli.main([arg.replace("_", "-") if arg.startswith("--") else arg for arg in underscores]) == 0
     assert capsys.readouterr().out == first
-    rows = planner.plan(users=300, examples_per_user=4, examples_per_step=30, steps=60, target_epsilon=5,
-                        target_delta=1e-4, contribution_bound=2, noise_multiplier=1.2)
+    rows = mechanism_table.compare(users=300, examples_per_user=4, examples_per_step=30, steps=60, target_epsilon=5,
+                                   target_delta=1e-4, contribution_bound=2, noise_multiplier=1.2)
     assert all(row["delta"] == 1e-4 for row in rows)
     assert rows[0]["contribution_bound"] == rows[1]["contribution_bound"] == 2
     for old in ("--epsilon", "--delta", "--units-per-step", "--user-column", "--contribution-bound-els"):
@@ -212,7 +212,7 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys, command, ext
 def test_argument_parser_none_positional_and_one_line_errors(capsys):
     from dataclasses import dataclass, field
 
-    from hf_dp.parser import ArgumentParser
+    from hf_dp.command_line import ArgumentParser
 
     @dataclass
     class Flags:
@@ -279,7 +279,7 @@ def test_bad_numbers_are_refused_when_parsed(monkeypatch, tmp_path, capsys, argv
     def never(*args, **kwargs):
         raise AssertionError("a refused command ran")
 
-    for module, name in ((audit_demo, "run_audit"), (study, "run_study"), (app, "serve"), (planner, "plan")):
+    for module, name in ((audit_demo, "run_audit"), (study, "run_study"), (app, "serve"), (mechanism_table, "compare")):
         monkeypatch.setattr(module, name, never)
     monkeypatch.chdir(tmp_path)
     assert _exit_code(argv) == 2
@@ -308,7 +308,7 @@ def test_the_arguments_dataclasses_refuse_the_same_values_in_python():
 def test_check_numbers_rules():
     from dataclasses import dataclass
 
-    from hf_dp.parser import check_numbers
+    from hf_dp.command_line import check_numbers
 
     @dataclass
     class Flags:

@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 
 from hf_dp import DPTrainingArguments
-from hf_dp import planner
+from hf_dp import mechanism_table
 from hf_dp.contribution import bound_choice, bound_epsilon, contribution_bound, counts_of, data_secret, partition
 from trainer_fixtures import make_args, user_dataset
 
@@ -59,7 +59,7 @@ def test_an_auto_bound_is_a_grid_value_drawn_with_the_secret(tmp_path, sampling)
     data = user_dataset(num_users=60, max_rows=9, seed=2)
     args = make_args(tmp_path, sampling=sampling, contribution_bound="auto", max_steps=20)
     draws = {secret: contribution_bound(data, args, secret) for secret in (f"s{i}" for i in range(12))}
-    assert set(draws.values()) <= set(planner.CONTRIBUTION_BOUND_GRID)
+    assert set(draws.values()) <= set(mechanism_table.CONTRIBUTION_BOUND_GRID)
     assert len(set(draws.values())) > 1  # a random draw (ε = 0.1 on 60 users), not a function of the data alone
     assert all(contribution_bound(data, args, secret) == bound for secret, bound in draws.items())  # keyed
     assert partition(data, args, "s0").contribution_bound == draws["s0"]

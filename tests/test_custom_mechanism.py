@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from hf_dp import planner
+from hf_dp import mechanism_table
 from hf_dp.card import write_privacy_card
 from hf_dp.hub import check_privacy_card
 from hf_dp.mechanisms import MECHANISMS, ULS, register_mechanism, unregister_mechanism
@@ -54,13 +54,13 @@ def fixed_bound_uls():
 
 
 def test_the_planner_gives_the_registered_mechanism_its_row(fixed_bound_uls):
-    rows = planner.plan(users=500, examples_per_user=6, examples_per_step=60, steps=50, target_epsilon=4.0)
+    rows = mechanism_table.compare(users=500, examples_per_user=6, examples_per_step=60, steps=50, target_epsilon=4.0)
     assert [row["mechanism"] for row in rows] == ["uls", "els", "example", "uls-g3"]
     toy = rows[-1]
     assert (toy["label"], toy["contribution_bound"], toy["sampled_unit"]) == (FixedBoundULS.label, 3, "users")
     assert toy["note"] == "G is fixed at 3 by the mechanism"
-    uls = planner.plan(users=500, examples_per_user=6, examples_per_step=60, steps=50, target_epsilon=4.0,
-                       contribution_bound=3)[0]  # ULS at the same G: the same numbers
+    uls = mechanism_table.compare(users=500, examples_per_user=6, examples_per_step=60, steps=50, target_epsilon=4.0,
+                                  contribution_bound=3)[0]  # ULS at the same G: the same numbers
     for name in ("sample_rate", "expected_batch_size", "noise_multiplier", "delta", "sampler_delta"):
         assert toy[name] == uls[name], name
 

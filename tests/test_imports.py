@@ -105,9 +105,9 @@ def test_accounting_the_plan_command_and_the_trainer_load_only_what_they_need():
     accounting = sorted(name for name in MODULES if _within(name, ("hf_dp.accounting",)))
     no_torch = "\n".join([
         *[f"import {name}" for name in accounting],
-        "from hf_dp import planner",
-        "planner.plan(users=300, examples_per_user=4, examples_per_step=30, steps=20, target_epsilon=5,",
-        "             adaptive_clipping=True, noise_multiplier=1.0)",
+        "from hf_dp import mechanism_table",
+        "mechanism_table.compare(users=300, examples_per_user=4, examples_per_step=30, steps=20, target_epsilon=5,",
+        "                        adaptive_clipping=True, noise_multiplier=1.0)",
         "loaded = sorted(m for m in ('torch', 'transformers', 'hf_dp.clipping') if m in sys.modules)",
         "assert not loaded, f'importing hf_dp.accounting and planning with adaptive clipping loaded {loaded}'",
         "from hf_dp import cli",
@@ -117,7 +117,7 @@ def test_accounting_the_plan_command_and_the_trainer_load_only_what_they_need():
     ])
     trainer = "\n".join([
         "import hf_dp.trainer, hf_dp.sft",
-        "loaded = sorted(m for m in sys.modules if m in ('hf_dp.parser', 'hf_dp.cli'))",
+        "loaded = sorted(m for m in sys.modules if m in ('hf_dp.command_line', 'hf_dp.cli'))",
         "assert not loaded, f'importing the trainers loaded {loaded}'",
     ])
     code = "\n".join([
@@ -285,10 +285,10 @@ def test_the_mechanism_key_rule_lets_names_and_defaults_pass():
 # ---- 5. the plan's layers: one direction, no circle ----------------------------------------------------------------
 
 # Lowest first. The accountant is pure math; rows per user and their DP quantile build on it; the mechanisms on
-# both; the arguments select a registered mechanism; G and the partition, the privacy plan, then the planner (which
-# compares every registered mechanism for `hf-dp plan` and the app) build on those.
+# both; the arguments select a registered mechanism; G and the partition, the privacy plan, then `mechanism_table`
+# (which compares every registered mechanism for `hf-dp plan` and the app) build on those.
 PLAN_LAYERS = ("hf_dp.accounting", "hf_dp.user_counts", "hf_dp.mechanisms", "hf_dp.vocabulary", "hf_dp.arguments",
-               "hf_dp.contribution", "hf_dp.privacy_plan", "hf_dp.planner")
+               "hf_dp.contribution", "hf_dp.privacy_plan", "hf_dp.mechanism_table")
 
 
 def _layer(module: str) -> int | None:

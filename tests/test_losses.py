@@ -10,7 +10,8 @@ from transformers import BertGenerationConfig, BertGenerationDecoder, DataCollat
     LlamaForSequenceClassification
 
 from hf_dp import DPTrainer
-from hf_dp.losses import base_model, is_causal_lm, packed_example_ids, packed_per_example_loss, per_example_loss
+from hf_dp.losses import packed_example_ids, packed_per_example_loss, per_example_loss
+from hf_dp.model_kind import is_causal_lm, underlying_model
 from trainer_fixtures import VOCAB, TinyDecoder, make_args, tiny_bert, tiny_llama, user_dataset
 
 
@@ -106,12 +107,12 @@ def test_packed_rows_are_found_by_restarting_positions_and_refused_with_an_atten
         packed_example_ids({"position_ids": restarting, "attention_mask": torch.ones_like(restarting)})
 
 
-def test_base_model_unwraps_peft_and_compile_wrappers():
+def test_underlying_model_unwraps_peft_and_compile_wrappers():
     from peft import LoraConfig, get_peft_model
 
     llama = tiny_llama()
     compiled = torch.compile(llama)
-    assert base_model(compiled) is llama and is_causal_lm(compiled)
+    assert underlying_model(compiled) is llama and is_causal_lm(compiled)
     peft_model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], lora_alpha=4))
-    assert isinstance(base_model(peft_model), LlamaForCausalLM) and is_causal_lm(peft_model)
-    assert base_model(llama) is llama
+    assert isinstance(underlying_model(peft_model), LlamaForCausalLM) and is_causal_lm(peft_model)
+    assert underlying_model(llama) is llama

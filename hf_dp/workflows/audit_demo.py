@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from hf_dp.formatting import format_epsilon
-from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
+from hf_dp.command_line import ArgumentParser, check_numbers, require_extra, run_command
 from hf_dp.workflows.study_settings import DEFAULT_TASK, study_settings
 from hf_dp.workflows.tasks import get_task, registered_tasks
 

@@ -1,7 +1,7 @@
 """What the scripts in `recipes/` share: their common flags, the run those flags describe, the line they print.
 
 A recipe parses [`RecipeArguments`] (data, model, reporting) beside [`~hf_dp.DPTrainingArguments`] (every
-training and privacy flag) with [`~hf_dp.parser.ArgumentParser`], turns them into a task's run config and training
+training and privacy flag) with [`~hf_dp.command_line.ArgumentParser`], turns them into a task's run config and training
 arguments with [`recipe_run`], runs the task, and prints [`summary_line`]; [`run_recipe`] is its `__main__`. Bad
 numbers (a count below 1) are refused when the flags are parsed; bad data (a missing or empty file, rows without
 a user id or text) when it is loaded, before any model is built or anything trained: one line naming the option
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, ClassVar
 
 from hf_dp.formatting import format_epsilon, format_significant
-from hf_dp.parser import ArgumentParser, check_numbers, run_command
+from hf_dp.command_line import ArgumentParser, check_numbers, run_command
 from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.runs import RunConfig, finish_processes, plain_training_arguments
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from hf_dp.parser import check_numbers
+from hf_dp.command_line import check_numbers
 from hf_dp.vocabulary import DP_MECHANISMS, mechanism
 
 __all__ = [
@@ -134,7 +134,7 @@ class RunConfig:
     NON_PRIVATE_TRAINING_DEFAULTS: ClassVar[dict] = {"learning_rate": 5e-4, "num_train_epochs": 2.0,
                                                      "per_device_train_batch_size": 32}
 
-    # The numeric fields' checks ([`~hf_dp.parser.check_numbers`] rules); the recipes check their flags with them.
+    # The numeric fields' checks ([`~hf_dp.command_line.check_numbers`] rules); the recipes check their flags with them.
     NUMBER_RULES: ClassVar[dict] = {
         "eval_fraction": "(0,1)", "max_train_users": "int>=1", "max_eval_examples": "int>=1", "seed": "int>=0",
         "max_length": "int>=1", "lora_r": "int>=1", "lora_alpha": "int>=1", "eval_batch_size": "int>=1",

@@ -33,7 +33,7 @@ interrupted study resumes where it stopped.
 
 Why each setting has its value, and how the values were chosen without a training role or a test play:
 [`hf_dp.workflows.study_settings`]; which runs a study makes and the training arguments of each:
-[`hf_dp.workflows.study_plan`]; the plot: [`hf_dp.workflows.study_plot`].
+[`hf_dp.workflows.study_runs`]; the plot: [`hf_dp.workflows.study_plot`].
 
 **The causal-LM study** (`--task causal_lm`, opt-in): the embedded causal LM, SmolLM2-135M-Instruct
 ([`hf_dp.workflows.pretrained.smollm2_path`]), fine-tuned for next-token prediction on the same roles
@@ -73,14 +73,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_dp.formatting import format_epsilon
-from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
+from hf_dp.command_line import ArgumentParser, check_numbers, require_extra, run_command
 from hf_dp.vocabulary import MECHANISMS, lower_is_better
 from hf_dp.workflows.run_results import load_result
-from hf_dp.workflows.study_plan import (
+from hf_dp.workflows.study_runs import (
     StudyRun,
     configure_run,
     matching_examples_per_step,
-    plan_runs,
+    runs_of_study,
     replicate_of,
     seed_suffix,
 )
@@ -100,7 +100,7 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
 
     Args:
         results_dir (`str`): where everything is written; a run whose JSON is there is reused, not rerun.
-        grid (`bool`): the full grid of [`plan_runs`], not the demo's subset.
+        grid (`bool`): the full grid of [`runs_of_study`], not the demo's subset.
         quick (`bool`): the quick settings (a tiny subset, 2 steps: tests).
         full (`bool`): the full settings (chat SFT only: more users per step and steps, about an hour on 2 cores).
         overwrite (`bool`): rerun runs whose JSON exists.
@@ -122,7 +122,7 @@ def run_study(results_dir: str = "results", *, grid: bool = False, quick: bool =
             (another study's, e.g. the default's beside `--full`).
     """
     settings = settings if settings is not None else study_settings(task, quick, full)
-    entries = plan_runs(grid, task, seeds)
+    entries = runs_of_study(grid, task, seeds)
     names = [e.run for e in entries]
     unknown = sorted(set(runs or ()) - set(names))
     if unknown:

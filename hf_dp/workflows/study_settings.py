@@ -1,7 +1,7 @@
 """The settings of the study behind `hf-dp demo` ([`hf_dp.workflows.study`]), and why each value was chosen.
 
 Every number a study run trains with lives here, beside the reasons for it, so that the study's code
-([`hf_dp.workflows.study`], [`hf_dp.workflows.study_plan`]) holds no tuned constant. Each settings dict has four
+([`hf_dp.workflows.study`], [`hf_dp.workflows.study_runs`]) holds no tuned constant. Each settings dict has four
 parts: `"config"` (fields of the task's run config), `"dp"` (the training arguments of the DP runs, under their
 [`~hf_dp.DPTrainingArguments`] names), `"adaptive"` (added to `"dp"` for the adaptive-clipping runs) and
 `"non_private"` (the `TrainingArguments` of the non-private run); every other field keeps its default there.

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from hf_dp import accounting
-from hf_dp import planner
+from hf_dp import mechanism_table
 from trainer_fixtures import make_trainer
 
-GRID = planner.CONTRIBUTION_BOUND_GRID
+GRID = mechanism_table.CONTRIBUTION_BOUND_GRID
 
 
 # ---- the bound is applied to every user ---------------------------------------------------------------------------
@@ -22,7 +22,7 @@ def test_contribution_bound_is_applied(tmp_path):
     assert trainer.partition.rows_per_user().max() == 2
     auto = make_trainer(tmp_path, sampling="els", contribution_bound="auto")
     # An ε-DP median from the public grid (24 users: barely informative at ε = 0.1), never read exactly.
-    assert auto.partition.contribution_bound in planner.CONTRIBUTION_BOUND_GRID
+    assert auto.partition.contribution_bound in mechanism_table.CONTRIBUTION_BOUND_GRID
     assert auto.partition.rows_per_user().max() <= auto.partition.contribution_bound
     assert auto.accountant.pure_dp == [{"label": "contribution_bound", "epsilon": 0.1}]
 

@@ -30,7 +30,7 @@ def test_a_bad_privacy_field_is_one_line_at_the_arguments_and_at_the_trainer(tmp
     with pytest.raises(ValueError, match=message) as error:
         make_args(tmp_path, **overrides)
     one_line(error)
-    # Set after the arguments were built (no __post_init__): DPTrainer checks again, before numpy or the planner.
+    # Set after the arguments were built (no __post_init__): DPTrainer checks again, before numpy or `compare`.
     args = make_args(tmp_path, max_steps=-1) if field == "num_train_epochs" else make_args(tmp_path)
     setattr(args, field, value)
     with pytest.raises(ValueError, match=message) as error:

@@ -76,11 +76,11 @@ def test_build_app_constructs(results, tmp_path):
 
 
 def test_budget_shows_the_planners_numbers(results):
-    from hf_dp import planner
+    from hf_dp import mechanism_table
 
     headline, table = budget(results, 8.0)
-    rows = planner.plan(users=200, examples_per_user=2, examples_per_step=40, steps=20, target_epsilon=8.0,
-                        target_delta=1e-4, noise_multiplier=1.0)
+    rows = mechanism_table.compare(users=200, examples_per_user=2, examples_per_step=40, steps=20, target_epsilon=8.0,
+                                   target_delta=1e-4, noise_multiplier=1.0)
     uls = next(r for r in rows if r["mechanism"] == "uls")
     assert sigma_of(headline) == pytest.approx(uls["noise_multiplier"], rel=1e-3)
     assert f"G = {uls['contribution_bound']}" in headline
@@ -582,11 +582,11 @@ def test_cli_parser_defaults():
 
 def test_the_planner_is_called_once_per_distinct_budget(monkeypatch):
     """A repeated budget (the slider moved back, another box changed and changed back) answers from memory."""
-    from hf_dp import planner
+    from hf_dp import mechanism_table
 
     calls = []
-    real = planner.plan
-    monkeypatch.setattr(planner, "plan", lambda **kw: calls.append(kw) or real(**kw))
+    real = mechanism_table.compare
+    monkeypatch.setattr(mechanism_table, "compare", lambda **kw: calls.append(kw) or real(**kw))
     budget_tab._planned.cache_clear()
     settings = dict(target_delta=1e-4, users=200, examples_per_user=2, examples_per_step=40, steps=20,
                     contribution_bound=1)
@@ -600,7 +600,7 @@ def test_the_planner_is_called_once_per_distinct_budget(monkeypatch):
 
 
 def test_the_budget_tab_opens_on_the_studys_budget(tmp_path, results):
-    from hf_dp import planner
+    from hf_dp import mechanism_table
     from hf_dp.workflows.study_settings import SFT_SETTINGS
 
     # no study run yet: the chat study's settings and data (about 770 roles, δ = 1/(10·users) = 1.3e-4)
@@ -610,8 +610,8 @@ def test_the_budget_tab_opens_on_the_studys_budget(tmp_path, results):
     assert empty["contribution_bound"] == dp["contribution_bound"] and empty["steps"] == dp["max_steps"]
     assert empty["examples_per_step"] == dp["expected_batch_size"] * dp["contribution_bound"]
     assert (empty["privacy_unit"], empty["sampling"], empty["target_epsilon"]) == ("user", "uls", 8.0)
-    row = planner.plan(users=770, examples_per_user=empty["examples_per_user"], examples_per_step=16, steps=60,
-                       target_epsilon=8.0, contribution_bound=1)[0]
+    row = mechanism_table.compare(users=770, examples_per_user=empty["examples_per_user"], examples_per_step=16,
+                                  steps=60, target_epsilon=8.0, contribution_bound=1)[0]
     assert row["expected_batch_size"] == dp["expected_batch_size"]  # the study's 16 roles per step
     assert row["sample_rate"] == pytest.approx(16 / 770)
     # a study in the folder: what its ULS run at ε = 8 recorded (its privacy report)

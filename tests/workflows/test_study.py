@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hf_dp.vocabulary import MECHANISMS
-from hf_dp.workflows import study, study_plan, study_plot, study_settings
+from hf_dp.workflows import study, study_runs, study_plot, study_settings
 from hf_dp.workflows.run_results import RESULT_KEYS, load_result, save_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_runs_demo_and_grid():
-    demo = study_plan.plan_runs(grid=False, task="classification")
+    demo = study_runs.runs_of_study(grid=False, task="classification")
     assert [r.run for r in demo] == ["baseline", "non-private", "uls-eps8-adaptive"]
-    assert demo[2] == study_plan.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
-    grid = study_plan.plan_runs(grid=True, task="classification")
+    assert demo[2] == study_runs.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
+    grid = study_runs.runs_of_study(grid=True, task="classification")
     assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid} == {
         ("public-only", None, False), ("non-private", None, False), ("example", 8.0, True), ("uls", 8.0, False),
         *{(m, e, True) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
@@ -53,26 +53,26 @@ def test_each_run_takes_its_privacy_settings_from_the_training_arguments(tmp_pat
     from hf_dp import DPTrainingArguments
 
     settings = study_settings.DEMO_SETTINGS
-    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True, task="classification")}
+    runs = {entry.run: entry for entry in study_runs.runs_of_study(grid=True, task="classification")}
     configure = dict(examples_per_step=155, baseline_result=0.44, non_private_result=0.47, task="classification")
-    baseline, none = study_plan.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
+    baseline, none = study_runs.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
     assert none is None and baseline.baseline_result == 0.44
     # tuned on them: never trained on
     assert sorted(baseline.exclude_train_plays) == sorted(study_settings.TUNING_PLAYS)
-    config, uls = study_plan.configure_run(runs["uls-eps8"], settings, str(tmp_path), **configure)
+    config, uls = study_runs.configure_run(runs["uls-eps8"], settings, str(tmp_path), **configure)
     assert isinstance(uls, DPTrainingArguments) and uls.mechanism == "uls" and uls.target_epsilon == 8.0
     assert (uls.expected_batch_size, uls.contribution_bound, uls.max_steps) == (32, 8, 200)  # users per step
     assert not uls.adaptive_clipping and uls.max_grad_norm == 1.0
     assert config.non_private_result == 0.47  # goes into the DP card and the result JSON
-    _, adaptive = study_plan.configure_run(runs["uls-eps8-adaptive"], settings, str(tmp_path), **configure)
+    _, adaptive = study_runs.configure_run(runs["uls-eps8-adaptive"], settings, str(tmp_path), **configure)
     assert (adaptive.adaptive_clipping, adaptive.target_unclipped_quantile, adaptive.clipping_count_noise) == (
         True, 0.5, None)  # σ_b = m/20 of each run's own expected batch: ELS's must exceed its larger σ_eff / 2
-    _, els = study_plan.configure_run(runs["els-eps3-adaptive"], settings, str(tmp_path), **configure)
+    _, els = study_runs.configure_run(runs["els-eps3-adaptive"], settings, str(tmp_path), **configure)
     assert (els.mechanism, els.expected_batch_size, els.target_epsilon) == ("els", 155, 3.0)  # examples per step
     assert els.adaptive_clipping
-    _, example = study_plan.configure_run(runs["example-eps8-adaptive"], settings, str(tmp_path), **configure)
+    _, example = study_runs.configure_run(runs["example-eps8-adaptive"], settings, str(tmp_path), **configure)
     assert (example.mechanism, example.expected_batch_size, example.adaptive_clipping) == ("example", 155, True)
-    _, plain = study_plan.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
+    _, plain = study_runs.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
     assert not isinstance(plain, DPTrainingArguments) and (plain.max_steps, plain.learning_rate) == (400, 2e-3)
 
 
@@ -203,7 +203,7 @@ def test_quick_demo_writes_results_summary_and_plot(tmp_path):
 
 def test_example_sampling_runs_match_uls_compute():
     # users a (3 rows), b (1 row): with G = 2 a ULS step of 10 users processes 10 x mean(2, 1) = 15 rows
-    assert study_plan.matching_examples_per_step(["a", "a", "a", "b"], 10, 2) == 15
+    assert study_runs.matching_examples_per_step(["a", "a", "a", "b"], 10, 2) == 15
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -212,18 +212,18 @@ def test_example_sampling_runs_match_uls_compute():
 
 
 def test_plan_runs_causal_lm_demo_and_grid():
-    demo = study_plan.plan_runs(grid=False, task="causal_lm")
+    demo = study_runs.runs_of_study(grid=False, task="causal_lm")
     assert [(r.run, r.mechanism, r.target_epsilon, r.adaptive) for r in demo] == [
         ("baseline", "public-only", None, False), ("non-private", "non-private", None, False),
         ("uls-eps8", "uls", 8.0, False), ("uls-eps8-adaptive", "uls", 8.0, True)]
-    grid = study_plan.plan_runs(grid=True, task="causal_lm")
+    grid = study_runs.runs_of_study(grid=True, task="causal_lm")
     assert [r.run for r in grid[:2]] == ["baseline", "non-private"]
     assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid[2:]} == {
         (m, e, a) for m in ("uls", "els") for e in (1.0, 3.0, 8.0) for a in (False, True)}
     assert len({r.run for r in grid}) == len(grid) == 14
     assert all(r.run.endswith("-adaptive") == r.adaptive for r in grid)
     with pytest.raises(ValueError, match="task"):
-        study_plan.plan_runs(grid=False, task="translation")
+        study_runs.runs_of_study(grid=False, task="translation")
 
 
 def test_causal_lm_runs_share_compute_and_hold_out_the_tuning_plays(tmp_path):
@@ -233,22 +233,22 @@ def test_causal_lm_runs_share_compute_and_hold_out_the_tuning_plays(tmp_path):
     from hf_dp.workflows.tasks.language_modeling import LanguageModelingConfig
 
     settings = study_settings.CAUSAL_LM_SETTINGS
-    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True, task="causal_lm")}
+    runs = {entry.run: entry for entry in study_runs.runs_of_study(grid=True, task="causal_lm")}
     configure = dict(examples_per_step=16, baseline_result=250.0, non_private_result=150.0, task="causal_lm")
-    baseline, none = study_plan.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
+    baseline, none = study_runs.configure_run(runs["baseline"], settings, str(tmp_path), **configure)
     assert none is None and isinstance(baseline, LanguageModelingConfig)
     assert sorted(baseline.exclude_train_plays) == sorted(study_settings.TUNING_PLAYS)
     assert not set(study_settings.TUNING_TRAIN_PLAYS) & set(study_settings.TUNING_EVAL_PLAYS)
     assert len(study_settings.TUNING_PLAYS) == 6
     dp = settings["dp"]
     for name in ("uls-eps8", "uls-eps1", "els-eps3"):
-        config, args = study_plan.configure_run(runs[name], settings, str(tmp_path), **configure)
+        config, args = study_runs.configure_run(runs[name], settings, str(tmp_path), **configure)
         assert isinstance(args, DPTrainingArguments) and args.mechanism == name[:3]
         assert (args.expected_batch_size, args.contribution_bound, args.max_steps) == (16, 1, dp["max_steps"])
         assert (args.learning_rate, args.max_grad_norm) == (dp["learning_rate"], dp["max_grad_norm"])
         assert config.non_private_result == 150.0 and config.model_dir == tmp_path / "models" / name
         assert not getattr(args, "adaptive_clipping", False)
-    _, plain = study_plan.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
+    _, plain = study_runs.configure_run(runs["non-private"], settings, str(tmp_path), **configure)
     assert not isinstance(plain, DPTrainingArguments) and isinstance(plain, TrainingArguments)
     # same compute: as many speeches per step and as many steps as a DP run (G = 1: one speech per user)
     assert (plain.per_device_train_batch_size, plain.max_steps) == (dp["expected_batch_size"], dp["max_steps"])
@@ -256,9 +256,9 @@ def test_causal_lm_runs_share_compute_and_hold_out_the_tuning_plays(tmp_path):
 
 def test_adaptive_runs_carry_the_adaptive_fields(tmp_path):
     settings = study_settings.CAUSAL_LM_SETTINGS
-    runs = {entry.run: entry for entry in study_plan.plan_runs(grid=True, task="causal_lm")}
+    runs = {entry.run: entry for entry in study_runs.runs_of_study(grid=True, task="causal_lm")}
     for name in ("uls-eps8-adaptive", "els-eps1-adaptive"):
-        _, args = study_plan.configure_run(runs[name], settings, str(tmp_path), examples_per_step=16, task="causal_lm")
+        _, args = study_runs.configure_run(runs[name], settings, str(tmp_path), examples_per_step=16, task="causal_lm")
         assert args.adaptive_clipping is True
         assert args.target_unclipped_quantile == settings["adaptive"]["target_unclipped_quantile"]
         assert args.clipping_learning_rate == settings["adaptive"]["clipping_learning_rate"]
@@ -268,9 +268,9 @@ def test_adaptive_runs_carry_the_adaptive_fields(tmp_path):
 
 def test_adaptive_run_with_an_unknown_field_says_so(tmp_path):
     settings = dict(study_settings.CAUSAL_LM_SETTINGS, adaptive={"no_such_field": 1})
-    entry = study_plan.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
+    entry = study_runs.StudyRun("uls-eps8-adaptive", "uls", 8.0, adaptive=True)
     with pytest.raises(ValueError, match="no_such_field"):
-        study_plan.configure_run(entry, settings, str(tmp_path), examples_per_step=16, task="causal_lm")
+        study_runs.configure_run(entry, settings, str(tmp_path), examples_per_step=16, task="causal_lm")
 
 
 def test_gap_closed_on_the_nll_scale():
@@ -407,7 +407,7 @@ def test_runs_without_the_baseline_evaluate_it_once_first(tiny_lm_study, tmp_pat
 def test_causal_lm_grid_on_the_tiny_model(tiny_lm_study, tmp_path):
     """Every run of the grid, fixed and adaptive clipping, trains and is summarised."""
     settings, _ = tiny_lm_study
-    runs = [entry.run for entry in study_plan.plan_runs(grid=True, task="causal_lm")]
+    runs = [entry.run for entry in study_runs.runs_of_study(grid=True, task="causal_lm")]
     summary = study.run_study(str(tmp_path), task="causal_lm", settings=settings, grid=True, runs=runs,
                               progress=False, log=lambda line: None)
     assert [row["run"] for row in summary["table"]] == runs
@@ -428,7 +428,7 @@ def test_quick_causal_lm_demo_on_smollm2(tmp_path):
     completed = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT,
                                env={**os.environ, **env})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    runs = [entry.run for entry in study_plan.plan_runs(grid=False, task="causal_lm")]
+    runs = [entry.run for entry in study_runs.runs_of_study(grid=False, task="causal_lm")]
     for run in runs:
         result = load_result(tmp_path / f"{run}.json")
         assert result is not None and result["task"] == "causal-lm" and result["metric_name"] == "perplexity", run
@@ -450,29 +450,30 @@ def test_quick_causal_lm_demo_on_smollm2(tmp_path):
 
 
 def test_plan_runs_sft_demo_grid_and_seeds():
-    demo = study_plan.plan_runs(grid=False)  # the default task
+    demo = study_runs.runs_of_study(grid=False)  # the default task
     curve = ["uls-eps8-adaptive", "uls-eps3-adaptive", "uls-eps1-adaptive"]
     assert [r.run for r in demo] == ["baseline", "non-private", *curve]
     assert [(r.target_epsilon, r.adaptive) for r in demo[2:]] == [(8.0, True), (3.0, True), (1.0, True)]
-    grid = study_plan.plan_runs(grid=True, task="sft")
+    grid = study_runs.runs_of_study(grid=True, task="sft")
     assert {(r.mechanism, r.target_epsilon, r.adaptive) for r in grid} == {
         ("public-only", None, False), ("non-private", None, False), ("uls", 8.0, False),
         *{(m, e, True) for m in ("uls", "els") for e in (1.0, 3.0, 8.0)},
     }
-    seeded = study_plan.plan_runs(grid=False, task="sft", seeds=3)
+    seeded = study_runs.runs_of_study(grid=False, task="sft", seeds=3)
     five = ["baseline", "non-private", *curve]
     assert [r.run for r in seeded] == five + [f"{run}-seed{seed}" for seed in (1, 2) for run in five]
     assert [r.seed for r in seeded] == [0] * 5 + [1] * 5 + [2] * 5
-    assert seeded[7] == study_plan.StudyRun("uls-eps8-adaptive-seed1", "uls", 8.0, True, seed=1)
-    assert study_plan.replicate_of("uls-eps8-adaptive-seed12") == ("uls-eps8-adaptive", 12)
-    assert study_plan.replicate_of("non-private") == ("non-private", 0)
+    assert seeded[7] == study_runs.StudyRun("uls-eps8-adaptive-seed1", "uls", 8.0, True, seed=1)
+    assert study_runs.replicate_of("uls-eps8-adaptive-seed12") == ("uls-eps8-adaptive", 12)
+    assert study_runs.replicate_of("non-private") == ("non-private", 0)
     with pytest.raises(ValueError, match="seeds=0"):
-        study_plan.plan_runs(grid=False, seeds=0)
+        study_runs.runs_of_study(grid=False, seeds=0)
 
 
 def test_a_seed_sets_the_run_configs_seed_and_so_its_sample_and_training():
-    (entry,) = [e for e in study_plan.plan_runs(grid=False, task="sft", seeds=2) if e.run == "uls-eps8-adaptive-seed1"]
-    config, args = study_plan.configure_run(entry, study_settings.SFT_SETTINGS, "/tmp/unused", examples_per_step=16,
+    (entry,) = [e for e in study_runs.runs_of_study(grid=False, task="sft", seeds=2)
+                if e.run == "uls-eps8-adaptive-seed1"]
+    config, args = study_runs.configure_run(entry, study_settings.SFT_SETTINGS, "/tmp/unused", examples_per_step=16,
                                             task="sft")
     assert (config.seed, args.seed, config.run) == (1, 1, "uls-eps8-adaptive-seed1")
     assert (args.mechanism, args.max_length, args.gradient_checkpointing) == ("uls", 64, False)
@@ -521,12 +522,12 @@ def tiny_chat_study(tmp_path_factory):
 def test_sft_study_with_seeds_writes_results_cards_and_headline(tiny_chat_study, tmp_path):
     logged = []
     summary = study.run_study(str(tmp_path), settings=tiny_chat_study, seeds=2, progress=False, log=logged.append)
-    runs = [entry.run for entry in study_plan.plan_runs(grid=False, task="sft", seeds=2)]
+    runs = [entry.run for entry in study_runs.runs_of_study(grid=False, task="sft", seeds=2)]
     results = {run: load_result(tmp_path / f"{run}.json") for run in runs}
     for run, result in results.items():
         assert result is not None and set(RESULT_KEYS) <= set(result), run
         assert result["task"] == "chat-sft" and result["metric_name"] == "completion perplexity"
-        assert result["config"]["seed"] == study_plan.replicate_of(run)[1]
+        assert result["config"]["seed"] == study_runs.replicate_of(run)[1]
     for suffix in ("", "-seed1"):  # each seed's DP run states its own seed's baseline and non-private figures
         baseline, plain, uls = (results[name + suffix] for name in ("baseline", "non-private", "uls-eps8-adaptive"))
         assert baseline["mechanism"] == "public-only" and baseline["epsilon"] == 0.0

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_dp.workflows import study, study_plan, study_settings
+from hf_dp.workflows import study, study_runs, study_settings
 from hf_dp.workflows.tasks import StudyTask, TaskFunctions, get_task, register_task, registered_tasks
 
 
@@ -57,8 +57,8 @@ TOY_SETTINGS = {"config": {"users": 5}, "dp": {"expected_batch_size": 2, "contri
 TOY = StudyTask(
     key="toy", result_task="toy-task", functions=lambda: TaskFunctions(ToyConfig, _load, _baseline, _train),
     settings={"default": TOY_SETTINGS, "quick": dict(TOY_SETTINGS, config={"users": 3})},
-    runs=study_plan.fixed_and_adaptive_runs(["els"], [4])[:1],
-    grid_runs=study_plan.fixed_and_adaptive_runs(["uls"], [2]),
+    runs=study_runs.fixed_and_adaptive_runs(["els"], [4])[:1],
+    grid_runs=study_runs.fixed_and_adaptive_runs(["uls"], [2]),
     headline_runs=("baseline", "els-eps4"), baseline="a coin", learns="toy labels", extras=("json",),
 )
 
@@ -76,9 +76,9 @@ def test_a_registered_task_is_planned_configured_and_run_by_the_study(toy_task, 
     assert study_settings.study_settings("toy", quick=True)["config"] == {"users": 3}
     with pytest.raises(ValueError, match="--full: only sft has a full study; --task toy"):
         study_settings.study_settings("toy", full=True)
-    plan = study_plan.plan_runs(grid=False, task="toy", seeds=2)
+    plan = study_runs.runs_of_study(grid=False, task="toy", seeds=2)
     assert [e.run for e in plan] == ["baseline", "non-private", "els-eps4", "baseline-seed1", "els-eps4-seed1"]
-    assert [e.run for e in study_plan.plan_runs(grid=True, task="toy")][2:] == ["uls-eps2", "uls-eps2-adaptive"]
+    assert [e.run for e in study_runs.runs_of_study(grid=True, task="toy")][2:] == ["uls-eps2", "uls-eps2-adaptive"]
 
     summary = study.run_study(str(tmp_path), task="toy", progress=False, log=lambda _: None)
     assert summary["task"] == "toy-task"  # the task's result_task

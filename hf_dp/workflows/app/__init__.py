@@ -1,13 +1,13 @@
 """The Gradio app: explore a privacy budget, train, compare with the public-only baseline, read the card.
 
 `hf-dp app` (or `python app/app.py`) serves four tabs over hf_dp's public API; the app does no privacy math
-itself, it shows what [`hf_dp.planner`], [`~hf_dp.DPTrainer`] and the accountant report. One module per
+itself, it shows what [`hf_dp.mechanism_table`], [`~hf_dp.DPTrainer`] and the accountant report. One module per
 job, each testable without gradio except the page itself:
 
 | module | job |
 |---|---|
 | `results.py` | result JSONs → [`RunRecord`]s ([`list_runs`]); the Results tab's table |
-| `budget.py` | **Budget**: the planner's numbers for a budget ([`budget_view`]), the accuracy cost read off runs |
+| `budget.py` | **Budget**: `hf-dp plan`'s numbers for a budget ([`budget_view`]), the accuracy cost read off runs |
 | `training.py` | **Train**: a short DP run (chat SFT or classification) in a background thread ([`TrainingJob`]) |
 | `compare.py` | **Compare**: a run's outputs beside the public-only baseline's on one text ([`compare_view`]) |
 | `plot.py`, `cards.py` | **Results**: `eval_result` against ε ([`privacy_utility_figure`]), the privacy card |
@@ -16,7 +16,7 @@ job, each testable without gradio except the page itself:
 
 - **Budget**: `target_epsilon` (log-scale slider), `target_delta`, `privacy_unit`, `sampling`, `users`,
   `examples_per_user`, `examples_per_step` (the compute budget: expected examples processed per step, the same for
-  every mechanism) and `steps` go to [`hf_dp.planner.plan`]; the page shows the noise multiplier σ each
+  every mechanism) and `steps` go to [`hf_dp.mechanism_table.compare`]; the page shows the noise multiplier σ each
   mechanism needs, the recommended contribution bound G, each mechanism's `expected_batch_size` with its unit
   (users for ULS, examples for ELS and example-level), and an *expected accuracy cost* read off the finished runs
   in `results/` (interpolated in log ε between measured runs; said plainly when there is nothing to read it from).
@@ -59,7 +59,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from hf_dp.parser import ArgumentParser, check_numbers, require_extra, run_command
+from hf_dp.command_line import ArgumentParser, check_numbers, require_extra, run_command
 
 from .budget import budget_view, expected_accuracy_cost, plan_budget, study_budget_defaults
 from .cards import privacy_card_markdown

@@ -2,7 +2,7 @@
 
 No privacy math here: σ, the contribution bound G, the sample rate, `expected_batch_size` (users per step for
 ULS, examples per step otherwise; its unit is the planner's `sampled_unit`) and δ come from
-[`hf_dp.planner.plan`], called with the compute budget `examples_per_step` (expected examples processed
+[`hf_dp.mechanism_table.compare`], called with the compute budget `examples_per_step` (expected examples processed
 per step, the same for every mechanism). Its rows are memoised by their inputs ([`plan_budget`]): the planner's
 numbers do not change, a repeated budget answers at once. The *expected result* is read off measured runs only
 ([`expected_accuracy_cost`]): between two measured ε it is interpolated in log ε, elsewhere the tab says that
@@ -52,7 +52,7 @@ def study_budget_defaults(results_dir) -> dict:
     `examples_per_user` from its result's `num_train_examples` / `num_train_users` (the rows a user has before G
     keeps some; the report's `num_examples` otherwise), its `contribution_bound`, `steps`, the accountant's δ
     (`delta_accountant`), `target_epsilon`, and
-    `examples_per_step` = `expected_batch_size` × min(rows per user, G) for ULS (the planner's m(G) for that many
+    `examples_per_step` = `expected_batch_size` × min(rows per user, G) for ULS (the table's m(G) for that many
     rows per user), `expected_batch_size` otherwise. Without such a run: the chat study's settings
     ([`~hf_dp.workflows.study_settings.SFT_SETTINGS`]: 16 roles per step, G = 1, 60 steps, ε = 8), its data's
     numbers ([`SFT_STUDY_DATA`]) and the trainer's default δ = 1/(10·users), as the planner states it.
@@ -106,9 +106,9 @@ def _target(run: RunRecord) -> float:
 
 @functools.lru_cache(maxsize=512)
 def _planned(key: tuple) -> tuple:
-    from hf_dp import planner
+    from hf_dp import mechanism_table
 
-    return tuple(planner.plan(**dict(key)))
+    return tuple(mechanism_table.compare(**dict(key)))
 
 
 def plan_budget(*, target_epsilon: float, target_delta: float | None, users: int, examples_per_user: int,
@@ -116,9 +116,9 @@ def plan_budget(*, target_epsilon: float, target_delta: float | None, users: int
                 contribution_bound: int | None = None) -> list[dict]:
     """The planner's rows (one per mechanism: `"uls"`, `"els"`, `"example"`) for these settings.
 
-    A thin call into [`hf_dp.planner.plan`] (its docstring lists the keys); the numbers are the planner's.
+    A thin call into [`hf_dp.mechanism_table.compare`] (its docstring lists the keys).
     `examples_per_step` is the compute budget, expected examples processed per step, the same for every mechanism;
-    `contribution_bound` `None` lets the planner recommend G, `target_delta` `None` takes its default. The rows of
+    `contribution_bound` `None` lets the table recommend G, `target_delta` `None` takes its default. The rows of
     each distinct input are computed once and memoised (copies are returned).
 
     Raises:
@@ -348,7 +348,7 @@ def budget_view(results_dir, target_epsilon: float, target_delta: float, privacy
     """The Budget tab: (headline markdown, table HTML, state). Errors come back as one line in the headline, with
     an empty table (no stale numbers) and state `None`.
 
-    `contribution_bound` `None` (an empty box) lets the planner recommend G; `noise_multiplier` `None` or 0 leaves
+    `contribution_bound` `None` (an empty box) lets the table recommend G; `noise_multiplier` `None` or 0 leaves
     out "ε at fixed σ". `previous` is the state of the view shown before: when the recommended G changed and σ
     moved with ε, the headline says why ([`g_change_note`]).
     """

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from hf_dp.formatting import format_number
-from hf_dp.parser import check_numbers
+from hf_dp.command_line import check_numbers
 from hf_dp.vocabulary import lower_is_better
 
 from .common import AppError, error_md, mechanism_label, one_line

@@ -61,7 +61,7 @@ def _budget_tab(gr, demo, results_dir: str) -> None:
     """The Budget tab: the planner's table for the settings on the page, recomputed when one changes."""
     study = study_budget_defaults(results_dir)
     gr.Markdown(f"Opens on the study's budget, from {study['source']}. Every number below is "
-                "`hf_dp.planner.plan`'s.", elem_id="budget-source")
+                "`hf_dp.mechanism_table.compare`'s.", elem_id="budget-source")
     with gr.Row():
         with gr.Column(scale=1):
             # the slider moves on log₂ ε; its own number box (which would show log₂ ε, "3" beside ε = 8) is

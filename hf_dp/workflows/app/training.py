@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from hf_dp.formatting import format_epsilon, format_number, format_significant
-from hf_dp.parser import check_numbers
+from hf_dp.command_line import check_numbers
 from hf_dp.vocabulary import DP_MECHANISMS, MECHANISMS, lower_is_better
 
 from .common import AppError, error_md, one_line

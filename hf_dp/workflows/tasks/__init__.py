@@ -78,7 +78,7 @@ class StudyTask:
         settings: `"default"`, `"quick"` and, where it has one, `"full"`: the settings dicts of
             [`hf_dp.workflows.study_settings`].
         runs: the default study's runs after the baseline and the non-private run
-            ([`~hf_dp.workflows.study_plan.StudyRun`]s).
+            ([`~hf_dp.workflows.study_runs.StudyRun`]s).
         grid_runs: the same for `--grid`.
         headline_runs: the run names `--seeds N` repeats (the baseline and the non-private run among them).
         baseline: what the baseline is, in words (the study's progress lines).

@@ -7,7 +7,7 @@ module only when a run needs them. [`hf_dp.workflows.tasks`] imports this module
 
 from __future__ import annotations
 
-from hf_dp.workflows.study_plan import StudyRun, adaptive_runs, fixed_and_adaptive_runs
+from hf_dp.workflows.study_runs import StudyRun, adaptive_runs, fixed_and_adaptive_runs
 from hf_dp.workflows.study_settings import (
     CAUSAL_LM_QUICK_SETTINGS,
     CAUSAL_LM_SETTINGS,

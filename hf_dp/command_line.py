@@ -22,7 +22,7 @@ anything is loaded, trained or written.
 
 ```python
 >>> from dataclasses import dataclass, field
->>> from hf_dp.parser import ArgumentParser
+>>> from hf_dp.command_line import ArgumentParser
 >>> @dataclass
 ... class Flags:
 ...     target_epsilon: float | None = field(default=8.0, metadata={"help": "ε; None for a fixed σ."})

@@ -1,4 +1,4 @@
-"""Budget planner: noise, ε and contribution bound of every registered mechanism, at one compute budget.
+"""Mechanism table: noise, ε and contribution bound of every registered mechanism, at one compute budget.
 
 Pure functions with keyword arguments returning plain dicts, for the `hf-dp plan` command and the Gradio app. Each
 registered mechanism ([`~hf_dp.mechanisms.registered_mechanisms`]: ULS, ELS and example-level DP-SGD, then any a
@@ -18,7 +18,7 @@ prediction, ELS's median, none at the example level), which δ applies (1/(10·u
 the accountant composes (its group size: G for ELS's mixture of Gaussians, 1 otherwise). Example-level DP-SGD
 protects single rows only: a user with many rows is not protected as a whole.
 
-Nothing here changes a guarantee by itself: it predicts what a run with these settings spends. [`plan`] reads the
+Nothing here changes a guarantee by itself: it predicts what a run with these settings spends. [`compare`] reads the
 counts it is given exactly (the median, the largest count): give it public or assumed numbers. On private data,
 [`private_contribution_bound`] (what `DPTrainer` runs for `contribution_bound="auto"`) chooses G with ε-DP from the
 public grid `CONTRIBUTION_BOUND_GRID`, through a DP median ([`~hf_dp.user_counts.private_quantile`], the
@@ -56,7 +56,7 @@ from hf_dp.user_counts import (  # noqa: F401  (the planner's public names of hf
 
 __all__ = [
     "CONTRIBUTION_BOUND_GRID",
-    "plan",
+    "compare",
     "private_contribution_bound",
     "private_quantile",
     "quantile_probabilities",
@@ -130,7 +130,7 @@ def _population(users, examples_per_user) -> UserCounts:
     return population
 
 
-def plan(*, users: int | None = None, examples_per_user=None, examples_per_step: float = 64,
+def compare(*, users: int | None = None, examples_per_user=None, examples_per_step: float = 64,
          steps: int | None = None, target_epsilon: float = DEFAULT_TARGET_EPSILON, target_delta: float | None = None,
          noise_multiplier: float | None = None, contribution_bound: int | None = None,
          adaptive_clipping: bool = False, clipping_count_noise: float | None = None,
@@ -185,7 +185,7 @@ def plan(*, users: int | None = None, examples_per_user=None, examples_per_step:
             beyond the noise sampler's range at the rows' smallest δ ([`~hf_dp.accounting.floating_point`]), ...).
 
     Example:
-        >>> rows = plan(users=1000, examples_per_user=20, examples_per_step=64, steps=300, target_epsilon=4.0)
+        >>> rows = compare(users=1000, examples_per_user=20, examples_per_step=64, steps=300, target_epsilon=4.0)
         >>> [(row["mechanism"], round(row["expected_batch_size"], 1), row["sampled_unit"]) for row in rows]
         [('uls', 32.0, 'users'), ('els', 64.0, 'examples'), ('example', 64.0, 'examples')]
     """
@@ -282,8 +282,8 @@ def _row(mechanism: DPMechanism, group, expected_batch_size, population, example
         "epsilon_at_fixed_noise": None,
         "examples_used": examples_used,
         "note": note,
-        "skip": skip,  # not accounted (removed before `plan` returns)
-        "unbounded": False,  # ε at the fixed σ beyond the accountant's range (removed before `plan` returns)
+        "skip": skip,  # not accounted (removed before `compare` returns)
+        "unbounded": False,  # ε at the fixed σ beyond the accountant's range (removed before `compare` returns)
     }
     if skip:
         return row

@@ -1,6 +1,6 @@
 """What the study behind `hf-dp demo` runs: its list of runs, and the run config and training arguments of each.
 
-[`plan_runs`] names the runs of a study (the demo's few, or the `--grid`: the task's own lists, see
+[`runs_of_study`] names the runs of a study (the demo's few, or the `--grid`: the task's own lists, see
 [`~hf_dp.workflows.tasks.StudyTask`]), each a [`StudyRun`] (a mechanism, a target ε, a fixed or an adaptive
 clipping norm); [`configure_run`] turns one into the task's run config and its
 training arguments, from the settings of [`hf_dp.workflows.study_settings`]. [`hf_dp.workflows.study`] runs them.
@@ -14,7 +14,7 @@ from hf_dp.vocabulary import MECHANISMS
 from hf_dp.workflows.tasks import get_task
 
 __all__ = ["StudyRun", "adaptive_runs", "configure_run", "fixed_and_adaptive_runs", "matching_examples_per_step",
-           "plan_runs", "replicate_of", "run_config_class", "seed_suffix"]
+           "runs_of_study", "replicate_of", "run_config_class", "seed_suffix"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ def replicate_of(run: str) -> tuple[str, int]:
     return (name, int(seed)) if name and seed.isdigit() else (run, 0)
 
 
-def plan_runs(grid: bool, task: str = "sft", seeds: int = 1) -> list[StudyRun]:
+def runs_of_study(grid: bool, task: str = "sft", seeds: int = 1) -> list[StudyRun]:
     """The demo's runs, or the grid's (baseline and non-private first: their numbers go into the DP cards), then
     the task's `headline_runs` ([`~hf_dp.workflows.tasks.StudyTask`]) again with seeds 1 to `seeds - 1` (named
     `<run>-seed<k>`; each seed its own test sample, training order, initialisation and noise). The runs are the
