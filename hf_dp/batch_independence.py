@@ -16,6 +16,8 @@ attached late is probed too; again before any later step whose modules or forwar
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -37,9 +39,11 @@ def check_batch_independence(model: nn.Module, features: dict | None = None, *, 
     output as row 0 inside batches of 3 and 8 rows (the other rows repeated as needed): nothing may depend on the
     batch's padded length or number of rows.
 
-    Outputs are compared to 10⁻⁴ of their scale, or 2·10⁻² when the forward pass computes in half precision
-    (`half_precision`: autocast or FSDP2's bf16 parameters, whose rounding depends on the padded shape; also assumed
-    for half-precision outputs or weights, and for float32 matmuls in TF32).
+    The probes run with autocast off and accelerate's mixed-precision wrapper of `forward` lifted, so a float32
+    model computes in float32 (bf16 autocast rounds by the batch's shape: it moved SmolLM2's logits by 0.8 between
+    two paddings of the same rows). Outputs are compared to 10⁻⁴ of their scale, or 2·10⁻² where the forward pass
+    still computes in half precision (`half_precision` under FSDP2, whose bf16 policy casts inside the forward;
+    half-precision weights; float32 matmuls in TF32).
 
     The probe trains nothing and releases nothing (its only outcome is refusing to train), so it spends
     no privacy budget; RNG state, buffers and train/eval mode are restored afterwards.
@@ -56,11 +60,40 @@ def check_batch_independence(model: nn.Module, features: dict | None = None, *, 
             )
     if features:
         inputs = {k: v for k, v in features.items() if k != "labels"}
-        half = half_precision or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) \
-            or _reduced_float32_matmul()
-        _probe(model, inputs, half)
-        _padding_probe(model, inputs, half)
-        _row_count_probe(model, inputs, half)
+        with _without_autocast(model) as lifted:
+            # autocast lifted, a float32 model computes exactly: only half-precision weights (FSDP2's bf16 policy,
+            # bf16/fp16 parameters) or TF32 matmuls keep the half-precision tolerance
+            half = (half_precision and not lifted) or _reduced_float32_matmul() \
+                or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+            _probe(model, inputs, half)
+            _padding_probe(model, inputs, half)
+            _row_count_probe(model, inputs, half)
+
+
+@contextlib.contextmanager
+def _without_autocast(model: nn.Module):
+    """The probes' forward passes in the parameters' own precision: autocast off, and accelerate's mixed-precision
+    wrapper of `forward` lifted (its `_original_forward` put back, hooks kept) until they end. Yields whether
+    mixed precision (if any) was lifted: bf16 autocast rounds by the batch's shape (oneDNN's and cuBLAS' blocking),
+    which moved SmolLM2's logits by 0.8 between two paddings of the same rows, so under autocast a padded-length
+    or row-count dependence could only be told from rounding at a tolerance that would hide one."""
+    patched = model
+    while patched is not None and "_original_forward" not in vars(patched):
+        inner = getattr(patched, "module", None)  # DDP: accelerate patched the module it wraps
+        patched = inner if isinstance(inner, nn.Module) else None
+    sharded = any(type(module).__name__.startswith("FSDP") for module in model.modules())  # casts inside forward
+    wrapper = vars(patched).get("forward") if patched is not None else None
+    if wrapper is not None:
+        patched.forward = patched._original_forward
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    try:
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            yield not sharded
+    finally:
+        if wrapper is not None:
+            patched.forward = wrapper
 
 
 def _reduced_float32_matmul() -> bool:

@@ -156,3 +156,37 @@ def test_float32_matmuls_in_tf32_get_the_half_precision_tolerance():
         check_batch_independence(model, features)
     finally:
         torch.set_float32_matmul_precision("highest")
+
+
+# ---- under mixed precision the probes compute in the parameters' own precision ------------------------------------
+
+
+def _accelerate_bf16(model: nn.Module) -> nn.Module:
+    """`model` with its forward wrapped as `Accelerator(mixed_precision="bf16").prepare_model` wraps it."""
+    from accelerate import Accelerator
+
+    return Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+
+
+def test_mixed_precision_is_lifted_while_the_probes_run_and_put_back():
+    """bf16 autocast rounds by the batch's shape (it moved SmolLM2's logits by 0.8 between two paddings of the same
+    rows): the probes run with accelerate's autocast wrapper lifted and autocast off, so a float32 model is compared
+    exactly; the wrapper is back afterwards, and a real padded-length dependence is still refused."""
+    model = tiny_model("llama", "causal_lm")
+    features = model_inputs(tiny_batch(head="causal_lm"))
+    prepared = _accelerate_bf16(model)
+    wrapper = vars(prepared)["forward"]
+    seen = []
+    handle = prepared.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: seen.append((torch.is_autocast_enabled("cpu"), output.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the trainer's own autocast context, too
+        check_batch_independence(prepared, features, half_precision=True)
+    handle.remove()
+    assert seen and set(seen) == {(False, torch.float32)}
+    assert vars(prepared)["forward"] is wrapper
+    assert prepared(**features).logits.dtype == torch.float32  # accelerate's wrapper still converts outputs
+    handle = _neftune_like(prepared)
+    with pytest.raises(ValueError, match="padded length"):
+        check_batch_independence(prepared, features, half_precision=True)
+    handle.remove()
+    assert vars(prepared)["forward"] is wrapper  # put back after a refusal too

@@ -42,8 +42,8 @@ def test_the_progress_bar_shows_epsilon_computed_every_two_percent_and_sigma():
         callback.on_step_end(None, SimpleNamespace(global_step=step), None)
     assert len(trainer.epsilon_calls) == 50  # every 2 steps of 100, the last included: not every step
     assert len(bar.postfixes) == 100
-    assert bar.postfixes[0] == {"eps": "0", "sigma": "1.23", "refresh": False}  # step 1: none computed yet
-    assert bar.postfixes[-1] == {"eps": "1", "sigma": "1.23", "refresh": False}  # 0.5 + 0.01 · 50
+    assert bar.postfixes[0] == {"eps": "0.00", "sigma": "1.23", "refresh": False}  # step 1: none computed yet
+    assert bar.postfixes[-1] == {"eps": "1.00", "sigma": "1.23", "refresh": False}  # 0.5 + 0.01 · 50, rounded up
     assert all(set(postfix) == {"eps", "sigma", "refresh"} for postfix in bar.postfixes)  # never a sampled size
     short = FakeTrainer(steps=7, bar=Bar())
     for step in range(1, 8):
