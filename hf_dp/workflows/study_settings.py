@@ -15,11 +15,11 @@ causal-LM study's (same model, same roles' lines; chosen there on the tuning pla
 checked on this task's own proxy, `benchmarks/chat_sft_tuning.py` (train on the conversations of three tuning
 plays, evaluate on the other three, with the study's noise): at the same compute, 32 or 48 users per step for 30 or
 20 steps and a doubled learning rate were level or worse (docs/studies.md has the table). So: LoRA r = 8 on the
-attention queries and values of the top 4 of the 30 layers, ULS with 16 roles per step (q = 0.0210 over the 762
-roles that keep a reply) and G = 1 conversation each, 60 steps, Adam at 1e-2 with linear decay, C₀ = 0.1 with
+attention queries and values of the top 4 of the 30 layers, ULS with 16 roles per step (q = 0.0196 over the 817
+training roles) and G = 1 conversation each, 60 steps, Adam at 1e-2 with linear decay, C₀ = 0.1 with
 adaptive clipping towards the median (σ_b = 1.6); non-private: 60 steps of 16 conversations at 1e-2. Three choices
-are for time on a 2-core machine, all public: conversations are cut to 64 tokens (SFTTrainer's `max_length`,
-keeping the start; 16 rows of 64 tokens make a step), a short system prompt ([`SFT_SYSTEM_PROMPT`]) replaces
+are for time on a 2-core machine, all public: conversations are cut to 64 tokens (SFTTrainer's `max_length`;
+a longer one loses the start of its prompt and keeps its reply; 16 rows of 64 tokens make a step), a short system prompt ([`SFT_SYSTEM_PROMPT`]) replaces
 SmolLM2's default one, which would take 20 of the 64 tokens, and training runs in bf16 autocast where the CPU
 multiplies bf16 natively (`bf16_on_cpu`: a step 2.2 s instead of 3.9). Activation checkpointing (SFTConfig's
 default) is off: with adapters in the top 4 layers only, it would make the whole network take part in the backward

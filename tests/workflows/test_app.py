@@ -603,17 +603,17 @@ def test_the_budget_tab_opens_on_the_studys_budget(tmp_path, results):
     from hf_dp import mechanism_table
     from hf_dp.workflows.study_settings import SFT_SETTINGS
 
-    # no study run yet: the chat study's settings and data (about 770 roles, δ = 1/(10·users) = 1.3e-4)
+    # no study run yet: the chat study's settings and data (817 roles, δ = 1/(10·users) = 1.2e-4)
     empty = app.study_budget_defaults(tmp_path)
     dp = SFT_SETTINGS["dp"]
-    assert (empty["users"], empty["target_delta"]) == (770, 1.3e-4)
+    assert (empty["users"], empty["target_delta"], empty["examples_per_user"]) == (817, 1.2e-4, 24)
     assert empty["contribution_bound"] == dp["contribution_bound"] and empty["steps"] == dp["max_steps"]
     assert empty["examples_per_step"] == dp["expected_batch_size"] * dp["contribution_bound"]
     assert (empty["privacy_unit"], empty["sampling"], empty["target_epsilon"]) == ("user", "uls", 8.0)
-    row = mechanism_table.compare(users=770, examples_per_user=empty["examples_per_user"], examples_per_step=16,
+    row = mechanism_table.compare(users=817, examples_per_user=empty["examples_per_user"], examples_per_step=16,
                                   steps=60, target_epsilon=8.0, contribution_bound=1)[0]
     assert row["expected_batch_size"] == dp["expected_batch_size"]  # the study's 16 roles per step
-    assert row["sample_rate"] == pytest.approx(16 / 770)
+    assert row["sample_rate"] == pytest.approx(16 / 817)
     # a study in the folder: what its ULS run at ε = 8 recorded (its privacy report)
     report = json.loads((results / "uls-eps8.json").read_text())["privacy"]
     study = app.study_budget_defaults(results)
@@ -626,7 +626,7 @@ def test_the_budget_tab_opens_on_the_studys_budget(tmp_path, results):
     # and the page's boxes open on them
     values = {block.elem_id: block.value for block in app.build_app(tmp_path).blocks.values()
               if getattr(block, "elem_id", None) and hasattr(block, "value")}
-    assert (values["users"], values["delta"], values["contribution-bound"], values["steps"]) == (770, 1.3e-4, 1, 60)
+    assert (values["users"], values["delta"], values["contribution-bound"], values["steps"]) == (817, 1.2e-4, 1, 60)
 
 
 def test_no_box_has_gradio_bounds_that_would_refuse_in_a_toast(results):

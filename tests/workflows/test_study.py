@@ -416,34 +416,6 @@ def test_causal_lm_grid_on_the_tiny_model(tiny_lm_study, tmp_path):
         assert row["adaptive_clipping"] == row["run"].endswith("-adaptive")
 
 
-@pytest.mark.slow
-def test_quick_causal_lm_demo_on_smollm2(tmp_path):
-    """`python -m hf_dp.workflows.study --task causal_lm --quick`: the real SmolLM2 (fetched and converted once by
-    `smollm2_path`, as the recipe does) through the whole pipeline on a tiny subset."""
-    import os
-
-    command = [sys.executable, "-m", "hf_dp.workflows.study", "--task", "causal_lm", "--quick", "--results_dir",
-               str(tmp_path), "--no_progress", "--num_threads", "1"]
-    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT,
-                               env={**os.environ, **env})
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    runs = [entry.run for entry in study_runs.runs_of_study(grid=False, task="causal_lm")]
-    for run in runs:
-        result = load_result(tmp_path / f"{run}.json")
-        assert result is not None and result["task"] == "causal-lm" and result["metric_name"] == "perplexity", run
-        assert "smollm2" in result["base_model"]
-        assert math.isfinite(result["eval_nll"]) and result["num_eval_examples"] == 16
-    adaptive = load_result(tmp_path / "uls-eps8-adaptive.json")
-    assert adaptive["privacy"]["adaptive_clipping"] is True and adaptive["config"]["adaptive_clipping"] is True
-    assert adaptive["privacy"]["max_grad_norm"] == study_settings.CAUSAL_LM_SETTINGS["dp"]["max_grad_norm"]
-    assert not load_result(tmp_path / "uls-eps8.json")["privacy"]["adaptive_clipping"]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [row["run"] for row in summary["table"]] == runs and summary["quick"] is True
-    assert (tmp_path / "privacy_utility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "uls-eps8-adaptive" in completed.stdout and "gap closed" in completed.stdout
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The chat SFT study (the default): planned runs, seeds, and a tiny end-to-end run on a tiny chat Llama
 # --------------------------------------------------------------------------------------------------------------------

@@ -36,11 +36,10 @@ PLAN_ROWS = (
     ("noise_std", "noise std (σ / expected_batch_size)"), ("epsilon_at_fixed_noise", "ε at fixed σ"),
     ("delta", "δ"), ("sampler_delta", "δ the sampler's finite support adds"),
 )
-# The chat study's training data after its 64-token cut (docs/studies.md, "What the 64 tokens drop"): 767 of the
-# 817 training roles keep a conversation (770 as the card rounds it), 14,655 conversations (19.1 per role), measured
-# with SmolLM2's tokenizer. Used only when the results folder has no study run to read them from; its privacy report
-# records them (rounded) once it has.
-SFT_STUDY_DATA = dict(users=770, examples_per_user=19)
+# The chat study's training data (docs/studies.md, "What the 64 tokens cut"): its 817 training roles, 19,416
+# conversations (23.8 per role), every one kept by the 64-token cut (it keeps each reply). Used only when the results
+# folder has no study run to read them from.
+SFT_STUDY_DATA = dict(users=817, examples_per_user=24)
 # A measured run counts as measured "at" ε within this ratio (the slider's two decimals: 2^1.58 = 2.99 for 3).
 _SAME_EPSILON = 1.01
 
@@ -94,7 +93,7 @@ def study_budget_defaults(results_dir) -> dict:
                     steps=int(dp["max_steps"]), contribution_bound=group)
     rows = plan_budget(target_delta=None, **{k: settings[k] for k in (
         "target_epsilon", "users", "examples_per_user", "examples_per_step", "steps", "contribution_bound")})
-    delta = float(format_number(rows[0]["delta"], ".2g"))  # 1/(10·users), the planner's default: 1.3e-4 for 770
+    delta = float(format_number(rows[0]["delta"], ".2g"))  # 1/(10·users), the planner's default: 1.2e-4 for 817
     return dict(settings, target_delta=delta,
                 source="the chat study's settings (`SFT_SETTINGS`; no study run in the results folder yet)")
 

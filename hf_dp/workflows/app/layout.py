@@ -127,7 +127,7 @@ def _train_tab(gr, demo, job: TrainingJob, results_dir: str):
         # the page what is wrong (gradio's bounds would refuse it in a toast instead)
         train_eps = gr.Number(8.0, label=TRAIN_LABELS["target_epsilon"], elem_id="train-epsilon")
         train_users = gr.Number(defaults["max_train_users"], label=TRAIN_LABELS["max_train_users"],
-                                info="roles trained on, 2 or more (the chat study has about 770)",
+                                info="roles trained on, 2 or more (the chat study has 817)",
                                 elem_id="train-users")
         train_steps = gr.Number(defaults["max_steps"], label=TRAIN_LABELS["max_steps"],
                                 info="1 or more; a step takes a few seconds on 2 CPU cores",
