@@ -320,10 +320,11 @@ def check_plan(prepared: PreparedRun, data):
     """The trainer's privacy plan for `data`, before any model loads; its refusal in the form's words.
 
     The rows are those the trainer will partition by user: for chat, the conversations tokenized as `SFTTrainer`
-    prepares them (a conversation longer than the 64 tokens loses the start of its prompt and keeps its reply); for classification, the training rows. They are partitioned under G
-    ([`hf_dp.contribution.partition`]) and planned with [`hf_dp.privacy_plan.plan_privacy`], the trainer's own
-    checks (an `expected_batch_size` above the users or examples there are, a δ not below 1/users, an ε no noise
-    reaches, the sampler's δ). Nothing here is released, so it spends no ε. A non-private run has no plan.
+    prepares them (a conversation longer than the 64 tokens loses the start of its prompt and keeps its reply); for
+    classification, the training rows. They are partitioned under G ([`hf_dp.contribution.partition`]) and planned with
+    [`hf_dp.privacy_plan.plan_privacy`], the trainer's own checks (an `expected_batch_size` above the users or examples
+    there are, a δ not below 1/users, an ε no noise reaches, the sampler's δ). Nothing here is released, so it spends no
+    ε. A non-private run has no plan.
 
     Returns:
         The [`~hf_dp.privacy_plan.PrivacyPlan`], or `None` for a non-private run.
