@@ -18,12 +18,13 @@ plays, evaluate on the other three, with the study's noise): at the same compute
 attention queries and values of the top 4 of the 30 layers, ULS with 16 roles per step (q = 0.0196 over the 817
 training roles) and G = 1 conversation each, 60 steps, Adam at 1e-2 with linear decay, C₀ = 0.1 with
 adaptive clipping towards the median (σ_b = 1.6); non-private: 60 steps of 16 conversations at 1e-2. Three choices
-are for time on a 2-core machine, all public: conversations are cut to 64 tokens (SFTTrainer's `max_length`;
-a longer one loses the start of its prompt and keeps its reply; 16 rows of 64 tokens make a step), a short system
+are for time on a 2-core machine, all public: conversations are cut to 64 tokens (SFTTrainer's `max_length`; a
+longer one loses the start of its prompt and keeps its reply; 16 rows of 64 tokens make a step), a short system
 prompt ([`SFT_SYSTEM_PROMPT`]) replaces SmolLM2's default one, which would take 20 of the 64 tokens, and training
-runs in bf16 autocast where the CPU multiplies bf16 natively (`bf16_on_cpu`: a step 2.2 s instead of 3.9). Activation checkpointing (SFTConfig's
-default) is off: with adapters in the top 4 layers only, it would make the whole network take part in the backward
-pass. [`SFT_FULL_SETTINGS`] (`--full`) trains 48 roles per step for 120 steps.
+runs in bf16 autocast where the CPU multiplies bf16 natively (`bf16_on_cpu`: a step 2.2 s instead of 3.9).
+Activation checkpointing (SFTConfig's default) is off: with adapters in the top 4 layers only, it would make the
+whole network take part in the backward pass. [`SFT_FULL_SETTINGS`] (`--full`) trains 48 roles per step for 120
+steps.
 
 **Classification** ([`DEMO_SETTINGS`], and [`QUICK_SETTINGS`] for `--quick`). The fine-tuned classifier *starts as
 the public-only baseline*: mean-pooled MiniLM embeddings, a head whose rows are the label descriptions' embeddings,
