@@ -84,7 +84,8 @@ def _installed_closure(requirement: str) -> tuple[set[str], list[str]]:
 
 def test_the_main_commands_install_brings_the_app():
     """README command 1 installs what `hf-dp app` imports (gradio), so its results open in the app with no other
-    install; the app then imports and builds over an empty results folder."""
+    install: its extras' closure (from the installed metadata) holds gradio, its install line run by pip offline
+    (`--dry-run --no-index`) resolves here needing only hf_dp itself, and the app then builds over an empty folder."""
     text = README.read_text()
     demo = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()[0]
     extras = re.search(r'pip install -e "\.\[([a-z,]+)\]"', demo)
