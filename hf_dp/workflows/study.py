@@ -341,7 +341,7 @@ class StudyArguments:
     task: str = field(
         default=DEFAULT_TASK,
         metadata={"help": "sft (default: SmolLM2-135M-Instruct chat fine-tuning with DPSFTTrainer, completion "
-                          "perplexity; baseline, non-private, ULS at ε = 8, 3, 1: ≈ 12 min on 2 cores), causal_lm "
+                          "perplexity; baseline, non-private, ULS at ε = 8, 3, 1: ≈ 8 min on 2 cores), causal_lm "
                           "(SmolLM2, next-token NLL) or classification (MiniLM, Folio genre).",
                   "choices": task_names()})
     grid: bool = field(default=False,
