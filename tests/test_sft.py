@@ -46,14 +46,16 @@ def tiny_chat_model(seed: int = 0, dtype=torch.float32):
     return LlamaForCausalLM(config).to(dtype)
 
 
-def conversations(num_users: int = 24, seed: int = 0) -> Dataset:
-    """Users with 1..4 conversations each: a user turn and the user's (assistant) reply."""
+def conversations(num_users: int = 24, seed: int = 0, *, per_user=(1, 4), prompt_words=(2, 6),
+                  reply_words=(2, 6)) -> Dataset:
+    """Users with 1..4 conversations each (`per_user`): a user turn and the user's (assistant) reply, of 2..6 words
+    each (`prompt_words`, `reply_words`)."""
     rng = random.Random(seed)
     rows = {"messages": [], "user_id": []}
     for user in range(num_users):
-        for _ in range(rng.randint(1, 4)):
-            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
-            reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
+        for _ in range(rng.randint(*per_user)):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_words)))
+            reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*reply_words)))
             rows["messages"].append([{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}])
             rows["user_id"].append(f"user-{user}")
     return Dataset.from_dict(rows)

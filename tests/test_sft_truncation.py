@@ -7,11 +7,10 @@ are compared with TRL's untruncated rows; `tokenize_prompt_completion` (the stud
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 from datasets import Dataset
-from test_sft import WORDS, chat_tokenizer, config, tiny_chat_model
+from test_sft import chat_tokenizer, config, conversations, tiny_chat_model
 
 from hf_dp.sft import DPSFTConfig, DPSFTTrainer
 from hf_dp.sft_truncation import keep_reply, reply_window
@@ -35,17 +34,10 @@ def test_the_cut_keeps_the_reply_and_the_token_before_it_for_every_length():
                     assert kept_ids[0] == min(len(ids) - max_length, prompt - 1)  # context's start goes first
 
 
-def long_prompt_conversations(num_users: int = 12, seed: int = 0) -> Dataset:
-    """Every user's prompts are 8 to 14 words, replies 2 to 4: at max_length=12, TRL's keep_start cuts most replies."""
-    rng = random.Random(seed)
-    rows = {"messages": [], "user_id": []}
-    for user in range(num_users):
-        for _ in range(2):
-            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 14)))
-            reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 4)))
-            rows["messages"].append([{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}])
-            rows["user_id"].append(f"user-{user}")
-    return Dataset.from_dict(rows)
+def long_prompt_conversations() -> Dataset:
+    """12 users with 2 conversations each, prompts of 8 to 14 words, replies of 2 to 4: at max_length=12, TRL's
+    keep_start cuts most replies."""
+    return conversations(12, per_user=(2, 2), prompt_words=(8, 14), reply_words=(2, 4))
 
 
 def _trainer(tmp_path, **overrides) -> DPSFTTrainer:
