@@ -20,6 +20,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -81,7 +82,7 @@ def _without_autocast(model: nn.Module):
     while patched is not None and "_original_forward" not in vars(patched):
         inner = getattr(patched, "module", None)  # DDP: accelerate patched the module it wraps
         patched = inner if isinstance(inner, nn.Module) else None
-    sharded = any(type(module).__name__.startswith("FSDP") for module in model.modules())  # casts inside forward
+    sharded = any(isinstance(module, FSDPModule) for module in model.modules())  # its policy casts inside forward
     wrapper = vars(patched).get("forward") if patched is not None else None
     if wrapper is not None:
         patched.forward = patched._original_forward

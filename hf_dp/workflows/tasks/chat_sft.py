@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Sequence
 
-from hf_dp.sft_truncation import KEEP_REPLY, ReplyKeepingMixin, reply_window
+from hf_dp.sft_truncation import KEEP_REPLY, ReplyKeepingMixin, keep_reply
 from hf_dp.workflows.run_data import (
     check_disjoint_users,
     load_splits,
@@ -265,9 +265,10 @@ def tokenize_prompt_completion(dataset, tokenizer, *, max_length: int | None = 2
         while start < min(len(prompt), len(ids)) and prompt[start] == ids[start]:
             start += 1
         labels = [-100] * start + ids[start:]
-        if max_length is not None:
-            cut = {"keep_start": slice(None, max_length), "keep_end": slice(-max_length, None)}.get(
-                truncation_mode) or reply_window(labels, max_length)
+        if max_length is not None and truncation_mode == KEEP_REPLY:
+            ids, labels = keep_reply(ids, labels, max_length)
+        elif max_length is not None:  # TRL's own modes
+            cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
             ids, labels = ids[cut], labels[cut]
         return {"input_ids": ids, "labels": labels}
 
