@@ -17,6 +17,7 @@ import numpy as np
 from .arguments import DPTrainingArguments
 from .data import UserPartition, examples_per_user, keyed_seed, partition_by_user
 from .mechanisms import get_mechanism
+from .user_column import arrow_user_codes
 from .user_counts import CONTRIBUTION_BOUND_GRID, DEFAULT_TARGET_EPSILON
 
 
@@ -87,5 +88,12 @@ def counts_of(dataset, user_id_column: str, bound: int | None, user_ids) -> tupl
     never counted in the report's or the card's number of users and examples (an audit's canaries)."""
     if not user_ids:
         return 0, 0
-    rows = Counter(user for user in dataset[user_id_column] if user in user_ids)
-    return len(rows), sum(n if bound is None else min(n, bound) for n in rows.values())
+    read = arrow_user_codes(dataset, user_id_column)  # the column once through Arrow, not row by row
+    if read is None:
+        rows = list(Counter(user for user in dataset[user_id_column] if user in user_ids).values())
+    else:
+        codes, values = read
+        wanted = [code for code, value in enumerate(values) if value in user_ids]
+        counts = np.bincount(codes[codes >= 0], minlength=len(values))[wanted]
+        rows = [int(n) for n in counts if n > 0]
+    return len(rows), sum(n if bound is None else min(n, bound) for n in rows)

@@ -84,3 +84,7 @@ def test_audit_canaries_are_trained_on_but_not_counted(tmp_path):
     assert counts_of(data, "user_id", 2, canaries) == (2, 3)  # the rows the bound keeps
     assert counts_of(Dataset.from_dict({"user_id": ["a"], "text": ["x"]}), "user_id", 2, canaries) == (0, 0)
     assert counts_of(data, "user_id", 2, frozenset()) == (0, 0)
+    # Read through Arrow: a selection counts only its rows; a column Arrow does not read is walked row by row.
+    assert counts_of(data.select([0, 2, 3, 6]), "user_id", None, canaries) == (1, 2)
+    assert counts_of(data.shuffle(seed=1).filter(lambda row: row["text"] != "e"), "user_id", None, canaries) == (2, 3)
+    assert counts_of(data.with_transform(lambda batch: batch), "user_id", 2, canaries) == (2, 3)

@@ -22,7 +22,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 DECLARED_UNIMPORTED = {
     "filelock",  # the run lock (installed with huggingface_hub anyway)
     "gguf",  # transformers reads SmolLM2's GGUF file with it (hf_dp.workflows.pretrained checks it is there)
-    "dp-accounting", "playwright", "ruff", "pytest", "pyyaml", "tokenizers",  # test-only; checked below
+    "dp-accounting", "playwright", "ruff", "pytest", "pytest-xdist", "pyyaml", "tokenizers",  # test-only; checked below
     "mkdocs-material",  # the docs build
 }
 
