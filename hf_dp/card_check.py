@@ -97,7 +97,7 @@ def expected_report(ledger: Mapping[str, Any], accountant, *, sampler_delta) -> 
             match the accountant (an edited ledger).
     """
     from .mechanisms import MECHANISMS, get_mechanism
-    from .report import ACCOUNTANT_NAME
+    from .accounting.ledger import ACCOUNTANT_NAME
 
     facts = ledger.get("report")
     if not isinstance(facts, Mapping):

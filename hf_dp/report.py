@@ -14,10 +14,11 @@ from .contribution import bound_choice
 from .hub import ensure_hub_reachable
 from .model_kind import is_causal_lm
 from .accounting.floating_point import NOISE_REACH
+from .accounting.ledger import ACCOUNTANT_NAME
+from .card_check import ledger_facts
 from .noise import noise_source
 from .mechanisms import MECHANISMS
 
-ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency directions"
 
 
 def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping_norm: float, num_users: int,
@@ -175,8 +176,6 @@ class PrivacyReporting:
         (`privacy_unit`, `mechanism` and `sampling` as in [`privacy_report`]), and under `report` the privacy
         report's other figures ([`~hf_dp.card_check.ledger_facts`]), which publish checks the card against.
         `state`: as for [`privacy_report`]."""
-        from .card_check import ledger_facts
-
         # The report's recorded figures too (σ, C, G, users, target ε, seed): publish checks every figure of a card
         # against them, and them against the accountant.
         accountant = self.accountant if state is None else state.budget.accountant

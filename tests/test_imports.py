@@ -13,6 +13,7 @@
    lookup, not the first argument of a row (the study's task names: compared nowhere outside the task registry).
 5. The plan's layers (`PLAN_LAYERS`) import only downwards and at the top of the file, so the planner and the
    mechanisms cannot form a circle again; `hf_dp.accounting` imports nothing else of hf_dp.
+6. No import circle anywhere in hf_dp, function-level imports included.
 
 Every rule checks imports anywhere in a file (inside functions too) and names the offending file:line.
 """
@@ -351,3 +352,61 @@ def test_the_study_never_compares_a_task_name():
 def test_the_task_name_check_catches(source):
     assert any(_names_a_key(node, TASK_KEYS) or _keys_by_a_task_name(node)
                for node in ast.walk(ast.parse(source)))
+
+
+# ---- 6. no import circle anywhere in hf_dp ------------------------------------------------------------------------
+
+def _dependencies(path: Path) -> set[str]:
+    """The hf_dp modules a file imports, inside functions too: `from a import b` depends on `a.b` when that is a
+    module (importing a sibling through its package), on `a` otherwise."""
+    found = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(path, node)
+            found |= {f"{module}.{alias.name}" if f"{module}.{alias.name}" in MODULES else module
+                      for alias in node.names}
+    return {name for name in found if name in MODULES and name != _module_name(path)}
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted: every one holds a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(edges.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def test_no_module_imports_itself_back_through_others():
+    """A circle hidden in function-level imports still ties its modules together (neither can be read, tested or
+    moved without the other): there is none in hf_dp, inside functions or not."""
+    circles = _circles({module: _dependencies(path) for module, path in MODULES.items()})
+    assert not circles, _report([" <-> ".join(group) for group in circles], "modules that import each other "
+                                "(directly or through others): move the shared piece down to a module both import")
+
+
+def test_the_circle_check_catches():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []

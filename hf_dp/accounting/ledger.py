@@ -9,7 +9,9 @@ import numpy as np
 from .checks import check_delta, check_steps, make_kind
 from .composition import composition_bounds, describe_accounting
 
-__all__ = ["PrivacyAccountant"]
+__all__ = ["ACCOUNTANT_NAME", "PrivacyAccountant"]
+
+ACCOUNTANT_NAME = "prv-accountant (Gopi, Lee, Wutschitz 2021), both adjacency directions"  # what composes the ledger
 
 
 class PrivacyAccountant:

@@ -1,10 +1,10 @@
-"""The audit report beside a model card: what its "## Empirical audit" section states, kept where publishing sees it.
+"""The audit report beside a model card, read back and checked: what its "## Empirical audit" section may state.
 
-[`write_card_section`] (what [`~hf_dp.audit.AuditReport.write_to_card`] does) saves the report the section is
-rendered from as `dp_audit.json` beside `README.md`, with the `audited_model` flag it was rendered with, then puts
-the section into the card. `hf-dp publish` ([`hf_dp.card_check`]) reads the file back ([`read_audit_record`]),
-checks what its figures can prove about one another ([`check_audit_record`]), renders the section again with
-[`~hf_dp.audit.AuditReport.card_section`] and refuses a card whose section is not that rendering.
+[`~hf_dp.audit.AuditReport.write_to_card`] saves the report the section is rendered from as `dp_audit.json` beside
+`README.md`, with the `audited_model` flag it was rendered with, then puts the section into the card. `hf-dp publish`
+([`hf_dp.card_check`]) reads the file back ([`read_audit_record`]), checks what its figures can prove about one
+another ([`check_audit_record`]), renders the section again with [`~hf_dp.audit.AuditReport.card_section`] and
+refuses a card whose section is not that rendering.
 
 What the file cannot prove: the canaries' scores and coins are not in it (the coins stay in `output_dir/_audit/`,
 never uploaded), and the ledger of a separate audited run is not beside the card, so its proven ε is checked only
@@ -17,78 +17,18 @@ import json
 import math
 import numbers
 import os
-import re
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from hf_dp.audit.estimator import STEINKE, epsilon_lower_bound, steinke_p_value
+from hf_dp.audit.estimator import STEINKE, audit_guesses, epsilon_lower_bound, steinke_p_value
+from hf_dp.audit.report import AUDIT_FILE, AuditReport
+from hf_dp.audit.scoring import SCORES
 
-__all__ = ["AUDIT_FILE", "check_audit_record", "read_audit_record", "write_card_section"]
+__all__ = ["AUDIT_FILE", "check_audit_record", "read_audit_record"]
 
-AUDIT_FILE = "dp_audit.json"  # beside README.md: the report its "Empirical audit" section is rendered from
-SECTION_TITLE = "## Empirical audit"
 _TOLERANCE = 1e-6  # the estimator's bisection tolerance, relative to max(1, ε)
 _LARGEST = 500.0  # half the estimator's search cap: above it the bisection may stop early
 _REL = 1e-9  # figures recomputed from the same inputs: floating point only
-
-
-def write_card_section(report, model_dir: str | os.PathLike, *, audited_model: bool = False) -> Path:
-    """Save `report` as `model_dir/dp_audit.json` (with `audited_model`), then put its section into the card.
-
-    Both files are written atomically (a temporary file, then a rename), the report first: a card whose section
-    its report does not render is refused by `hf-dp publish`, never published.
-
-    Returns:
-        The README path.
-
-    Raises:
-        FileNotFoundError: no `model_dir/README.md` (write the privacy card first).
-    """
-    path = Path(model_dir) / "README.md"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: write the privacy card first (trainer.write_privacy_card).")
-    text = path.read_text(encoding="utf-8")
-    section = report.card_section(audited_model=audited_model)
-    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    text = _with_composition_item(text, separate=not audited_model)
-    record = {**report.to_dict(), "audited_model": bool(audited_model)}
-    _write_atomically(path.parent / AUDIT_FILE, json.dumps(record, indent=2) + "\n")
-    _write_atomically(path, text)
-    return path
-
-
-def _with_composition_item(text: str, *, separate: bool) -> str:
-    """The card's not-covered list with the item saying how a separate audit run composes with this one (as
-    [`~hf_dp.card.render_privacy_card`] writes it beside an audit section), or without it when the audited run is
-    this model's own: scoring that model is post-processing, nothing to compose."""
-    from hf_dp.card import AUDIT_COMPOSITION_ITEM
-
-    item = "- " + AUDIT_COMPOSITION_ITEM
-    lines = [line for line in text.split("\n") if line.rstrip() != item]
-    if separate and "Not covered:" in lines:
-        start = lines.index("Not covered:")
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("#")), len(lines))
-        last = max((i for i in range(start, end) if lines[i].startswith("- ")), default=start + 1)
-        lines.insert(last + 1, item)
-    return "\n".join(lines)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def read_audit_record(model_dir: str | os.PathLike) -> dict | None:
@@ -125,9 +65,6 @@ def check_audit_record(record: Mapping[str, Any]):
     Raises:
         ValueError: one line naming the figure that does not follow.
     """
-    from hf_dp.audit.report import AuditReport
-    from hf_dp.audit.run import audit_guesses
-
     flag = record.get("audited_model")
     if not isinstance(flag, bool):
         raise ValueError(f"its audit report ({AUDIT_FILE}) records audited_model = {flag!r}, not true or false")
@@ -171,8 +108,6 @@ def check_audit_record(record: Mapping[str, Any]):
 def _check_types(report) -> None:
     """Counts are integers, figures finite numbers, and the score one the section has words for (the section
     writes it into the card)."""
-    from hf_dp.audit.run import SCORES
-
     result = report.steinke
     counts = {"canaries": result.canaries, "included": result.included, "correct": result.correct,
               "hypotheses": result.hypotheses, "rows_per_canary": report.rows_per_canary, "guesses": result.guesses}

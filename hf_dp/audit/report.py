@@ -1,20 +1,27 @@
 """An audit's result: the measured ε lower bound beside the proven ε, and the card section that states both.
 
 [`AuditReport`] is what [`hf_dp.audit.audit_training`] returns and saves; its `card_section()` is the model card's
-"Empirical audit" section and `write_to_card(model_dir)` puts it there with the report beside it
-([`hf_dp.audit.record`]). Post-processing only: nothing here changes a guarantee.
+"Empirical audit" section and `write_to_card(model_dir)` puts it there with the report beside it (`dp_audit.json`,
+which [`hf_dp.audit.record`] reads back and checks for `hf-dp publish`). Post-processing only: nothing here changes
+a guarantee.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 from hf_dp.audit.estimator import AuditResult
 
-__all__ = ["AuditReport"]
+__all__ = ["AUDIT_FILE", "AuditReport"]
+
+AUDIT_FILE = "dp_audit.json"  # beside README.md: the report its "Empirical audit" section is rendered from
 
 _SECTION_TITLE = "## Empirical audit"
 _SCORE_TEXT = {
@@ -225,9 +232,7 @@ class AuditReport:
         Raises:
             FileNotFoundError: If there is no README.md (write the privacy card first).
         """
-        from hf_dp.audit.record import write_card_section
-
-        return write_card_section(self, model_dir, audited_model=audited_model)
+        return _write_card_section(self, model_dir, audited_model=audited_model)
 
 
 def _round_down(value: float | None, decimals: int = 2) -> str:
@@ -242,3 +247,61 @@ def _round_up(value: float, decimals: int = 2) -> str:
 
 def _percent(confidence: float) -> str:
     return f"{100 * confidence:g} %"
+
+
+def _write_card_section(report, model_dir: str | os.PathLike, *, audited_model: bool = False) -> Path:
+    """Save `report` as `model_dir/dp_audit.json` (with `audited_model`), then put its section into the card.
+
+    Both files are written atomically (a temporary file, then a rename), the report first: a card whose section
+    its report does not render is refused by `hf-dp publish`, never published.
+
+    Returns:
+        The README path.
+
+    Raises:
+        FileNotFoundError: no `model_dir/README.md` (write the privacy card first).
+    """
+    path = Path(model_dir) / "README.md"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: write the privacy card first (trainer.write_privacy_card).")
+    text = path.read_text(encoding="utf-8")
+    section = report.card_section(audited_model=audited_model)
+    pattern = re.compile(rf"^{re.escape(_SECTION_TITLE)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    text = _with_composition_item(text, separate=not audited_model)
+    record = {**report.to_dict(), "audited_model": bool(audited_model)}
+    _write_atomically(path.parent / AUDIT_FILE, json.dumps(record, indent=2) + "\n")
+    _write_atomically(path, text)
+    return path
+
+
+def _with_composition_item(text: str, *, separate: bool) -> str:
+    """The card's not-covered list with the item saying how a separate audit run composes with this one (as
+    [`~hf_dp.card.render_privacy_card`] writes it beside an audit section), or without it when the audited run is
+    this model's own: scoring that model is post-processing, nothing to compose."""
+    from hf_dp.card import AUDIT_COMPOSITION_ITEM
+
+    item = "- " + AUDIT_COMPOSITION_ITEM
+    lines = [line for line in text.split("\n") if line.rstrip() != item]
+    if separate and "Not covered:" in lines:
+        start = lines.index("Not covered:")
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("#")), len(lines))
+        last = max((i for i in range(start, end) if lines[i].startswith("- ")), default=start + 1)
+        lines.insert(last + 1, item)
+    return "\n".join(lines)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

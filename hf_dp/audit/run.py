@@ -50,8 +50,8 @@ import numpy as np
 
 from hf_dp.audit.canaries import Canaries, insert, make_canaries
 from hf_dp.audit.report import AuditReport
-from hf_dp.audit.estimator import epsilon_lower_bound, fdp_epsilon_lower_bound
-from hf_dp.audit.scoring import (gradient_alignment_scores, loss_scores, per_row_losses, trainable_parameters,
+from hf_dp.audit.estimator import audit_guesses, epsilon_lower_bound, fdp_epsilon_lower_bound
+from hf_dp.audit.scoring import (SCORES, gradient_alignment_scores, loss_scores, per_row_losses, trainable_parameters,
                                  trained_loss_scores)
 
 __all__ = ["AUDIT_DIR", "CANARIES_FILE", "REPORT_FILE", "AuditReport",
@@ -60,7 +60,6 @@ __all__ = ["AUDIT_DIR", "CANARIES_FILE", "REPORT_FILE", "AuditReport",
 AUDIT_DIR = "_audit"  # under output_dir; `_*` is never uploaded
 CANARIES_FILE = "canaries.json"
 REPORT_FILE = "report.json"
-SCORES = ("auto", "white-box", "black-box", "trained-loss")
 def choose_score(score: str) -> str:
     """`"white-box"`, `"black-box"` or `"trained-loss"`: `score` itself, or for `"auto"` the black-box score.
 
@@ -83,29 +82,6 @@ def choose_score(score: str) -> str:
     if score not in SCORES:
         raise ValueError(f"score={score!r}: use one of {SCORES}.")
     return "black-box" if score == "auto" else score
-
-
-def audit_guesses(num_canaries: int) -> list[tuple[int, int]]:
-    """The (k_plus, k_minus) guess counts an audit tries: (k, k) for k = 5, 10, 25 and 50 % of the canaries and
-    (k, 0) for k = 2, 5, 10, 20 and 25 % (at least 1 each).
-
-    Few pairs, because the confidence is split among them (union bound) and, at δ > 0, Steinke et al.'s p-value
-    carries a floor of about 2·m·δ·α: with the 48 pairs of [`default_guess_grid`] a run's δ near 1e-4 leaves no
-    room below the split level and the audit can show nothing (its ceiling falls to 0 at m = 256, δ = 3e-4, against
-    2.1 with these 7). Symmetric guesses serve signals spread over all canaries, "in"-only guesses a few
-    memorised ones; on simulated Gaussian and randomized-response scores these pairs match or beat the 48. The
-    20 and 25 % "in" guesses serve memorised canaries that are many but not all perfectly ranked: with 512
-    canaries, 98 right of 102 "in" refutes ε = 2.0 at δ = 1e-5, where the best of the other 7 pairs gave 1.6.
-
-    Args:
-        num_canaries: m, at least 2.
-
-    Returns:
-        The pairs, sorted.
-    """
-    pairs = {(max(1, round(f * num_canaries)),) * 2 for f in (0.05, 0.1, 0.25, 0.5)}
-    pairs |= {(max(1, round(f * num_canaries)), 0) for f in (0.02, 0.05, 0.1, 0.2, 0.25)}
-    return sorted(p for p in pairs if sum(p) <= num_canaries)
 
 
 def audit_report(

@@ -20,8 +20,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["gradient_alignment_scores", "loss_scores", "per_row_losses", "row_losses", "trainable_parameters",
+__all__ = ["SCORES", "gradient_alignment_scores", "loss_scores", "per_row_losses", "row_losses", "trainable_parameters",
            "trained_loss_scores"]
+
+SCORES = ("auto", "white-box", "black-box", "trained-loss")  # what an audit may score canaries with ("auto": black box)
 
 
 def loss_scores(trained_losses: Sequence[Sequence[float]], base_losses: Sequence[Sequence[float]]) -> np.ndarray:
