@@ -10,8 +10,8 @@ example's output.
 
 The trainer probes the model at construction, and the DP step on the model as it trains (after the base
 trainer has attached its own hooks, in its `train`, and the callbacks' `on_train_begin` has run), so that a hook
-attached late is probed too; again before any later step whose modules or forward hooks changed
-([`~hf_dp.step.DPStep.prepare`]).
+attached late is probed too; again before any later step whose modules, forward hooks (torch's global ones
+included) or an instance's `forward` changed ([`~hf_dp.step.DPStep.prepare`]).
 """
 
 from __future__ import annotations

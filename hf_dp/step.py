@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.nn.modules import module as torch_module
 
 from .batch_independence import check_batch_independence
 from .budget import PrivacyBudget
@@ -307,11 +308,15 @@ class DPStep:
 
 
 def _structure(model) -> list:
-    """What `DPStep.prepare` depends on in the model: every module, its forward hooks and its gradient
-    checkpointing (a new hook may mix the batch; reentrant checkpointing is refused). Compared by identity."""
-    return [(module, tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
-             module.__dict__.get("gradient_checkpointing"), module.__dict__.get("_gradient_checkpointing_func"))
-            for module in model.modules()]
+    """What `DPStep.prepare` depends on in the model: every module, its forward hooks, a `forward` set on the
+    instance and its gradient checkpointing, and torch's global forward hooks (a new hook or forward may mix the
+    batch; reentrant checkpointing is refused). Compared by identity."""
+    hooks = tuple(tuple(getattr(torch_module, name, ())) for name in ("_global_forward_pre_hooks",
+                                                                      "_global_forward_hooks"))
+    return [hooks] + [(module, tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+                       module.__dict__.get("forward"), module.__dict__.get("gradient_checkpointing"),
+                       module.__dict__.get("_gradient_checkpointing_func"))
+                      for module in model.modules()]
 
 
 def check_some_gradient(params: list, micro_batches, clipped: ClippedGrads | None = None) -> None:

@@ -56,18 +56,53 @@ def test_a_steady_state_step_enters_few_files_and_no_first_step_check(tmp_path):
     assert len(outside_clipping) <= 12, outside_clipping
 
 
+def _mix(module, args, output):
+    """Adds 2·sin(B) to the output, B the batch's rows: every user moves every other's output."""
+    return output + 2 * math.sin(output.shape[0])
+
+
+def _hook_on_the_classifier(model) -> None:
+    model.classifier.register_forward_hook(_mix)
+
+
+def _global_hook(model) -> None:
+    """Every module's output (torch's global hook): the classifier's mixes the rows, the others keep theirs."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    handle = register_module_forward_hook(lambda module, args, output: _mix(module, args, output)
+                                          if module is model.classifier else None)
+    _HANDLES.append(handle)
+
+
+def _forward_replaced(model) -> None:
+    forward = model.classifier.forward
+    model.classifier.forward = lambda *args, **kwargs: _mix(None, args, forward(*args, **kwargs))
+
+
+_HANDLES: list = []
+
+
 class _MixAfterFirstStep(TrainerCallback):
-    """After step 1, a hook adding 2·sin(B) to the logits, B the batch's rows: every user moves every other's output."""
+    """After step 1, something that mixes the batch: a hook, a global hook or a replaced forward."""
+
+    def __init__(self, change):
+        self.change = change
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step == 1:
-            model.classifier.register_forward_hook(lambda module, args, output: output + 2 * math.sin(output.shape[0]))
+            self.change(model)
 
 
-def test_a_hook_attached_after_the_first_step_is_probed_before_the_next(tmp_path):
+@pytest.mark.parametrize("change", [_hook_on_the_classifier, _global_hook, _forward_replaced],
+                         ids=["module-hook", "global-hook", "forward-replaced"])
+def test_a_hook_attached_after_the_first_step_is_probed_before_the_next(tmp_path, change):
     trainer = make_trainer(tmp_path, max_steps=3)
-    trainer.add_callback(_MixAfterFirstStep())
-    with pytest.raises(ValueError, match="another output alone than in a batch of 3 rows") as error:
-        trainer.train()
+    trainer.add_callback(_MixAfterFirstStep(change))
+    try:
+        with pytest.raises(ValueError, match="another output alone than in a batch of 3 rows") as error:
+            trainer.train()
+    finally:
+        while _HANDLES:
+            _HANDLES.pop().remove()
     one_line(error)
     assert trainer.accountant.steps == 1  # refused before the second step's ledger entry
