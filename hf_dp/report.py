@@ -5,7 +5,6 @@ Everything here is post-processing of the plan and the ledger: no effect on ε.
 
 from __future__ import annotations
 
-
 from . import checkpoint
 from .arguments import DPTrainingArguments
 from .budget import PrivacyBudget
@@ -18,7 +17,6 @@ from .accounting.ledger import ACCOUNTANT_NAME
 from .card_check import ledger_facts
 from .noise import noise_source
 from .mechanisms import MECHANISMS
-
 
 
 def privacy_report(budget: PrivacyBudget, args: DPTrainingArguments, *, clipping_norm: float, num_users: int,

@@ -60,6 +60,8 @@ __all__ = ["AUDIT_DIR", "CANARIES_FILE", "REPORT_FILE", "AuditReport",
 AUDIT_DIR = "_audit"  # under output_dir; `_*` is never uploaded
 CANARIES_FILE = "canaries.json"
 REPORT_FILE = "report.json"
+
+
 def choose_score(score: str) -> str:
     """`"white-box"`, `"black-box"` or `"trained-loss"`: `score` itself, or for `"auto"` the black-box score.
 

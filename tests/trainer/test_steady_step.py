@@ -61,48 +61,45 @@ def _mix(module, args, output):
     return output + 2 * math.sin(output.shape[0])
 
 
-def _hook_on_the_classifier(model) -> None:
-    model.classifier.register_forward_hook(_mix)
+def _hook_on_the_classifier(model):
+    return model.classifier.register_forward_hook(_mix)
 
 
-def _global_hook(model) -> None:
+def _global_hook(model):
     """Every module's output (torch's global hook): the classifier's mixes the rows, the others keep theirs."""
     from torch.nn.modules.module import register_module_forward_hook
 
-    handle = register_module_forward_hook(lambda module, args, output: _mix(module, args, output)
-                                          if module is model.classifier else None)
-    _HANDLES.append(handle)
+    return register_module_forward_hook(lambda module, args, output: _mix(module, args, output)
+                                        if module is model.classifier else None)
 
 
-def _forward_replaced(model) -> None:
+def _forward_replaced(model):
     forward = model.classifier.forward
     model.classifier.forward = lambda *args, **kwargs: _mix(None, args, forward(*args, **kwargs))
-
-
-_HANDLES: list = []
 
 
 class _MixAfterFirstStep(TrainerCallback):
     """After step 1, something that mixes the batch: a hook, a global hook or a replaced forward."""
 
     def __init__(self, change):
-        self.change = change
+        self.change, self.handle = change, None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step == 1:
-            self.change(model)
+            self.handle = self.change(model)
 
 
 @pytest.mark.parametrize("change", [_hook_on_the_classifier, _global_hook, _forward_replaced],
                          ids=["module-hook", "global-hook", "forward-replaced"])
 def test_a_hook_attached_after_the_first_step_is_probed_before_the_next(tmp_path, change):
     trainer = make_trainer(tmp_path, max_steps=3)
-    trainer.add_callback(_MixAfterFirstStep(change))
+    mix = _MixAfterFirstStep(change)
+    trainer.add_callback(mix)
     try:
         with pytest.raises(ValueError, match="another output alone than in a batch of 3 rows") as error:
             trainer.train()
     finally:
-        while _HANDLES:
-            _HANDLES.pop().remove()
+        if mix.handle is not None:
+            mix.handle.remove()  # a global hook would outlive the test
     one_line(error)
     assert trainer.accountant.steps == 1  # refused before the second step's ledger entry
