@@ -7,12 +7,17 @@ For each shape (the trainable parameters of: host_overhead.py's tiny 12-layer Ll
 check's llama-12x768, full and LoRA r = 8 on q/k/v/o; SmolLM2-135M's shape with the chat study's LoRA, r = 8 on the
 q and v projections of the top 4 layers) it times one step's noise, float32 gradients already in place:
 
-- `new`: `hf_dp.noise.add_noise` (numpy's Philox4x64 on the CPU, Philox4x32 in the fused Triton kernel on a CUDA
-  device; float64 Box–Muller from 159-bit uniforms; the sum rounded once);
+- `new`: `hf_dp.noise.add_noise` (numpy's Philox4x64 on the CPU, in the compiled host kernel where it builds;
+  Philox4x32 in the fused Triton kernel on a CUDA device; float64 Box–Muller from 159-bit uniforms; the sum rounded
+  once);
 - `old`: the path it replaced: one `torch.randn` (float32) per parameter and chunk of 2²⁰ elements, each from a
   generator seeded by a 63-bit keyed hash, added in float32;
 - `device_ops`: the aten ops of the reference device engine's draw and addition (torch integer ops, what a CUDA
   device runs where the fused kernel cannot; counted on whatever device runs the check).
+
+On the CPU (`host_per_element`): ns per float32 element of one step's noise at 10⁶ and 10⁷ elements, on 1 and 2
+torch threads, for the compiled host kernel, the numpy path (`HF_DP_HOST_KERNEL=0`) and `torch.randn` + add, taken in
+turns.
 
 Bytes per element of the device path (`traffic`, on any machine): the fused kernel's, counted at its loads and
 stores by Triton's interpreter (`TRITON_INTERPRET=1`, in a subprocess) on a block of several float32 and bf16
@@ -149,6 +154,58 @@ def time_params(tensors: list, device: torch.device, repeats: int = 5) -> dict:
             "device_engine_ops": device_ops}
 
 
+def host_per_element(sizes=(10**6, 10**7), threads=(1, 2), repeats: int = 7) -> list[dict]:
+    """ns per float32 element of one step's noise on the CPU: the compiled kernel (`hf_dp.host_kernel`), the numpy
+    path (`HF_DP_HOST_KERNEL=0`) and `torch.randn` + add, each the median of `repeats` calls taken in turns (so a
+    busy moment of the machine hits all three), at each size and number of torch threads."""
+    from hf_dp import host_kernel
+
+    kernel = host_kernel.library() is not None
+    rows, previous, param = [], torch.get_num_threads(), None
+
+    def noised() -> None:
+        noise.add_noise([param], noise_multiplier=1.0, max_grad_norm=1.0, seed=2**255 + 1, step=3, scale=0.01)
+
+    def numpy_path() -> None:
+        os.environ["HF_DP_HOST_KERNEL"] = "0"
+        try:
+            noised()
+        finally:
+            del os.environ["HF_DP_HOST_KERNEL"]
+
+    try:
+        for size in sizes:
+            param = torch.nn.Parameter(torch.zeros(size))
+            param.grad = torch.zeros(size)
+            for count in threads:
+                torch.set_num_threads(count)
+                calls = {"randn_add": lambda: param.grad.add_(torch.randn(size), alpha=0.01), "numpy": numpy_path}
+                if kernel:
+                    calls["kernel"] = noised
+                times = {name: [] for name in calls}
+                for call in calls.values():
+                    call()
+                for _ in range(repeats):
+                    for name, call in calls.items():
+                        began = time.perf_counter()
+                        call()
+                        times[name].append(time.perf_counter() - began)
+                row = {"elements": size, "threads": count}
+                row.update({f"{name}_ns": 1e9 * statistics.median(values) / size for name, values in times.items()})
+                for name in ("kernel", "numpy"):
+                    if f"{name}_ns" in row:
+                        row[f"{name}_vs_randn_add"] = row[f"{name}_ns"] / row["randn_add_ns"]
+                rows.append(row)
+                print(f"host noise, {size:.0e} float32 elements, {count} thread(s): kernel "
+                      f"{row.get('kernel_ns', float('nan')):.1f} ns an element "
+                      f"({row.get('kernel_vs_randn_add', float('nan')):.2f}x randn + add), numpy path "
+                      f"{row['numpy_ns']:.1f} ns ({row['numpy_vs_randn_add']:.2f}x), torch.randn + add "
+                      f"{row['randn_add_ns']:.1f} ns", flush=True)
+    finally:
+        torch.set_num_threads(previous)
+    return rows
+
+
 def device_against_cpu(device: torch.device, draws: int) -> dict:
     """On CUDA: the device engine's words equal the CPU's, and the law of `draws` normals drawn on the device."""
     segments = [(0, 0, 4096), (7, 2**33 + 5, 1000)]
@@ -234,7 +291,11 @@ def ptx_accesses(dtype: str = "float32") -> dict:
 
 
 def traffic() -> dict:
-    """Bytes per element of the device path: the fused kernel's (interpreter count, PTX) and the reference's."""
+    """On the CPU (`host_per_element`): ns per float32 element of one step's noise at 10⁶ and 10⁷ elements, on 1 and 2
+torch threads, for the compiled host kernel, the numpy path (`HF_DP_HOST_KERNEL=0`) and `torch.randn` + add, taken in
+turns.
+
+Bytes per element of the device path: the fused kernel's (interpreter count, PTX) and the reference's."""
     report = {"reference_bytes_per_element": reference_traffic()}
     try:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -361,6 +422,8 @@ def run(device: str = "cpu", repeats: int = 5, draws: int = 2 * 10**9, quick: bo
         print(f"noise {name} ({row['parameters']:,} parameters in {row['tensors']} tensors): new "
               f"{row['new_ms']:.2f} ms ({row['new_ops']} ops), old {row['old_ms']:.2f} ms ({row['old_ops']} ops), "
               f"device engine {row['device_engine_ops']} ops", flush=True)
+    if device.type == "cpu":
+        report["host_per_element"] = host_per_element(sizes=(10**6,) if quick else (10**6, 10**7))
     report["traffic"] = bytes_ = traffic()
     print(f"noise bytes per element, device path: fused kernel {bytes_.get('kernel_bytes_per_element')} (counted at "
           f"its loads and stores), reference engine {bytes_['reference_bytes_per_element']:,.0f} (its ops' inputs and "

@@ -7,10 +7,11 @@ Three choices make the floating-point noise the Gaussian mechanism the accountan
   run's secret (256 bits from OS entropy, or `noise_seed`) and (step, stream) keys a counter-based generator whose
   counter is (element, parameter). Nothing truncates the key on the way, distinct (step, parameter, element)
   never share a draw, and a rank holding a shard (FSDP2) draws its own elements only: 1, 2 or N processes add
-  the same noise. On the host (CPU) the generator is numpy's Philox4x64-10 (128-bit key); on a CUDA device,
-  Philox4x32-10 (64-bit key per step) in one fused Triton kernel per block ([`~hf_dp.noise_kernel`]), or, where
-  that cannot run (no triton), in torch integer ops, the reference engine, which draws the same integers; with
-  `secure_noise`, the cryptographic SHAKE-256 keyed by the whole secret.
+  the same noise. On the host (CPU) the generator is numpy's Philox4x64-10 (128-bit key), computed with the rest
+  of the step's noise in one compiled pass where that kernel builds ([`~hf_dp.host_kernel`]; the same noise); on a
+  CUDA device, Philox4x32-10 (64-bit key per step) in one fused Triton kernel per block ([`~hf_dp.noise_kernel`]),
+  or, where that cannot run (no triton), in torch integer ops, the reference engine, which draws the same integers;
+  with `secure_noise`, the cryptographic SHAKE-256 keyed by the whole secret.
 - **Tails.** A Box–Muller pair (R·cos θ, R·sin θ) has R = sqrt(−2 ln u₁) from a 159-bit uniform u₁ ≥ 2⁻¹⁵⁹ and θ
   from a 53-bit one, in float64: its law is the Gaussian pair conditioned on R ≤ 14.85, each pair leaving out
   2⁻¹⁵⁹ of the Gaussian's mass, which [`~hf_dp.accounting.floating_point.sampler_delta`] adds to δ. On the host both
@@ -37,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import host_kernel
 from .accounting.floating_point import NOISE_REACH, TAIL_BITS
 from .sharding import local_elements
 from .transfer import to_device
@@ -107,10 +109,15 @@ def _pairs(segments):
     return [(index, first // 2, (first + count - 1) // 2 - first // 2 + 1) for index, first, count in segments]
 
 
+def _host_key(seed: int, step: int, stream: int) -> np.ndarray:
+    """The 128-bit Philox4x64 key of (step, stream) on the host, as two 64-bit words."""
+    return np.frombuffer(_stream_key(seed, step, stream, 16, b"philox4x64"), dtype="<u8")
+
+
 def _host_words(seed: int, step: int, stream: int, segments) -> list[np.ndarray]:
     """Per segment, `(pairs, 4)` words from numpy's Philox4x64-10: pair k of parameter j is the block at counter
     k + j·2⁶⁴ (numpy generates from counter + 1)."""
-    key = np.frombuffer(_stream_key(seed, step, stream, 16, b"philox4x64"), dtype="<u8")
+    key = _host_key(seed, step, stream)
     words = []
     for index, first, count in _pairs(segments):
         counter = ((index << 64) + first - 1) % 2**256
@@ -226,9 +233,20 @@ def standard_normal(seed: int, step: int, segments, *, device="cpu", secure: boo
     the draws of those elements whatever else is drawn with them."""
     device = torch.device(device)
     if secure or device.type != "cuda":
-        words = (_secure_words if secure else _host_words)(seed, step, stream, segments)
-        return to_device(torch.from_numpy(_host_normals(words, segments)), device)
+        return to_device(torch.from_numpy(_drawn_on_host(seed, step, stream, segments, secure)), device)
     return _box_muller(_device_words(seed, step, stream, segments, device))
+
+
+def _drawn_on_host(seed: int, step: int, stream: int, segments, secure: bool) -> np.ndarray:
+    """The segments' float64 normals drawn on the host: by the compiled kernel where it runs
+    ([`~hf_dp.host_kernel`]), else by numpy and torch; SHAKE-256's with `secure`."""
+    kernel = None if secure else host_kernel.library()
+    if kernel is None:
+        words = (_secure_words if secure else _host_words)(seed, step, stream, segments)
+        return _host_normals(words, segments)
+    key = _host_key(seed, step, stream)
+    drawn = [kernel.normals(key, index, first, count) for index, first, count in segments]
+    return drawn[0] if len(drawn) == 1 else np.concatenate(drawn)
 
 
 def add_noise(params, *, noise_multiplier: float, max_grad_norm, seed: int, step: int, scale: float = 1.0,
@@ -341,13 +359,20 @@ def _on_host(flat: torch.Tensor) -> bool:
 def _add_on_host(block, seed: int, step: int, std) -> None:
     """`_add_rounded` of the host engine's draws, chunk by chunk (at most `HOST_CHUNK` elements, small parameters
     together) on torch's intra-op threads: each chunk's words, Box–Muller pairs, noised sum and its one rounding stay
-    in cache, and no block-sized float64 noise is held. numpy and torch release the GIL, so chunks run in parallel.
-    The values are those of `standard_normal` + `_add_rounded`: the same words and float64 operations, in the same
-    order (numpy's round is half-to-even, as torch's)."""
+    in cache, and no block-sized float64 noise is held. The compiled kernel ([`~hf_dp.host_kernel`]) does a piece in
+    one pass; without it, numpy and torch in about fifteen. Both release the GIL, so chunks run in parallel. The
+    values are those of `standard_normal` + `_add_rounded`: the same words and float64 operations, in the same order
+    (numpy's round is half-to-even, as torch's and the kernel's)."""
     std = float(std)
     quantum = std * QUANTUM
+    kernel = host_kernel.library()
+    key = _host_key(seed, step, _NOISE_STREAM)
 
     def noise_chunk(pieces) -> None:
+        if kernel is not None:  # each piece's words, normals and rounded sum in one compiled pass
+            for index, first, grad in pieces:
+                kernel.add(key, index, first, grad, std, quantum)
+            return
         segments = [(index, first, grad.size) for index, first, grad in pieces]
         noised = _host_normals(_host_words(seed, step, _NOISE_STREAM, segments), segments)
         np.multiply(noised, std, out=noised)
@@ -409,9 +434,8 @@ def add_scalar_noise(values, stds, *, seed: int, step: int, secure: bool = False
     float64 tensor is returned; a list of numbers gives a list of floats.
     """
     stds = np.asarray(stds, dtype=np.float64)
-    segments = [(0, 0, len(stds))]
-    words = (_secure_words if secure else _host_words)(seed, step, _LOGGING_STREAM, segments)
-    noise, quantum = _host_normals(words, segments) * stds, stds * QUANTUM
+    noise = _drawn_on_host(seed, step, _LOGGING_STREAM, [(0, 0, len(stds))], secure) * stds
+    quantum = stds * QUANTUM
     if isinstance(values, torch.Tensor):
         noise, quantum = to_device(torch.from_numpy(np.stack([noise, quantum])), values.device)  # one copy
         return ((values[: len(stds)].to(torch.float64) + noise) / quantum).round_().mul_(quantum)

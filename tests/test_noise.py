@@ -3,6 +3,8 @@ and one rounding of the noised sum."""
 from __future__ import annotations
 
 import math
+import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,7 +14,9 @@ from scipy import stats
 from hf_dp import noise
 from hf_dp.accounting.floating_point import NOISE_REACH
 
-ENGINES = ["host", "device", "secure"]  # "device" runs the CUDA engine's torch ops on the CPU
+# "host": the compiled kernel where it builds; "host-numpy": numpy and torch (HF_DP_HOST_KERNEL=0); "device": the CUDA
+# engine's torch ops, run on the CPU
+ENGINES = ["host", "host-numpy", "device", "secure"]
 
 
 def _grads(*shapes):
@@ -29,6 +33,9 @@ def _flat_noise(params) -> torch.Tensor:
 def _draws(engine: str, seed: int, step: int, segments) -> torch.Tensor:
     if engine == "device":
         return noise._box_muller(noise._device_words(seed, step, 1, segments, torch.device("cpu")))
+    if engine == "host-numpy":
+        with mock.patch.dict(os.environ, {"HF_DP_HOST_KERNEL": "0"}):
+            return noise.standard_normal(seed, step, segments)
     return noise.standard_normal(seed, step, segments, secure=engine == "secure")
 
 
