@@ -27,6 +27,7 @@
 #define M1 0xCA5A826395121157ULL
 #define W0 0x9E3779B97F4A7C15ULL
 #define W1 0xBB67AE8584CAA73BULL
+#define TURN (2.0 * 3.14159265358979311599796346854 * 0x1p-53) /* 2 pi 2^-53, as Python's 2.0 * math.pi * 2.0**-53 */
 
 typedef unsigned __int128 u128;
 typedef void (*array_function)(int64_t, const double *, double *); /* y[i] = f(a[i]), i < n: MKL VML's form */
@@ -104,8 +105,9 @@ static void tile_words(uint64_t k0, uint64_t k1, uint64_t param, uint64_t pair, 
 static inline __m256d exact_double(__m256i word) {
     const __m256i exponent = _mm256_set1_epi64x(0x4330000000000000LL);
     const __m256d offset = _mm256_set1_pd(0x1p52);
-    __m256d high = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_srli_epi64(word, 26), exponent)), offset);
+    __m256i high_bits = _mm256_srli_epi64(word, 26);
     __m256i low_bits = _mm256_and_si256(word, _mm256_set1_epi64x((1LL << 26) - 1));
+    __m256d high = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(high_bits, exponent)), offset);
     __m256d low = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(low_bits, exponent)), offset);
     return _mm256_add_pd(_mm256_mul_pd(high, _mm256_set1_pd(0x1p26)), low);
 }
@@ -130,7 +132,7 @@ static void tile_normals(uint64_t k0, uint64_t k1, uint64_t param, uint64_t pair
                                     _mm256_mul_pd(middle, _mm256_set1_pd(0x1p53)));
         sum = _mm256_add_pd(sum, _mm256_add_pd(low, _mm256_set1_pd(1.0)));
         _mm256_storeu_pd(uniform + i, _mm256_mul_pd(sum, _mm256_set1_pd(0x1p-159)));
-        _mm256_storeu_pd(angle + i, _mm256_mul_pd(turn, _mm256_set1_pd(2.0 * 3.14159265358979311599796346854 * 0x1p-53)));
+        _mm256_storeu_pd(angle + i, _mm256_mul_pd(turn, _mm256_set1_pd(TURN)));
     }
     vector_log(count, uniform, logs);
     for (int i = 0; i < count; i++) logs[i] *= -2.0;
@@ -183,53 +185,55 @@ void hf_dp_normals(uint64_t k0, uint64_t k1, uint64_t param, uint64_t first, int
     restore(previous);
 }
 
-/* grad[i] <- round((grad[i] + std * normal of element first + i) / quantum) * quantum, in float64, then float32. */
-void hf_dp_add_f32(uint64_t k0, uint64_t k1, uint64_t param, uint64_t first, int64_t count, float *grad, double std,
-                   double quantum) {
+/* round((std * z + g) / quantum) * quantum, four at a time and one at a time: the same roundings. */
+static inline __m256d rounded4(__m256d z, __m256d g, __m256d scale, __m256d step) {
+    __m256d total = _mm256_add_pd(_mm256_mul_pd(z, scale), g);
+    total = _mm256_round_pd(_mm256_div_pd(total, step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_mul_pd(total, step);
+}
+
+static inline double rounded1(double z, double g, double std, double quantum) {
+    double total = z * std;
+    total = total + g;
+    return __builtin_roundeven(total / quantum) * quantum;
+}
+
+/* The noised, rounded sum into float32 gradients (`f32`) or float64 ones (`f64`, when f32 is NULL). */
+static void add(uint64_t k0, uint64_t k1, uint64_t param, uint64_t first, int64_t count, float *f32, double *f64,
+                double std, double quantum) {
     static __thread double normals[2 * PAIRS];
     const __m256d scale = _mm256_set1_pd(std), step = _mm256_set1_pd(quantum);
     int64_t at, n;
     int previous = one_thread();
     for (uint64_t pair = first / 2, end = first + (uint64_t)count; 2 * pair < end; pair += PAIRS) {
         const double *z = tile(k0, k1, param, first, end, pair, normals, &at, &n);
-        float *g = grad + at;
         int64_t i = 0;
-        for (; i + 4 <= n; i += 4) {
-            __m256d total = _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(z + i), scale),
-                                          _mm256_cvtps_pd(_mm_loadu_ps(g + i)));
-            total = _mm256_round_pd(_mm256_div_pd(total, step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_ps(g + i, _mm256_cvtpd_ps(_mm256_mul_pd(total, step)));
-        }
-        for (; i < n; i++) {
-            double total = z[i] * std;
-            total = total + (double)g[i];
-            g[i] = (float)(__builtin_roundeven(total / quantum) * quantum);
+        if (f32) {
+            float *g = f32 + at;
+            for (; i + 4 <= n; i += 4) {
+                __m256d sum = rounded4(_mm256_loadu_pd(z + i), _mm256_cvtps_pd(_mm_loadu_ps(g + i)), scale, step);
+                _mm_storeu_ps(g + i, _mm256_cvtpd_ps(sum));
+            }
+            for (; i < n; i++) g[i] = (float)rounded1(z[i], (double)g[i], std, quantum);
+        } else {
+            double *g = f64 + at;
+            for (; i + 4 <= n; i += 4) {
+                _mm256_storeu_pd(g + i, rounded4(_mm256_loadu_pd(z + i), _mm256_loadu_pd(g + i), scale, step));
+            }
+            for (; i < n; i++) g[i] = rounded1(z[i], g[i], std, quantum);
         }
     }
     restore(previous);
 }
 
+/* grad[i] <- round((grad[i] + std * normal of element first + i) / quantum) * quantum, in float64, then float32. */
+void hf_dp_add_f32(uint64_t k0, uint64_t k1, uint64_t param, uint64_t first, int64_t count, float *grad, double std,
+                   double quantum) {
+    add(k0, k1, param, first, count, grad, 0, std, quantum);
+}
+
 /* As hf_dp_add_f32, for float64 gradients. */
 void hf_dp_add_f64(uint64_t k0, uint64_t k1, uint64_t param, uint64_t first, int64_t count, double *grad,
                    double std, double quantum) {
-    static __thread double normals[2 * PAIRS];
-    const __m256d scale = _mm256_set1_pd(std), step = _mm256_set1_pd(quantum);
-    int64_t at, n;
-    int previous = one_thread();
-    for (uint64_t pair = first / 2, end = first + (uint64_t)count; 2 * pair < end; pair += PAIRS) {
-        const double *z = tile(k0, k1, param, first, end, pair, normals, &at, &n);
-        double *g = grad + at;
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4) {
-            __m256d total = _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(z + i), scale), _mm256_loadu_pd(g + i));
-            total = _mm256_round_pd(_mm256_div_pd(total, step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm256_storeu_pd(g + i, _mm256_mul_pd(total, step));
-        }
-        for (; i < n; i++) {
-            double total = z[i] * std;
-            total = total + g[i];
-            g[i] = __builtin_roundeven(total / quantum) * quantum;
-        }
-    }
-    restore(previous);
+    add(k0, k1, param, first, count, 0, grad, std, quantum);
 }
