@@ -6,7 +6,8 @@ in one run with the modes interleaved repetition by repetition:
 
 - `non-private`: mean loss, `backward()`, AdamW step;
 - `hf_dp`: per-example losses, `GhostClipper.backward` (norms + clipped sum, one
-  backward pass), Gaussian noise on every trainable gradient, AdamW step;
+  backward pass), hf_dp's own noise on every trainable gradient (`hf_dp.noise.add_noise`,
+  what `DPTrainer` adds: keyed, float64, rounded once), AdamW step;
 - `opacus` (with `--vs-opacus`): Opacus' ghost clipping
   (`GradSampleModuleFastGradientClipping(use_ghost_clipping=True)` +
   `DPOptimizerFastGradientClipping`, two backward passes) on the same model and batch.
@@ -49,6 +50,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dp.clipping import GhostClipper  # noqa: E402
+from hf_dp.noise import add_noise, fresh_seed  # noqa: E402
 
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
@@ -157,17 +159,19 @@ class HfDp(Mode):
         self.model = model
         self.optimizer = torch.optim.AdamW(_trainable(model), lr=1e-4)
         self.clipper = GhostClipper(model, strategy=strategy)
+        self.seed, self.steps = fresh_seed(), 0
         if strategy != "auto":
             self.name = f"hf_dp[{strategy}]"
 
     def step(self, batch):
         losses = per_example_loss(self.model(**model_inputs(batch)).logits, batch["labels"])
         self.clipper.backward(losses, max_grad_norm=MAX_GRAD_NORM)
-        expected_batch_size = len(losses)
+        self.steps += 1
         with torch.no_grad():
             for param in _trainable(self.model):
-                param.grad.add_(torch.randn_like(param), alpha=NOISE_MULTIPLIER * MAX_GRAD_NORM)
-                param.grad.div_(expected_batch_size)
+                param.grad.div_(len(losses))
+            add_noise(_trainable(self.model), noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
+                      seed=self.seed, step=self.steps, scale=1 / len(losses))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -5,8 +5,8 @@ batch of real text (Shakespeare speeches, padded/truncated to `--seq-len` tokens
 full fine-tuning. The step of each mode is the one of `benchmarks/clipping_overhead.py`:
 
 - `non-private`: mean loss, `backward()`, AdamW step;
-- `hf_dp`: per-example losses, `GhostClipper.backward` (norms + clipped sum, one backward pass), Gaussian
-  noise on every trainable gradient, AdamW step.
+- `hf_dp`: per-example losses, `GhostClipper.backward` (norms + clipped sum, one backward pass), hf_dp's
+  own noise on every trainable gradient (`hf_dp.noise.add_noise`, as `DPTrainer` adds it), AdamW step.
 
 Time: median over `--reps` repetitions, the modes interleaved, after one warm-up step each.
 
