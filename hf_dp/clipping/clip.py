@@ -17,6 +17,7 @@ models), also when the forward pass ran under autocast.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -27,7 +28,7 @@ from .accumulate import ClippedGrads
 from .capture import Capture
 from .packing import PackedRows
 from .rows import batch_first
-from .terms import GradTerm, Reducer, compute_dtype, norm_sq_and_reducer
+from .terms import ExampleGrad, GradTerm, OuterGrad, Reducer, compute_dtype, norm_sq_and_reducer
 from .units import UnitIndex
 
 
@@ -89,6 +90,8 @@ def gradient_terms(
     packing = step.packing
     terms_by_param: Dict[nn.Parameter, List[GradTerm]] = {}
     bits_by_param: Dict[nn.Parameter, int] = {}
+    rule_grads: List[Tensor] = []
+    held: List[Optional[Tensor]] = list(step.coverage_grads)  # tensors that are not this step's scratch
     for capture, grads in zip(captures, output_grads):
         if grads is None:  # this call's output does not reach the loss
             continue
@@ -97,13 +100,39 @@ def gradient_terms(
         if packing is not None:  # (rows, T, ...) -> (examples, L, ...)
             activations = None if activations is None else packing.regroup(activations)
             grads = packing.regroup(grads)
+        rule_grads.append(grads)
+        held.append(activations)
         terms = layer.rule.fn(layer.module, activations, grads)
         bits = precision_bits(grads, activations) if record_precision else None
         for name, param in layer.params.items():
             terms_by_param.setdefault(param, []).append(terms[name])
             if record_precision:
                 bits_by_param[param] = min(bits_by_param.get(param, 64), bits, precision_bits(param))
+    mark_scratch(terms_by_param, rule_grads, held)
     return terms_by_param, bits_by_param
+
+
+def mark_scratch(terms_by_param: Dict[nn.Parameter, List[GradTerm]], output_grads: Sequence[Tensor],
+                 held: Sequence[Optional[Tensor]]) -> None:
+    """Flag each `OuterGrad` factor that is one of this backward's output gradients (or a view of one), contiguous,
+    and whose memory no other term, layer input or gradient held here shares: the book-keeping sum may then zero
+    its dropped units' rows in place instead of copying it (a layer output gradient is the step's own: autograd
+    handed it over and nothing else keeps it). Host metadata only."""
+    def storage(tensor: Tensor) -> int:
+        return tensor.untyped_storage().data_ptr()
+
+    factors = [(term, side) for terms in terms_by_param.values() for term in terms if isinstance(term, OuterGrad)
+               for side in (0, 1)]
+    uses = Counter(storage(term.grads) for terms in terms_by_param.values() for term in terms
+                   if isinstance(term, ExampleGrad))
+    uses.update(storage((term.left, term.right)[side]) for term, side in factors)
+    uses.update(storage(tensor) for tensor in held if tensor is not None)
+    own = {storage(grad) for grad in output_grads}
+    for term, side in factors:
+        factor = (term.left, term.right)[side]
+        if factor.is_floating_point() and factor.is_contiguous() and storage(factor) in own \
+                and uses[storage(factor)] == 1:
+            term.scratch = (True, term.scratch[1]) if side == 0 else (term.scratch[0], True)
 
 
 def unit_norms(
@@ -158,8 +187,10 @@ def add_clipped_sums(
                 param.shape, dtype=compute_dtype(param.dtype), device=step.device)
             into.add(param, sink(param, clipped_sum))
         return norms.to(torch.float32)
-    for param, reducer in reducers.items():
+    while reducers:  # each parameter's factors are freed once its sum is formed: the next sums reuse that memory
+        param, reducer = reducers.popitem()
         into.add(param, reducer(unit_weights))
+        del reducer
     into.ensure(params)
     return norms.to(torch.float32)
 

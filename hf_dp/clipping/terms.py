@@ -59,6 +59,7 @@ class OuterGrad:
 
     left: Tensor
     right: Tensor
+    scratch: Tuple[bool, bool] = (False, False)  # (left, right) is a tensor of this step alone (see `mark_scratch`)
     kind = OUTER
 
     @property
@@ -81,7 +82,9 @@ class ExampleGrad:
 GradTerm = Union[OuterGrad, ExampleGrad]
 Reducer = Callable[[Tensor], Tensor]
 """Maps per-unit clip weights `(U,)` to the clipped gradient sum (parameter-shaped). A unit of weight 0 adds exactly
-zero, whatever its factors hold (inf or NaN included: they never meet another unit's terms in a product)."""
+zero, whatever its factors hold (inf or NaN included: they never meet another unit's terms in a product). Its rows
+of a scratch factor may be zeroed in place: call it once with the step's clip weights (before that, all-ones weights
+are fine: they zero nothing)."""
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -245,33 +248,61 @@ def _cross_inner(x: OuterGrad, y: OuterGrad, units: UnitIndex, dtype: torch.dtyp
 
 
 def _bookkeeping_sum(term: OuterGrad, units: UnitIndex, unit_weights: Tensor, shape: torch.Size,
-                     dtype: torch.dtype) -> Tensor:
-    """Σ_u w_u Σ_{i∈u} Σ_n left_{i,n} ⊗ right_{i,n}: one product over all tokens (chunked over examples, so a
-    low-precision factor is never copied to float32 whole). A unit of weight 0 is masked out of both factors."""
+                     dtype: torch.dtype, out: Optional[Tensor] = None) -> Tensor:
+    """`out` (zeros when None) + Σ_u w_u Σ_{i∈u} Σ_n left_{i,n} ⊗ right_{i,n}: one product over all tokens, added
+    into `out` in place. A unit of weight 0 is masked out of both factors (0·inf would be NaN in the product): in
+    place in a copy made here or a scratch factor, else in a new tensor. Chunked over examples only as far as new
+    tensors are made (a low-precision factor is never copied to float32 whole); none: one product."""
     cols = term.right.shape[-1]
     if term.indexed:
         weights, drop = _row_weights(units, unit_weights, dtype, grouped=False)
-        weighted = (term.right.to(dtype) * weights).masked_fill_(drop, 0).reshape(-1, cols)
-        return torch.zeros(shape, dtype=dtype, device=term.right.device).index_add_(0, term.left.reshape(-1), weighted)
+        weighted = _masked(term.right, dtype, drop, weights, term.scratch[1]).reshape(-1, cols)
+        out = torch.zeros(shape, dtype=dtype, device=term.right.device) if out is None else out
+        return out.index_add_(0, term.left.reshape(-1), weighted)
     left, right = units.grouped(term.left), units.grouped(term.right)
     grouped = left is not None
     if not grouped:
         left, right = term.left, term.right
     weights, drop = _row_weights(units, unit_weights, dtype, grouped)
     rows = left.shape[-1]
-    out = None
-    for chunk in _chunks(left.shape[0], left.shape[1] * (rows + cols)):
-        left_chunk, right_chunk = left[chunk].to(dtype), right[chunk].to(dtype)
-        chunk_drop = drop[chunk]
-        if rows <= cols:  # the smaller factor is weighted; both masked (0·inf would be NaN in the product)
-            left_chunk = (left_chunk * weights[chunk]).masked_fill_(chunk_drop, 0)
-            right_chunk = right_chunk.masked_fill(chunk_drop, 0)
-        else:
-            left_chunk = left_chunk.masked_fill(chunk_drop, 0)
-            right_chunk = (right_chunk * weights[chunk]).masked_fill_(chunk_drop, 0)
-        product = left_chunk.reshape(-1, rows).t() @ right_chunk.reshape(-1, cols)
-        out = product if out is None else out.add_(product)
+    weight_left, made = _weight_left(left, right, term.scratch, dtype)
+    for chunk in _chunks(left.shape[0], left.shape[1] * made):
+        chunk_weights, chunk_drop = weights[chunk], drop[chunk]
+        left_chunk = _masked(left[chunk], dtype, chunk_drop, chunk_weights if weight_left else None, term.scratch[0])
+        right_chunk = _masked(right[chunk], dtype, chunk_drop, None if weight_left else chunk_weights, term.scratch[1])
+        left_chunk, right_chunk = left_chunk.reshape(-1, rows).t(), right_chunk.reshape(-1, cols)
+        out = left_chunk @ right_chunk if out is None else out.addmm_(left_chunk, right_chunk)
     return torch.zeros(shape, dtype=dtype, device=term.right.device) if out is None else out
+
+
+def _weight_left(left: Tensor, right: Tensor, scratch: Tuple[bool, bool], dtype: torch.dtype) -> Tuple[bool, int]:
+    """Which factor the clip weights multiply, and the elements per token of the new tensors that makes: the choice
+    that makes fewer (a factor copied to `dtype` is weighted and masked in place, a scratch one masked in place),
+    else the smaller factor is weighted (fewer multiplies)."""
+    sizes = (left.shape[-1], right.shape[-1])
+    copied = (left.dtype != dtype, right.dtype != dtype)
+
+    def made(weighted: int) -> int:
+        return sum(size for side, size in enumerate(sizes)
+                   if copied[side] or side == weighted or not scratch[side])
+
+    def new_elements(weighted: int) -> int:  # beyond the copies to `dtype`, made either way
+        return made(weighted) - sum(size for side, size in enumerate(sizes) if copied[side])
+
+    left_first = (new_elements(0), sizes[0] > sizes[1]) <= (new_elements(1), sizes[1] > sizes[0])
+    return left_first, made(0 if left_first else 1)
+
+
+def _masked(factor: Tensor, dtype: torch.dtype, drop: Tensor, weights: Optional[Tensor], scratch: bool) -> Tensor:
+    """`factor` in `dtype`, times `weights` if given, with the rows in `drop` zeroed. Weighted in place only in a copy
+    made here (a scratch factor keeps its values: a reducer may be called again); zeroed in place there or in a
+    scratch factor (a dropped unit's rows are never read again)."""
+    converted = factor.to(dtype)
+    copied = converted.untyped_storage().data_ptr() != factor.untyped_storage().data_ptr()
+    if weights is not None:
+        converted = converted.mul_(weights) if copied else converted * weights
+        return converted.masked_fill_(drop, 0)
+    return converted.masked_fill_(drop, 0) if copied or scratch else converted.masked_fill(drop, 0)
 
 
 def _row_weights(units: UnitIndex, unit_weights: Tensor, dtype: torch.dtype, grouped: bool) -> Tuple[Tensor, Tensor]:
@@ -354,8 +385,11 @@ def norm_sq_and_reducer(
         for second in range(first + 1, len(terms)):
             norm_sq = norm_sq + 2 * _cross_inner(terms[first], terms[second], units, dtype)
 
-    def reduce(unit_weights: Tensor) -> Tensor:
-        return sum(_bookkeeping_sum(term, units, unit_weights, shape, dtype) for term in terms)
+    def reduce(unit_weights: Tensor) -> Tensor:  # one output: each term's product added into it in place
+        out = None
+        for term in sorted(terms, key=lambda term: term.indexed):  # a dense product makes the output, no zeros
+            out = _bookkeeping_sum(term, units, unit_weights, shape, dtype, out)
+        return out
 
     return norm_sq, reduce
 
