@@ -72,7 +72,7 @@ def test_the_normals_are_the_numpy_paths(kernel, functions, monkeypatch, paramet
 def test_torchs_mkl_functions_are_used_where_torch_uses_them():
     """On torch's x86 Linux wheels (built with MKL) the kernel calls the very log, cos and sin torch's CPU ops call."""
     if not (BUILDABLE and torch.backends.mkl.is_available()):
-        pytest.skip("torch without MKL: the kernel uses libmvec (tested above)")
+        pytest.skip(reason="torch without MKL: the kernel uses libmvec (tested above)")
     assert host_kernel.library().functions == "MKL VML"
 
 

@@ -190,7 +190,6 @@ def add_clipped_sums(
     while reducers:  # each parameter's factors are freed once its sum is formed: the next sums reuse that memory
         param, reducer = reducers.popitem()
         into.add(param, reducer(unit_weights))
-        del reducer
     into.ensure(params)
     return norms.to(torch.float32)
 

@@ -286,10 +286,7 @@ def _weight_left(left: Tensor, right: Tensor, scratch: Tuple[bool, bool], dtype:
         return sum(size for side, size in enumerate(sizes)
                    if copied[side] or side == weighted or not scratch[side])
 
-    def new_elements(weighted: int) -> int:  # beyond the copies to `dtype`, made either way
-        return made(weighted) - sum(size for side, size in enumerate(sizes) if copied[side])
-
-    left_first = (new_elements(0), sizes[0] > sizes[1]) <= (new_elements(1), sizes[1] > sizes[0])
+    left_first = (made(0), sizes[0] > sizes[1]) <= (made(1), sizes[1] > sizes[0])
     return left_first, made(0 if left_first else 1)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping import GhostClipper, clip
+from hf_dp.clipping.accumulate import ClippedGrads
 from hf_dp.clipping.terms import OuterGrad
 from trainer_fixtures import tiny_llama
 
@@ -100,3 +101,23 @@ def test_a_dropped_unit_adds_zero_and_held_tensors_keep_their_values(model_of):
     (poisoned, norms), (reference, _) = run(poison=True), run(poison=False)
     assert torch.isfinite(poisoned).all() and math.isinf(norms[1]) and torch.isfinite(norms[[0, 2]]).all()
     torch.testing.assert_close(poisoned, reference, rtol=1e-6, atol=1e-9)
+
+
+def test_a_bf16_model_with_an_inf_unit_moves_the_float32_sums_by_at_most_c():
+    """bf16 parameters (factors copied to float32, weighted and masked in those copies): the poisoned unit adds
+    exactly nothing, and the same unit with a finite loss moves the float32 sums by at most C."""
+    def sums(scale):
+        model = tiny_llama(seed=1).to(torch.bfloat16)
+        clipper, into = GhostClipper(model), ClippedGrads()
+        ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+        losses = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean(-1)
+        clipper.backward(losses * scale, max_grad_norm=C, into=into)
+        clipper.detach()
+        grads = into.grads(list(model.parameters()))
+        assert all(grad.dtype == torch.float32 for grad in grads)  # the sums of bf16 parameters, before any rounding
+        return torch.cat([grad.double().flatten() for grad in grads])
+
+    poisoned, without, honest = (sums(torch.tensor(scale)) for scale in ([1.0, math.inf, 1], [1.0, 0, 1], [1.0, 1, 1]))
+    assert torch.isfinite(poisoned).all()
+    torch.testing.assert_close(poisoned, without, rtol=1e-6, atol=1e-9)
+    assert float((honest - without).norm()) <= C * (1 + 1e-5)
