@@ -160,6 +160,7 @@ class HfDp(Mode):
         self.optimizer = torch.optim.AdamW(_trainable(model), lr=1e-4)
         self.clipper = GhostClipper(model, strategy=strategy)
         self.seed, self.steps = fresh_seed(), 0
+        self.noise_seconds = None  # the last step's `add_noise` alone, on the CPU (a GPU's launches return early)
         if strategy != "auto":
             self.name = f"hf_dp[{strategy}]"
 
@@ -170,8 +171,11 @@ class HfDp(Mode):
         with torch.no_grad():
             for param in _trainable(self.model):
                 param.grad.div_(len(losses))
+            began = time.perf_counter()
             add_noise(_trainable(self.model), noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
                       seed=self.seed, step=self.steps, scale=1 / len(losses))
+            on_cpu = all(param.device.type == "cpu" for param in _trainable(self.model))
+            self.noise_seconds = time.perf_counter() - began if on_cpu else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

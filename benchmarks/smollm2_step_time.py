@@ -8,6 +8,8 @@ full fine-tuning. The step of each mode is the one of `benchmarks/clipping_overh
 - `hf_dp`: per-example losses, `GhostClipper.backward` (norms + clipped sum, one backward pass), hf_dp's
   own noise on every trainable gradient (`hf_dp.noise.add_noise`, as `DPTrainer` adds it), AdamW step.
 
+The noise's own time inside the DP step is printed beside it (`noise s`, and its share of the DP step).
+
 Time: median over `--reps` repetitions, the modes interleaved, after one warm-up step each.
 
     python benchmarks/smollm2_step_time.py                      # 8 x 64 tokens, 1 CPU thread
@@ -63,22 +65,27 @@ def main(argv=None) -> None:
     batch = real_batch(tokenizer, args.batch_size, args.seq_len)
     print(f"SmolLM2-135M-Instruct, batch {args.batch_size} x {args.seq_len} tokens "
           f"({int(batch['attention_mask'].sum())} real), {args.threads} CPU thread(s), median of {args.reps}")
-    print(f"{'finetune':<8} {'trainable':>12} {'non-private s':>14} {'hf_dp s':>9} {'ratio':>6}")
+    print(f"{'finetune':<8} {'trainable':>12} {'non-private s':>14} {'hf_dp s':>9} {'ratio':>6} {'noise s':>8} "
+          f"{'noise %':>8}")
     for finetune in args.finetune:
         models = [copy.deepcopy(base) for _ in range(2)]
         if finetune == "lora":
             models = [clipping_overhead.with_lora(model, "llama") for model in models]
         modes = [clipping_overhead.NonPrivate(models[0]), clipping_overhead.HfDp(models[1])]
-        times = {mode.name: [] for mode in modes}
+        times, noise = {mode.name: [] for mode in modes}, []
         for rep in range(args.reps + 1):
             for mode in modes:
                 start = time.perf_counter()
                 mode.step(batch)
                 if rep:  # the first step of each mode is a warm-up
                     times[mode.name].append(time.perf_counter() - start)
+            if rep:
+                noise.append(modes[1].noise_seconds)  # hf_dp's noise alone, inside the step just timed
         trainable = sum(p.numel() for p in models[0].parameters() if p.requires_grad)
         private, public = statistics.median(times["hf_dp"]), statistics.median(times["non-private"])
-        print(f"{finetune:<8} {trainable:>12,} {public:>14.2f} {private:>9.2f} {private / public:>6.2f}", flush=True)
+        noised = statistics.median(noise)
+        print(f"{finetune:<8} {trainable:>12,} {public:>14.2f} {private:>9.2f} {private / public:>6.2f} "
+              f"{noised:>8.2f} {100 * noised / private:>7.1f}%", flush=True)
         del models, modes
 
 
