@@ -17,7 +17,8 @@ q and v projections of the top 4 layers) it times one step's noise, float32 grad
 
 On the CPU (`host_per_element`): ns per float32 element of one step's noise at 10⁶ and 10⁷ elements, on 1 and 2
 torch threads, for the compiled host kernel, the numpy path (`HF_DP_HOST_KERNEL=0`) and `torch.randn` + add, taken in
-turns.
+turns; and where the kernel's time goes on one thread (`host_phases`): the Philox words, Box–Muller, the rounded sum,
+and ns per value of the `log`, `cos`, `sin` and `sqrt` it calls.
 
 Bytes per element of the device path (`traffic`, on any machine): the fused kernel's, counted at its loads and
 stores by Triton's interpreter (`TRITON_INTERPRET=1`, in a subprocess) on a block of several float32 and bf16
@@ -47,6 +48,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from scipy import stats
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -206,6 +208,63 @@ def host_per_element(sizes=(10**6, 10**7), threads=(1, 2), repeats: int = 7) -> 
     return rows
 
 
+def host_phases(elements: int = 1 << 16, calls: int = 64, repeats: int = 9) -> dict | None:
+    """Where the host kernel's time goes, ns per element on one thread: its Philox4x64-10 words alone
+    (`hf_dp_words`, which also stores them), Box–Muller on top of them (`hf_dp_normals` less the words), and the
+    noised sum, its rounding and store (`hf_dp_add_f32` less the normals), each `calls` times over the same
+    `elements` (outputs kept in cache, so the differences are the phases), median of `repeats`; and ns per value of
+    each of the `log`, `cos`, `sin` and `sqrt` it calls (MKL VML's, on 2¹⁶ values; None where it uses glibc's). None
+    without the kernel."""
+    import ctypes
+
+    from hf_dp import host_kernel
+
+    kernel = host_kernel.library()
+    if kernel is None:
+        return None
+    handle, previous = kernel._handle, torch.get_num_threads()
+    k0, k1 = 0x0123456789ABCDEF, 0xFEDCBA9876543210
+    words, normals = np.empty((elements // 2, 4), dtype=np.uint64), np.empty(elements)
+    grad = np.zeros(elements, dtype=np.float32)
+    phases = {"words": lambda: handle.hf_dp_words(k0, k1, 5, 0, elements // 2, words.ctypes.data),
+              "normals": lambda: handle.hf_dp_normals(k0, k1, 5, 0, elements, normals.ctypes.data),
+              "add": lambda: handle.hf_dp_add_f32(k0, k1, 5, 0, elements, grad.ctypes.data, 0.01, 0.01 * 2.0**-24)}
+    torch.set_num_threads(1)
+    try:
+        times = {name: [] for name in phases}
+        for _ in range(repeats + 1):
+            for name, phase in phases.items():
+                began = time.perf_counter()
+                for _ in range(calls):
+                    phase()
+                times[name].append(time.perf_counter() - began)
+        ns = {name: 1e9 * statistics.median(values[1:]) / (calls * elements) for name, values in times.items()}
+        row = {"elements": elements, "words_ns": ns["words"], "box_muller_ns": ns["normals"] - ns["words"],
+               "sum_round_store_ns": ns["add"] - ns["normals"], "kernel_ns": ns["add"], "functions": kernel.functions,
+               "function_ns_per_value": None}
+        if kernel._mkl is not None:
+            values, out = np.random.default_rng(0).random(1 << 16), np.empty(1 << 16)
+            row["function_ns_per_value"] = {}
+            for name, address in zip(("log", "cos", "sin", "sqrt"), kernel._mkl[:4]):
+                function = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)(address)
+                spent = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    function(len(values), values.ctypes.data, out.ctypes.data)
+                    spent.append(time.perf_counter() - began)
+                row["function_ns_per_value"][name] = 1e9 * statistics.median(spent) / len(values)
+    finally:
+        torch.set_num_threads(previous)
+    functions = row["function_ns_per_value"]
+    print(f"host kernel, one thread, {elements} elements in cache: {row['kernel_ns']:.1f} ns an element = Philox words "
+          f"{row['words_ns']:.1f} + Box-Muller {row['box_muller_ns']:.1f} + sum, rounding and store "
+          f"{row['sum_round_store_ns']:.1f}; {row['functions']}"
+          + ("" if functions is None else " ns a value: " + ", ".join(f"{name} {value:.2f}"
+                                                                        for name, value in functions.items())),
+          flush=True)
+    return row
+
+
 def device_against_cpu(device: torch.device, draws: int) -> dict:
     """On CUDA: the device engine's words equal the CPU's, and the law of `draws` normals drawn on the device."""
     segments = [(0, 0, 4096), (7, 2**33 + 5, 1000)]
@@ -293,7 +352,8 @@ def ptx_accesses(dtype: str = "float32") -> dict:
 def traffic() -> dict:
     """On the CPU (`host_per_element`): ns per float32 element of one step's noise at 10⁶ and 10⁷ elements, on 1 and 2
 torch threads, for the compiled host kernel, the numpy path (`HF_DP_HOST_KERNEL=0`) and `torch.randn` + add, taken in
-turns.
+turns; and where the kernel's time goes on one thread (`host_phases`): the Philox words, Box–Muller, the rounded sum,
+and ns per value of the `log`, `cos`, `sin` and `sqrt` it calls.
 
 Bytes per element of the device path: the fused kernel's (interpreter count, PTX) and the reference's."""
     report = {"reference_bytes_per_element": reference_traffic()}
@@ -424,6 +484,7 @@ def run(device: str = "cpu", repeats: int = 5, draws: int = 2 * 10**9, quick: bo
               f"device engine {row['device_engine_ops']} ops", flush=True)
     if device.type == "cpu":
         report["host_per_element"] = host_per_element(sizes=(10**6,) if quick else (10**6, 10**7))
+        report["host_phases"] = host_phases()
     report["traffic"] = bytes_ = traffic()
     print(f"noise bytes per element, device path: fused kernel {bytes_.get('kernel_bytes_per_element')} (counted at "
           f"its loads and stores), reference engine {bytes_['reference_bytes_per_element']:,.0f} (its ops' inputs and "
