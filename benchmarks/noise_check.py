@@ -241,6 +241,7 @@ def host_phases(elements: int = 1 << 16, calls: int = 64, repeats: int = 9) -> d
         ns = {name: 1e9 * statistics.median(values[1:]) / (calls * elements) for name, values in times.items()}
         row = {"elements": elements, "words_ns": ns["words"], "box_muller_ns": ns["normals"] - ns["words"],
                "sum_round_store_ns": ns["add"] - ns["normals"], "kernel_ns": ns["add"], "functions": kernel.functions,
+               "words_engine": kernel.words_engine,
                "function_ns_per_value": None}
         if kernel._mkl is not None:
             values, out = np.random.default_rng(0).random(1 << 16), np.empty(1 << 16)
@@ -256,9 +257,9 @@ def host_phases(elements: int = 1 << 16, calls: int = 64, repeats: int = 9) -> d
     finally:
         torch.set_num_threads(previous)
     functions = row["function_ns_per_value"]
-    print(f"host kernel, one thread, {elements} elements in cache: {row['kernel_ns']:.1f} ns an element = Philox words "
-          f"{row['words_ns']:.1f} + Box-Muller {row['box_muller_ns']:.1f} + sum, rounding and store "
-          f"{row['sum_round_store_ns']:.1f}; {row['functions']}"
+    print(f"host kernel, one thread, {elements} elements in cache: {row['kernel_ns']:.1f} ns an element = Philox "
+          f"words {row['words_ns']:.1f} ({row['words_engine']}) + Box-Muller {row['box_muller_ns']:.1f} + sum, "
+          f"rounding and store {row['sum_round_store_ns']:.1f}; {row['functions']}"
           + ("" if functions is None else " ns a value: " + ", ".join(f"{name} {value:.2f}"
                                                                         for name, value in functions.items())),
           flush=True)

@@ -1,14 +1,15 @@
 """The host engine's noise in one compiled pass (`hf_dp/host_noise.c`), built at first use with the system's C compiler.
 
 numpy and torch draw a step's noise on the CPU in about fifteen passes over memory (~20 ns an element); the C kernel
-computes each tile's Philox words, Box–Muller and rounded sum in cache (~8 ns, half of it the ten rounds of 64-bit
-multiplications). It gives numpy's words bit for bit, the same float64 operations, and calls the very `log`, `cos`,
-`sin` and `sqrt` torch's CPU ops call (MKL VML's, found in torch's own library and checked against torch's results
-when the kernel loads), so the noise is the numpy path's bit for bit; where torch does not use MKL, glibc's libmvec
-(a normal within a few ulps, 5 at most in 10⁶ draws: a rounded sum may then differ by one quantum about once in 10⁸
-elements). It is built for x86-64 CPUs with AVX2 and FMA (x86-64-v3) on Linux with glibc, into a temporary folder,
-once per process (a quarter of a second); elsewhere, with no C compiler, or with `HF_DP_HOST_KERNEL=0`, `library()`
-is None and hf_dp/noise.py draws with numpy and torch, the same noise, about 2.5× slower.
+computes each tile's Philox words, Box–Muller and rounded sum in cache (8–11 ns, a third to a half of it the ten
+rounds of 64-bit multiplications; on CPUs with AVX-512 it times both words engines when it loads and keeps the
+faster, the same words). It gives numpy's words bit for bit, the same float64 operations, and calls the very `log`,
+`cos`, `sin` and `sqrt` torch's CPU ops call (MKL VML's, found in torch's own library and checked against torch's
+results when the kernel loads), so the noise is the numpy path's bit for bit; where torch does not use MKL, glibc's
+libmvec (a normal within a few ulps, 5 at most in 10⁶ draws: a rounded sum may then differ by one quantum about once
+in 10⁸ elements). It is built for x86-64 CPUs with AVX2 and FMA (x86-64-v3) on Linux with glibc, into a temporary
+folder, once per process (a quarter of a second); elsewhere, with no C compiler, or with `HF_DP_HOST_KERNEL=0`,
+`library()` is None and hf_dp/noise.py draws with numpy and torch, the same noise, about 2.5× slower.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +51,34 @@ class HostKernel:
             getattr(handle, name).restype = None
         handle.hf_dp_use.argtypes = [pointer] * 5
         handle.hf_dp_use.restype = None
+        handle.hf_dp_words_engine.argtypes = [ctypes.c_int]
+        handle.hf_dp_words_engine.restype = ctypes.c_int
         self._handle = handle
         self._mkl = _torchs_mkl_functions()
         self.use_torchs_functions(True)
+        self.words_engine = self._faster_words_engine()
+
+    def use_avx512(self, use: bool) -> bool:
+        """The Philox words from AVX-512 with the scalar multiplier beside it (`use=True`, where the CPU has
+        AVX-512F and DQ) or from the scalar loop: the same words. Returns whether AVX-512 is now used."""
+        used = bool(self._handle.hf_dp_words_engine(int(use)))
+        self.words_engine = "AVX-512 + scalar" if used else "scalar"
+        return used
+
+    def _faster_words_engine(self) -> str:
+        """Keeps whichever words engine is faster on this CPU (timed on 2¹⁴ pairs, best of 5; about 2 ms): AVX-512
+        wins by 1.9x on an AMD EPYC (Zen 4), where a CPU that runs it slowly keeps the scalar loop."""
+        if not self.use_avx512(True):
+            return self.words_engine
+        out, best = np.empty((1 << 14, 4), dtype=np.uint64), {}
+        for engine in (True, False, True, False):
+            self.use_avx512(engine)
+            for _ in range(5):
+                began = time.perf_counter()
+                self._handle.hf_dp_words(1, 2, 3, 0, len(out), out.ctypes.data)
+                best[engine] = min(best.get(engine, float("inf")), time.perf_counter() - began)
+        self.use_avx512(best[True] < best[False])
+        return self.words_engine
 
     def use_torchs_functions(self, use: bool) -> None:
         """log, cos and sin from torch's own MKL VML where torch uses it (the numpy path's values, bit for bit), or

@@ -6,7 +6,9 @@
  * `_add_on_host` compute with numpy and torch, tile by tile of PAIRS pairs that stay in cache:
  *
  * - pair p = e / 2 takes the Philox4x64-10 block at counter (p, j, 0, 0) under the step's 128-bit key: numpy's
- *   words, bit for bit (tests/test_host_kernel.py compares them), each shifted right by 11 to 53 bits;
+ *   words, bit for bit (tests/test_host_kernel.py compares them), each shifted right by 11 to 53 bits; computed by a
+ *   scalar loop or, on CPUs with AVX-512F and DQ where it is faster, 16 pairs a time in vectors beside 4 on the
+ *   scalar multiplier (the same words);
  * - u1 = ((w0 2^106 + w1 2^53) + (w2 + 1)) 2^-159, R = sqrt(-2 ln u1), theta = w3 2pi 2^-53, in the same float64
  *   operations and order; element e is R cos theta for even e, R sin theta for odd e;
  * - the gradient plus std times the normal, in float64, divided by the quantum, rounded half to even, multiplied
@@ -79,9 +81,10 @@ static void restore(int previous) {
     if (set_threads) set_threads(previous);
 }
 
-/* The four 53-bit words of pairs [pair, pair + count), count <= PAIRS, in four columns. */
-static void tile_words(uint64_t k0, uint64_t k1, uint64_t param, uint64_t pair, int count, uint64_t w[4][PAIRS]) {
-    for (int i = 0; i < count; i++) {
+/* The four 53-bit words of pairs [pair + start, pair + count), count <= PAIRS, in columns [start, count). */
+static void words_scalar(uint64_t k0, uint64_t k1, uint64_t param, uint64_t pair, int start, int count,
+                         uint64_t w[4][PAIRS]) {
+    for (int i = start; i < count; i++) {
         uint64_t c0 = pair + (uint64_t)i, c1 = param, c2 = 0, c3 = 0, a = k0, b = k1;
         for (int r = 0; r < 10; r++) {
             u128 p0 = (u128)c0 * M0, p1 = (u128)c2 * M1;
@@ -99,6 +102,102 @@ static void tile_words(uint64_t k0, uint64_t k1, uint64_t param, uint64_t pair, 
         w[2][i] = c2 >> 11;
         w[3][i] = c3 >> 11;
     }
+}
+
+/* The same words with AVX-512: 16 pairs in two vectors of 8 lanes, each 64 x 64-bit product from four 32 x 32-bit
+ * ones (the high half) and vpmullq (the low), and 4 more pairs on the scalar multiplier in the same loop, which the
+ * vector units leave idle. Integer arithmetic throughout: the words are the scalar loop's, bit for bit. */
+#define VECTOR_PAIRS 16
+#define SCALAR_PAIRS 4
+#define AVX512 __attribute__((target("avx512f,avx512dq")))
+
+AVX512 static inline void product(__m512i x, __m512i m, __m512i m_high, __m512i *high, __m512i *low) {
+    const __m512i mask = _mm512_set1_epi64(0xFFFFFFFFLL);
+    __m512i x_high = _mm512_srli_epi64(x, 32);
+    __m512i ll = _mm512_mul_epu32(x, m), lh = _mm512_mul_epu32(x, m_high);
+    __m512i hl = _mm512_mul_epu32(x_high, m), hh = _mm512_mul_epu32(x_high, m_high);
+    __m512i t = _mm512_add_epi64(lh, _mm512_srli_epi64(ll, 32));   /* < 2^64: (2^32 - 1)^2 + 2^32 - 1 */
+    __m512i middle = _mm512_add_epi64(_mm512_and_si512(t, mask), hl); /* likewise */
+    *high = _mm512_add_epi64(_mm512_add_epi64(hh, _mm512_srli_epi64(t, 32)), _mm512_srli_epi64(middle, 32));
+    *low = _mm512_mullo_epi64(x, m);
+}
+
+#define XOR3(a, b, c) _mm512_ternarylogic_epi64(a, b, c, 0x96)
+
+AVX512 static void words_avx512(uint64_t k0, uint64_t k1, uint64_t param, uint64_t pair, int count,
+                                uint64_t w[4][PAIRS]) {
+    const __m512i m0 = _mm512_set1_epi64((long long)M0), m0_high = _mm512_set1_epi64((long long)(M0 >> 32));
+    const __m512i m1 = _mm512_set1_epi64((long long)M1), m1_high = _mm512_set1_epi64((long long)(M1 >> 32));
+    const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), zero = _mm512_setzero_si512();
+    int i = 0;
+    for (; i + VECTOR_PAIRS + SCALAR_PAIRS <= count; i += VECTOR_PAIRS + SCALAR_PAIRS) {
+        __m512i a0 = _mm512_add_epi64(_mm512_set1_epi64((long long)(pair + (uint64_t)i)), lanes);
+        __m512i b0 = _mm512_add_epi64(a0, _mm512_set1_epi64(8));
+        __m512i a1 = _mm512_set1_epi64((long long)param), b1 = a1, a2 = zero, b2 = zero, a3 = zero, b3 = zero;
+        uint64_t c0[SCALAR_PAIRS], c1[SCALAR_PAIRS], c2[SCALAR_PAIRS], c3[SCALAR_PAIRS];
+        for (int l = 0; l < SCALAR_PAIRS; l++) {
+            c0[l] = pair + (uint64_t)(i + VECTOR_PAIRS + l);
+            c1[l] = param;
+            c2[l] = c3[l] = 0;
+        }
+        uint64_t a = k0, b = k1;
+        for (int r = 0; r < 10; r++) {
+            __m512i ka = _mm512_set1_epi64((long long)a), kb = _mm512_set1_epi64((long long)b);
+            __m512i ha0, la0, ha2, la2, hb0, lb0, hb2, lb2;
+            product(a0, m0, m0_high, &ha0, &la0);
+            product(a2, m1, m1_high, &ha2, &la2);
+            product(b0, m0, m0_high, &hb0, &lb0);
+            product(b2, m1, m1_high, &hb2, &lb2);
+            a0 = XOR3(ha2, a1, ka); /* the scalar loop's round, on 8 lanes */
+            a1 = la2;
+            a2 = XOR3(ha0, a3, kb);
+            a3 = la0;
+            b0 = XOR3(hb2, b1, ka);
+            b1 = lb2;
+            b2 = XOR3(hb0, b3, kb);
+            b3 = lb0;
+            for (int l = 0; l < SCALAR_PAIRS; l++) {
+                u128 p0 = (u128)c0[l] * M0, p1 = (u128)c2[l] * M1;
+                c0[l] = (uint64_t)(p1 >> 64) ^ c1[l] ^ a;
+                c1[l] = (uint64_t)p1;
+                c2[l] = (uint64_t)(p0 >> 64) ^ c3[l] ^ b;
+                c3[l] = (uint64_t)p0;
+            }
+            a += W0;
+            b += W1;
+        }
+        __m512i vectors[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+        for (int k = 0; k < 4; k++) {
+            _mm512_storeu_si512(w[k] + i, _mm512_srli_epi64(vectors[0][k], 11));
+            _mm512_storeu_si512(w[k] + i + 8, _mm512_srli_epi64(vectors[1][k], 11));
+        }
+        for (int l = 0; l < SCALAR_PAIRS; l++) {
+            int at = i + VECTOR_PAIRS + l;
+            w[0][at] = c0[l] >> 11;
+            w[1][at] = c1[l] >> 11;
+            w[2][at] = c2[l] >> 11;
+            w[3][at] = c3[l] >> 11;
+        }
+    }
+    words_scalar(k0, k1, param, pair, i, count, w);
+}
+
+static int use_avx512 = 0; /* hf_dp_words_engine sets it: host_kernel.py keeps the faster engine on this CPU */
+
+/* The four 53-bit words of pairs [pair, pair + count), count <= PAIRS, in four columns. */
+static void tile_words(uint64_t k0, uint64_t k1, uint64_t param, uint64_t pair, int count, uint64_t w[4][PAIRS]) {
+    if (use_avx512) {
+        words_avx512(k0, k1, param, pair, count, w);
+    } else {
+        words_scalar(k0, k1, param, pair, 0, count, w);
+    }
+}
+
+/* The words' engine: 1 for AVX-512 with the scalar multiplier beside it, where the CPU and the OS support it, 0 for
+ * the scalar loop. Returns the engine now in use. */
+int hf_dp_words_engine(int avx512) {
+    use_avx512 = avx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    return use_avx512;
 }
 
 /* A 53-bit integer as a double, exactly: its high 27 and low 26 bits through the exponent of 2^52. */

@@ -34,10 +34,21 @@ def test_the_kernel_builds_where_it_is_meant_to(kernel):
     assert host_kernel.failure() is None
 
 
+@pytest.fixture(params=["AVX-512 + scalar", "scalar"])
+def engine(request, kernel):
+    """The kernel with either words engine (the one it keeps is the faster on this CPU)."""
+    kept = kernel.words_engine
+    if not kernel.use_avx512(request.param != "scalar") and request.param != "scalar":
+        kernel.use_avx512(kept != "scalar")
+        pytest.skip(reason="this CPU has no AVX-512F and DQ: the scalar engine is tested")
+    yield kernel.words_engine
+    kernel.use_avx512(kept != "scalar")
+
+
 @needs_kernel
 @pytest.mark.parametrize("parameter, first_pair, pairs", [(0, 0, 1), (3, 5, 255), (3, 5, 256), (1, 0, 257),
-                                                         (9, 2**40, 1000), (2**20, 2**62, 3)])
-def test_the_words_are_numpys_philox4x64_10_bit_for_bit(kernel, parameter, first_pair, pairs):
+                                                         (9, 2**40, 1000), (2**20, 2**62, 3), (4, 7, 5_003)])
+def test_the_words_are_numpys_philox4x64_10_bit_for_bit(kernel, engine, parameter, first_pair, pairs):
     key = noise._host_key(2**255 + 7, 11, 1)
     counter = ((parameter << 64) + first_pair - 1) % 2**256
     expected = np.random.Philox(key=key, counter=counter).random_raw(4 * pairs).reshape(pairs, 4) >> 11
@@ -108,6 +119,24 @@ def test_a_shards_noise_is_that_of_its_elements(kernel, monkeypatch):
         shard = torch.zeros(count)
         kernel.add(key, 3, first, shard.numpy(), 0.5, 0.5 * noise.QUANTUM)
         assert torch.equal(shard, whole[first: first + count]), (first, count)
+
+
+@needs_kernel
+def test_both_words_engines_add_the_same_noise(kernel):
+    """The AVX-512 engine and the scalar loop, on a parameter whose pairs end inside a block of 20 and a tile."""
+    def noised(avx512):
+        grad = np.zeros(2 * 5_003 + 1, dtype=np.float32)
+        kernel.use_avx512(avx512)
+        kernel.add(noise._host_key(3, 9, 1), 6, 11, grad, 0.7, 0.7 * noise.QUANTUM)
+        return grad
+
+    kept = kernel.words_engine
+    try:
+        if not kernel.use_avx512(True):
+            pytest.skip(reason="this CPU has no AVX-512F and DQ: only the scalar engine runs here")
+        assert np.array_equal(noised(True), noised(False))
+    finally:
+        kernel.use_avx512(kept != "scalar")
 
 
 @needs_kernel
