@@ -67,7 +67,7 @@ class HostKernel:
 
     def _faster_words_engine(self) -> str:
         """Keeps whichever words engine is faster on this CPU (timed on 2¹⁴ pairs, best of 5; about 2 ms): AVX-512
-        wins by 1.9x on an AMD EPYC (Zen 4), where a CPU that runs it slowly keeps the scalar loop."""
+        wins by about 1.7x on an AMD EPYC (Zen 4); a CPU that runs it slowly keeps the scalar loop."""
         if not self.use_avx512(True):
             return self.words_engine
         out, best = np.empty((1 << 14, 4), dtype=np.uint64), {}
