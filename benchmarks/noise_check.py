@@ -351,12 +351,7 @@ def ptx_accesses(dtype: str = "float32") -> dict:
 
 
 def traffic() -> dict:
-    """On the CPU (`host_per_element`): ns per float32 element of one step's noise at 10⁶ and 10⁷ elements, on 1 and 2
-torch threads, for the compiled host kernel, the numpy path (`HF_DP_HOST_KERNEL=0`) and `torch.randn` + add, taken in
-turns; and where the kernel's time goes on one thread (`host_phases`): the Philox words, Box–Muller, the rounded sum,
-and ns per value of the `log`, `cos`, `sin` and `sqrt` it calls.
-
-Bytes per element of the device path: the fused kernel's (interpreter count, PTX) and the reference's."""
+    """Bytes per element of the device path: the fused kernel's (interpreter count, PTX) and the reference's."""
     report = {"reference_bytes_per_element": reference_traffic()}
     try:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))

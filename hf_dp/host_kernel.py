@@ -56,7 +56,7 @@ class HostKernel:
         self._handle = handle
         self._mkl = _torchs_mkl_functions()
         self.use_torchs_functions(True)
-        self.words_engine = self._faster_words_engine()
+        self._keep_faster_words_engine()
 
     def use_avx512(self, use: bool) -> bool:
         """The Philox words from AVX-512 with the scalar multiplier beside it (`use=True`, where the CPU has
@@ -65,11 +65,11 @@ class HostKernel:
         self.words_engine = "AVX-512 + scalar" if used else "scalar"
         return used
 
-    def _faster_words_engine(self) -> str:
+    def _keep_faster_words_engine(self) -> None:
         """Keeps whichever words engine is faster on this CPU (timed on 2¹⁴ pairs, best of 5; about 2 ms): AVX-512
         wins by about 1.7x on an AMD EPYC (Zen 4); a CPU that runs it slowly keeps the scalar loop."""
         if not self.use_avx512(True):
-            return self.words_engine
+            return
         out, best = np.empty((1 << 14, 4), dtype=np.uint64), {}
         for engine in (True, False, True, False):
             self.use_avx512(engine)
@@ -78,7 +78,6 @@ class HostKernel:
                 self._handle.hf_dp_words(1, 2, 3, 0, len(out), out.ctypes.data)
                 best[engine] = min(best.get(engine, float("inf")), time.perf_counter() - began)
         self.use_avx512(best[True] < best[False])
-        return self.words_engine
 
     def use_torchs_functions(self, use: bool) -> None:
         """log, cos and sin from torch's own MKL VML where torch uses it (the numpy path's values, bit for bit), or
